@@ -1,0 +1,45 @@
+"""trio_cuda: structured concurrency for NVIDIA GPUs, on Trio.
+
+Describe GPU work as lazy DeviceOps, submit it inside a resource scope, and
+await it without blocking the event loop. No GPU memory, module, argument
+buffer or access lease is released while the GPU may still use it, whatever the
+awaiting task does.
+"""
+
+from . import ops as ops
+from . import testing as testing
+from . import unsafe as unsafe
+from ._core._array import DeviceArray as DeviceArray
+from ._core._driver import DeviceInfo as DeviceInfo
+from ._core._errors import AccessConflictError as AccessConflictError
+from ._core._errors import CompletionUnknownError as CompletionUnknownError
+from ._core._errors import CudaError as CudaError
+from ._core._errors import GraphCaptureError as GraphCaptureError
+from ._core._errors import KernelArgumentError as KernelArgumentError
+from ._core._errors import LaunchError as LaunchError
+from ._core._errors import OutOfMemoryError as OutOfMemoryError
+from ._core._errors import ScopeClosedError as ScopeClosedError
+from ._core._errors import TrioCudaError as TrioCudaError
+from ._core._kernel import In as In
+from ._core._kernel import InOut as InOut
+from ._core._kernel import Kernel as Kernel
+from ._core._kernel import KernelLaunch as KernelLaunch
+from ._core._kernel import LaunchBuilder as LaunchBuilder
+from ._core._kernel import LaunchConfig as LaunchConfig
+from ._core._kernel import Out as Out
+from ._core._kernel import Scalar as Scalar
+from ._core._kernel import Slice as Slice
+from ._core._ops import DeviceOp as DeviceOp
+from ._core._ops import zip as zip  # noqa: A004
+from ._core._scope import DeviceFuture as DeviceFuture
+from ._core._scope import FutureStatistics as FutureStatistics
+from ._core._scope import LeastLoaded as LeastLoaded
+from ._core._scope import ResourceScope as ResourceScope
+from ._core._scope import RoundRobin as RoundRobin
+from ._core._scope import SchedulingPolicy as SchedulingPolicy
+from ._core._scope import ScopeStatistics as ScopeStatistics
+from ._core._scope import Stream as Stream
+from ._core._scope import StreamStatistics as StreamStatistics
+from ._core._scope import current_scope as current_scope
+from ._core._scope import open_scope as open_scope
+from ._version import __version__ as __version__

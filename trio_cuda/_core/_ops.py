@@ -1,0 +1,303 @@
+"""Lazy device operations (DeviceOps) and their combinators.
+
+Invariants:
+
+* A DeviceOp describes work; building one enqueues nothing and retains nothing.
+* Submitting an op calls ``_enqueue(ctx)`` once, on one stream. ``_enqueue``
+  retains what the work touches through ``ctx`` *before* enqueueing it, and
+  returns the op's output (a handle that is valid in stream order).
+* ``then`` closures and ``map`` functions run on the host at submission time,
+  with the output handle of the previous op; the work they return is enqueued
+  on the same stream, after it.
+* A ``shared()`` op executes once; later submissions reuse its output and
+  order after it device-side when they run on another stream.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ._array import DeviceArray
+    from ._submit import EnqueueContext, Submission
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class Access(enum.Enum):
+    """Lease mode: ``READ`` is shared, ``WRITE`` is exclusive."""
+
+    READ = "read"
+    WRITE = "write"
+
+
+class DeviceOp(Generic[T]):
+    """Lazy GPU work with an output of type ``T``.
+
+    Submit it with ``await scope.run(op)`` or ``scope.submit(op)``; inside a
+    scope, ``await op`` means ``await current_scope.run(op)``.
+    """
+
+    __slots__ = ()
+
+    def _enqueue(self, ctx: EnqueueContext) -> T:
+        raise NotImplementedError
+
+    def then(self, fn: Callable[[T], DeviceOp[U]]) -> DeviceOp[U]:
+        """Chain dependent work on the same stream: ``fn(output)`` runs at
+        submission and returns the next DeviceOp."""
+        if not callable(fn):
+            raise TypeError(f"then: expected a callable returning a DeviceOp, got {fn!r}")
+        return _Then(self, fn)
+
+    def map(self, fn: Callable[[T], U]) -> DeviceOp[U]:
+        """Change the output with no GPU work (``fn`` runs at submission)."""
+        if not callable(fn):
+            raise TypeError(f"map: expected a callable, got {fn!r}")
+        return _Map(self, fn)
+
+    def shared(self) -> DeviceOp[T]:
+        """An op that may be used several times but executes once."""
+        if isinstance(self, _Shared):
+            return self
+        return _Shared(self)
+
+    def __await__(self) -> Generator[Any, None, T]:
+        from ._scope import current_scope
+
+        return current_scope().run(self).__await__()
+
+
+@final
+class _Value(DeviceOp[T]):
+    __slots__ = ("_value",)
+
+    def __init__(self, value: T) -> None:
+        self._value = value
+
+    def _enqueue(self, ctx: EnqueueContext) -> T:
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"ops.value({self._value!r})"
+
+
+@final
+class _Then(DeviceOp[U]):
+    __slots__ = ("_fn", "_op")
+
+    def __init__(self, op: DeviceOp[T], fn: Callable[[T], DeviceOp[U]]) -> None:
+        self._op = op
+        self._fn = fn
+
+    def _enqueue(self, ctx: EnqueueContext) -> U:
+        out = self._op._enqueue(ctx)
+        nxt = self._fn(out)
+        if not isinstance(nxt, DeviceOp):
+            raise TypeError(
+                f"then: the closure {self._fn!r} must return a DeviceOp, got {type(nxt).__name__}"
+            )
+        return nxt._enqueue(ctx)
+
+    def __repr__(self) -> str:
+        return f"{self._op!r}.then({self._fn!r})"
+
+
+@final
+class _Map(DeviceOp[U]):
+    __slots__ = ("_fn", "_op")
+
+    def __init__(self, op: DeviceOp[T], fn: Callable[[T], U]) -> None:
+        self._op = op
+        self._fn = fn
+
+    def _enqueue(self, ctx: EnqueueContext) -> U:
+        return self._fn(self._op._enqueue(ctx))
+
+    def __repr__(self) -> str:
+        return f"{self._op!r}.map({self._fn!r})"
+
+
+@final
+class _Zip(DeviceOp[tuple[Any, ...]]):
+    __slots__ = ("_ops",)
+
+    def __init__(self, ops: tuple[DeviceOp[Any], ...]) -> None:
+        self._ops = ops
+
+    def _enqueue(self, ctx: EnqueueContext) -> tuple[Any, ...]:
+        return tuple(op._enqueue(ctx) for op in self._ops)
+
+    def __repr__(self) -> str:
+        return f"zip({', '.join(map(repr, self._ops))})"
+
+
+def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]:  # noqa: A001 - public name fixed
+    """Run independent ops in one submission; the output is the tuple of
+    their outputs."""
+    for i, op in enumerate(ops):
+        if not isinstance(op, DeviceOp):
+            raise TypeError(f"zip: argument {i}: expected a DeviceOp, got {type(op).__name__}")
+    return _Zip(tuple(ops))
+
+
+@final
+class _Shared(DeviceOp[T]):
+    __slots__ = ("_done", "_op", "_out", "_submission")
+
+    def __init__(self, op: DeviceOp[T]) -> None:
+        self._op = op
+        self._done = False
+        self._out: Any = None
+        self._submission: Submission | None = None
+
+    def _enqueue(self, ctx: EnqueueContext) -> T:
+        if not self._done:
+            out = self._op._enqueue(ctx)
+            self._out = out
+            self._submission = ctx.submission
+            self._done = True
+            return out
+        ctx.after(self._submission)
+        return self._out  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return f"{self._op!r}.shared()"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def value(x: T) -> DeviceOp[T]:
+    """An op that does no GPU work and outputs ``x``."""
+    return _Value(x)
+
+
+@final
+class _Copy(DeviceOp[Any]):
+    __slots__ = ("_dst", "_src")
+
+    def __init__(self, dst: object, src: object) -> None:
+        self._dst = dst
+        self._src = src
+
+    def _enqueue(self, ctx: EnqueueContext) -> object:
+        ctx.copy(self._dst, self._src)
+        return self._dst
+
+    def __repr__(self) -> str:
+        return f"ops.copy({self._dst!r}, {self._src!r})"
+
+
+def copy(dst: DeviceArray | np.ndarray[Any, Any], src: DeviceArray | np.ndarray[Any, Any]) -> DeviceOp[Any]:
+    """Copy ``src`` into ``dst``: device to device, host to device or device to
+    host (host arrays are NumPy arrays). Shapes and dtypes must match. The
+    output is ``dst``; a host ``dst`` is filled once the op completed."""
+    from ._array import DeviceArray, check_copy
+
+    check_copy(dst, src)
+    if not isinstance(dst, DeviceArray) and not isinstance(src, DeviceArray):
+        raise TypeError("copy: at least one of dst and src must be a DeviceArray")
+    return _Copy(dst, src)
+
+
+@final
+class _Fill(DeviceOp[Any]):
+    __slots__ = ("_arr", "_pattern")
+
+    def __init__(self, arr: DeviceArray, pattern: bytes) -> None:
+        self._arr = arr
+        self._pattern = pattern
+
+    def _enqueue(self, ctx: EnqueueContext) -> DeviceArray:
+        ctx.fill(self._arr, self._pattern)
+        return self._arr
+
+    def __repr__(self) -> str:
+        return f"ops.fill({self._arr!r})"
+
+
+def fill(arr: DeviceArray, x: object) -> DeviceOp[DeviceArray]:
+    """Set every element of ``arr`` to ``x`` (cast to ``arr.dtype``). The
+    element size must be 1, 2, 4 or 8 bytes."""
+    from ._array import DeviceArray
+    from ._kernel import _convert_scalar
+
+    if not isinstance(arr, DeviceArray):
+        raise TypeError(f"fill: arr: expected a DeviceArray, got {type(arr).__name__}")
+    arr._check_writable("fill: arr")
+    if arr.dtype.itemsize not in (1, 2, 4, 8) or arr.dtype.fields is not None:
+        raise TypeError(
+            f"fill: arr: expected an element size of 1, 2, 4 or 8 bytes, got dtype {arr.dtype} "
+            f"({arr.dtype.itemsize} bytes)"
+        )
+    scalar = _convert_scalar("fill: x", arr.dtype, x)
+    return _Fill(arr, np.asarray(scalar, dtype=arr.dtype).tobytes())
+
+
+@final
+class HostResult(Generic[T]):
+    """The result of an ``ops.host_closure``; ``value`` is set once the
+    closure ran (in stream order). Awaiting the op returns the value itself."""
+
+    __slots__ = ("_set", "_value")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._value: Any = None
+
+    @property
+    def ready(self) -> bool:
+        return self._set
+
+    @property
+    def value(self) -> T:
+        if not self._set:
+            raise RuntimeError("the host closure has not run yet")
+        return self._value  # type: ignore[no-any-return]
+
+    def _resolve(self, value: object) -> None:
+        self._value = value
+        self._set = True
+
+    def __repr__(self) -> str:
+        return f"<HostResult {'ready' if self._set else 'pending'}>"
+
+
+@final
+class _HostClosure(DeviceOp[Any]):
+    __slots__ = ("_args", "_fn")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self._fn = fn
+        self._args = args
+
+    def _enqueue(self, ctx: EnqueueContext) -> HostResult[Any]:
+        return ctx.host_step(self._fn, self._args)
+
+    def __repr__(self) -> str:
+        return f"ops.host_closure({self._fn!r})"
+
+
+def host_closure(fn: Callable[..., T], *args: object) -> DeviceOp[HostResult[T]]:
+    """Run ``fn(*args)`` on the Trio loop thread, in stream order: work before
+    it has completed when it runs, and work after it starts once it returned.
+    If ``fn`` raises, the submission fails with that error, and the stream is
+    still released (later work runs)."""
+    if not callable(fn):
+        raise TypeError(f"host_closure: fn: expected a callable, got {fn!r}")
+    return _HostClosure(fn, args)
+
+
+def resolve_output(out: object) -> object:
+    """Replace host results by their values (in tuples too)."""
+    if isinstance(out, HostResult):
+        return out.value if out.ready else None
+    if type(out) is tuple:
+        return tuple(resolve_output(o) for o in out)
+    return out

@@ -1,0 +1,993 @@
+"""Resource scopes, streams, futures and the completion-handoff task.
+
+Invariants:
+
+* A scope owns its streams, its allocations and every submission made on it.
+* Exactly one completion-handoff task per scope, in the scope's nursery and
+  shielded from outside cancellation, polls markers, runs host closures and
+  retires submissions, per stream in completion (FIFO) order. It never blocks
+  the loop; it sleeps in the driver's ``wait_for_progress``.
+* Awaiting a future never changes what is retained: cancelling, dropping or
+  forgetting it leaves the submission to the handoff task.
+* Scope exit, whatever the reason, first waits (shielded) for every submission;
+  only then frees memory, unloads modules and destroys streams. Work still in
+  flight after ``drain_timeout`` is quarantined with a ``ResourceWarning``: its
+  memory, streams and driver state are leaked on purpose, never freed.
+* Errors nobody observed (futures never awaited, failures after a partial
+  submission) are raised at exit in an ``ExceptionGroup``. ``Cancelled`` is
+  never wrapped into a trio_cuda error.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import math
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, final
+
+import attrs
+import numpy as np
+import trio
+
+from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_shape
+from ._driver import DeviceContext, DeviceInfo, MarkerState, Poll, StreamHandle
+from ._errors import CompletionUnknownError, KernelArgumentError, ScopeClosedError
+from ._ops import Access, DeviceOp, _Copy, resolve_output
+from ._submit import TERMINAL, EnqueueContext, HostStep, Submission, SubState
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from ._kernel import Kernel, PreparedLaunch
+
+T = TypeVar("T")
+log = logging.getLogger("trio_cuda")
+
+_current: contextvars.ContextVar[ResourceScope] = contextvars.ContextVar("trio_cuda_scope")
+
+
+def current_scope() -> ResourceScope:
+    """The innermost open scope of the calling task (``await op`` uses it)."""
+    try:
+        return _current.get()
+    except LookupError:
+        raise RuntimeError(
+            "no trio_cuda scope is open in this task: use 'async with trio_cuda.open_scope() as gpu'"
+        ) from None
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@attrs.frozen
+class StreamStatistics:
+    """Counters of one stream."""
+
+    index: int
+    in_flight: int
+    submitted: int
+    completed: int
+
+
+@attrs.frozen
+class ScopeStatistics:
+    """A snapshot of a scope (``gpu.statistics()``)."""
+
+    backend: str
+    device: str
+    streams: int
+    in_flight: int  #: submissions enqueued and not yet retired
+    submitted: int
+    completed: int  #: retired, successfully or not
+    failed: int
+    quarantined: int  #: submissions whose completion is unknown (or timed out at exit)
+    leases_held: int  #: leases of in-flight submissions
+    quarantined_leases: int
+    retained_bytes: int  #: bytes of allocations leased by in-flight work
+    quarantined_bytes: int
+    live_allocations: int  #: allocations not yet freed (quarantined ones included)
+    live_bytes: int
+    pending_errors: int  #: errors nobody has observed yet; raised at exit
+    host_closures_pending: int
+
+
+@attrs.frozen
+class FutureStatistics:
+    """A snapshot of one submission (``fut.statistics()``)."""
+
+    state: str
+    stream: int
+    leases: int
+    retained_bytes: int
+
+
+# --------------------------------------------------------------------------- policy
+
+
+class SchedulingPolicy(Protocol):
+    """Chooses the stream of a submission that was not pinned to one."""
+
+    def choose(self, streams: Sequence[Stream], op: DeviceOp[Any]) -> Stream: ...
+
+
+@final
+@attrs.define(eq=False)
+class RoundRobin:
+    """The default policy: streams in turn."""
+
+    _next: int = attrs.field(default=0, init=False)
+
+    def choose(self, streams: Sequence[Stream], op: DeviceOp[Any]) -> Stream:
+        i = self._next
+        self._next = (i + 1) % len(streams)
+        return streams[i % len(streams)]
+
+
+@final
+@attrs.define(eq=False)
+class LeastLoaded:
+    """The stream with the fewest submissions in flight (lowest index on ties)."""
+
+    def choose(self, streams: Sequence[Stream], op: DeviceOp[Any]) -> Stream:
+        return min(streams, key=lambda s: (s._in_flight, s.index))
+
+
+# --------------------------------------------------------------------------- stream
+
+
+@final
+class Stream:
+    """One stream of a scope's pool. Pass it as ``stream=`` to pin work."""
+
+    __slots__ = (
+        "__weakref__",
+        "_completed",
+        "_in_flight",
+        "_pending",
+        "_scope",
+        "_submitted",
+        "handle",
+        "index",
+    )
+
+    _scope: ResourceScope
+    index: int
+    handle: StreamHandle
+    _pending: deque[Submission | HostStep]
+    _in_flight: int
+    _submitted: int
+    _completed: int
+
+    def __init__(self) -> None:
+        raise TypeError("Stream has no public constructor; use scope.streams")
+
+    @classmethod
+    def _create(cls, scope: ResourceScope, index: int, handle: StreamHandle) -> Stream:
+        self = object.__new__(cls)
+        self._scope = scope
+        self.index = index
+        self.handle = handle
+        self._pending = deque()
+        self._in_flight = 0
+        self._submitted = 0
+        self._completed = 0
+        return self
+
+    @property
+    def scope(self) -> ResourceScope:
+        return self._scope
+
+    def statistics(self) -> StreamStatistics:
+        return StreamStatistics(self.index, self._in_flight, self._submitted, self._completed)
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.index} of {self._scope._info.backend}:{self._scope._info.ordinal}>"
+
+
+# --------------------------------------------------------------------------- future
+
+
+@final
+class DeviceFuture(Generic[T]):
+    """The pending result of ``scope.submit(op)``.
+
+    ``await fut.wait()`` returns the op's output once the GPU completed the
+    work, or raises its error. Dropping or forgetting a future is safe: the
+    scope keeps the submission, and an error nobody observed is raised when
+    the scope exits.
+    """
+
+    __slots__ = ("_sub",)
+
+    _sub: Submission
+
+    def __init__(self) -> None:
+        raise TypeError("DeviceFuture has no public constructor; use scope.submit()")
+
+    @classmethod
+    def _create(cls, sub: Submission) -> DeviceFuture[T]:
+        self = object.__new__(cls)
+        self._sub = sub
+        return self
+
+    def done(self) -> bool:
+        """True once the submission retired (or was quarantined)."""
+        return self._sub.state in TERMINAL
+
+    @property
+    def stream(self) -> Stream:
+        return self._sub.stream
+
+    async def wait(self) -> T:
+        """Wait, without blocking the loop, for the work to complete; return
+        its output or raise its error. Cancelling this wait does not cancel
+        or release the GPU work."""
+        sub = self._sub
+        if sub.state not in TERMINAL:
+            event = sub.event
+            if event is None:
+                event = sub.event = trio.Event()
+            await event.wait()
+        else:
+            await trio.lowlevel.checkpoint()
+        return self._outcome()
+
+    def wait_nowait(self) -> T:
+        """The output if the work completed; raises ``trio.WouldBlock`` if not."""
+        if self._sub.state not in TERMINAL:
+            raise trio.WouldBlock
+        return self._outcome()
+
+    def _outcome(self) -> T:
+        sub = self._sub
+        if sub.error is not None:
+            sub.observed = True
+            sub.scope._unobserved.pop(sub, None)
+            raise sub.error
+        return resolve_output(sub.output)  # type: ignore[return-value]
+
+    def statistics(self) -> FutureStatistics:
+        sub = self._sub
+        return FutureStatistics(sub.state.value, sub.stream.index, len(sub.leases), sub.retained_bytes)
+
+    def __repr__(self) -> str:
+        return f"<DeviceFuture of {self._sub!r}>"
+
+
+# --------------------------------------------------------------------------- scope
+
+
+@final
+class ResourceScope:
+    """A nursery-scoped owner of GPU streams, memory and in-flight work.
+
+    Open one with :func:`open_scope`. See the lifetime chapter of the docs for
+    the rules it enforces.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_allocs",
+        "_closed",
+        "_closing",
+        "_completed",
+        "_conflicts",
+        "_drain_event",
+        "_driver",
+        "_enqueuing",
+        "_failed",
+        "_functions",
+        "_gc_releases",
+        "_handoff_cs",
+        "_host_steps",
+        "_idle",
+        "_in_flight",
+        "_info",
+        "_leases_held",
+        "_next_id",
+        "_orphan_errors",
+        "_policy",
+        "_quarantine",
+        "_quarantined_leases",
+        "_streams",
+        "_submitted",
+        "_timed_out",
+        "_token",
+        "_unobserved",
+    )
+
+    _driver: DeviceContext
+    _info: DeviceInfo
+    _conflicts: str
+    _policy: SchedulingPolicy
+    _closed: bool
+    _closing: bool
+    _enqueuing: bool
+    _allocs: dict[Allocation, None]
+    _functions: dict[Kernel, object]
+    _gc_releases: deque[Allocation]
+    _unobserved: dict[Submission, None]
+    _orphan_errors: list[BaseException]
+    _quarantine: list[Submission]
+    _quarantined_leases: int
+    _leases_held: int
+    _in_flight: int
+    _submitted: int
+    _completed: int
+    _failed: int
+    _host_steps: int
+    _next_id: int
+    _timed_out: int
+    _idle: trio.Event | None
+    _drain_event: trio.Event | None
+    _handoff_cs: trio.CancelScope | None
+    _token: trio.lowlevel.TrioToken
+    _streams: tuple[Stream, ...]
+
+    def __init__(self) -> None:
+        raise TypeError("ResourceScope has no public constructor; use 'async with trio_cuda.open_scope()'")
+
+    @classmethod
+    def _create(
+        cls,
+        driver: DeviceContext,
+        streams: int,
+        conflicts: str,
+        policy: SchedulingPolicy,
+    ) -> ResourceScope:
+        self = object.__new__(cls)
+        self._driver = driver
+        self._info = driver.info
+        self._conflicts = conflicts
+        self._policy = policy
+        self._closed = False
+        self._closing = False
+        self._enqueuing = False
+        self._allocs = {}
+        self._functions = {}
+        self._gc_releases = deque()
+        self._unobserved = {}
+        self._orphan_errors = []
+        self._quarantine = []
+        self._quarantined_leases = 0
+        self._leases_held = 0
+        self._in_flight = 0
+        self._submitted = 0
+        self._completed = 0
+        self._failed = 0
+        self._host_steps = 0
+        self._next_id = 0
+        self._timed_out = 0
+        self._idle = None
+        self._drain_event = None
+        self._handoff_cs = None
+        self._token = trio.lowlevel.current_trio_token()
+        self._streams = ()
+        made: list[Stream] = []
+        try:
+            for i in range(streams):
+                made.append(Stream._create(self, i, driver.create_stream(i)))
+        except BaseException:
+            for s in made:
+                driver.destroy_stream(s.handle)
+            raise
+        self._streams = tuple(made)
+        return self
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def streams(self) -> tuple[Stream, ...]:
+        return self._streams
+
+    @property
+    def device(self) -> DeviceInfo:
+        """What the scope runs on (``device.backend`` is "cuda" or "sim")."""
+        return self._info
+
+    @property
+    def backend(self) -> str:
+        return self._info.backend
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def statistics(self) -> ScopeStatistics:
+        retained: set[Allocation] = set()
+        for s in self._streams:
+            for e in s._pending:
+                if type(e) is Submission:
+                    retained.update(e.leases)
+        q_allocs = [a for a in self._allocs if a.state is AllocState.QUARANTINED]
+        live = [a for a in self._allocs if a.state is not AllocState.FREED]
+        return ScopeStatistics(
+            backend=self._info.backend,
+            device=self._info.name,
+            streams=len(self._streams),
+            in_flight=self._in_flight,
+            submitted=self._submitted,
+            completed=self._completed,
+            failed=self._failed,
+            quarantined=len(self._quarantine),
+            leases_held=self._leases_held,
+            quarantined_leases=self._quarantined_leases,
+            retained_bytes=sum(a.nbytes for a in retained),
+            quarantined_bytes=sum(a.nbytes for a in q_allocs),
+            live_allocations=len(live),
+            live_bytes=sum(a.nbytes for a in live),
+            pending_errors=len(self._unobserved) + len(self._orphan_errors),
+            host_closures_pending=self._host_steps,
+        )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<ResourceScope {self._info.backend}:{self._info.ordinal} {state}, {self._in_flight} in flight>"
+        )
+
+    # ------------------------------------------------------------------ memory
+    def _check_open(self, what: str) -> None:
+        if self._closing or self._closed:
+            raise ScopeClosedError(f"{what}: the scope is closed")
+
+    def _pick(self, op: DeviceOp[Any], stream: Stream | None) -> Stream:
+        if stream is None:
+            return self._policy.choose(self._streams, op)
+        if not isinstance(stream, Stream):
+            raise TypeError(f"stream: expected a Stream of this scope, got {type(stream).__name__}")
+        if stream._scope is not self:
+            raise ValueError(f"stream: expected a stream of this scope, got {stream!r} of another scope")
+        return stream
+
+    def empty(
+        self, shape: object, dtype: object = np.float64, *, stream: Stream | None = None
+    ) -> DeviceArray:
+        """A new uninitialised device array, allocated in stream order and
+        owned by this scope."""
+        self._check_open("empty")
+        shp = normalize_shape(shape)
+        dt = normalize_dtype(dtype)
+        nbytes = math.prod(shp) * dt.itemsize
+        s = self._pick(_ALLOC_OP, stream)
+        ptr = self._driver.alloc(nbytes, s.handle)
+        alloc = Allocation(self, ptr, nbytes)
+        self._allocs[alloc] = None
+        arr = DeviceArray._create(alloc, shp, dt)
+        # Publish the allocation as written by `s`: other streams order after it.
+        sub = self._new_submission(s, _ALLOC_OP)
+        ctx = EnqueueContext(self, s, sub)
+        ctx._lease(alloc, Access.WRITE)
+        self._finish_submission(sub, None)
+        return arr
+
+    def zeros(
+        self, shape: object, dtype: object = np.float64, *, stream: Stream | None = None
+    ) -> DeviceArray:
+        """A new device array filled with zeros (the fill is enqueued)."""
+        return self.full(shape, 0, dtype, stream=stream)
+
+    def full(
+        self, shape: object, fill_value: object, dtype: object = np.float64, *, stream: Stream | None = None
+    ) -> DeviceArray:
+        """A new device array filled with ``fill_value`` (the fill is enqueued)."""
+        from ._ops import fill
+
+        arr = self.empty(shape, dtype, stream=stream)
+        try:
+            self.submit(fill(arr, fill_value), stream=stream)
+        except BaseException:
+            arr.close()
+            raise
+        return arr
+
+    async def to_device(self, host: object, *, stream: Stream | None = None) -> DeviceArray:
+        """Copy a NumPy array to a new device array; returns once the copy
+        completed. If cancelled, the new array is closed (and freed once the
+        copy retired)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not isinstance(host, np.ndarray):
+            if isinstance(host, DeviceArray):
+                raise TypeError("to_device: host: expected a NumPy array, got a DeviceArray")
+            host = np.asarray(host)
+        assert isinstance(host, np.ndarray)
+        s = self._pick(_ALLOC_OP, stream)
+        arr = self.empty(host.shape, host.dtype, stream=s)
+        try:
+            fut: DeviceFuture[DeviceArray] = self.submit(_Copy(arr, host), stream=s)
+            await fut.wait()
+        except BaseException:
+            arr.close()
+            raise
+        return arr
+
+    async def to_host(
+        self, arr: DeviceArray, *, out: np.ndarray[Any, Any] | None = None, stream: Stream | None = None
+    ) -> np.ndarray[Any, Any]:
+        """Copy a device array to a new (or the given) NumPy array; returns once
+        the copy completed."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not isinstance(arr, DeviceArray):
+            raise TypeError(f"to_host: arr: expected a DeviceArray, got {type(arr).__name__}")
+        if out is None:
+            out = np.empty(arr.shape, arr.dtype)
+        from ._ops import copy
+
+        op = copy(out, arr)
+        fut: DeviceFuture[np.ndarray[Any, Any]] = self.submit(op, stream=stream)
+        return await fut.wait()
+
+    # ------------------------------------------------------------------ submission
+    def _new_submission(self, stream: Stream, op: object) -> Submission:
+        self._next_id += 1
+        return Submission(self, stream, self._next_id, op)
+
+    def submit(self, op: DeviceOp[T], *, stream: Stream | None = None) -> DeviceFuture[T]:
+        """Retain and enqueue ``op`` now; return a :class:`DeviceFuture`.
+
+        If the op fails part-way (a driver error, or a ``then`` closure
+        raising), the error is raised here and the work already enqueued stays
+        retained until it completed. Nothing is enqueued if the op is invalid
+        from the start.
+        """
+        if not isinstance(op, DeviceOp):
+            from ._kernel import LaunchBuilder
+
+            if isinstance(op, LaunchBuilder):
+                raise TypeError(
+                    "op: a LaunchBuilder is inert and cannot be scheduled; call .finalize_unchecked() first"
+                )
+            raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
+        self._check_open("submit")
+        if self._enqueuing:
+            raise RuntimeError("submit: cannot submit from inside a then/map closure of another submission")
+        s = self._pick(op, stream)
+        sub = self._new_submission(s, op)
+        ctx = EnqueueContext(self, s, sub)
+        self._enqueuing = True
+        try:
+            out = op._enqueue(ctx)
+        except BaseException as exc:
+            self._enqueuing = False
+            if sub.dirty or sub.leases:
+                # Partial error: keep what was enqueued behind a completion marker.
+                sub.error = exc
+                sub.observed = True
+                self._finish_submission(sub, None)
+            raise
+        self._enqueuing = False
+        self._finish_submission(sub, out)
+        return DeviceFuture._create(sub)
+
+    def _finish_submission(self, sub: Submission, out: object) -> None:
+        s = sub.stream
+        sub.output = out
+        try:
+            sub.marker = self._driver.record_marker(s.handle)
+        except BaseException as exc:
+            self._submitted += 1
+            self._in_flight += 1
+            s._in_flight += 1
+            self._quarantine_submission(sub, exc)
+            raise
+        sub.state = SubState.IN_FLIGHT
+        s._pending.append(sub)
+        s._in_flight += 1
+        s._submitted += 1
+        self._submitted += 1
+        self._in_flight += 1
+        self._driver.notify_submitted()
+        idle = self._idle
+        if idle is not None:
+            self._idle = None
+            idle.set()
+
+    async def run(self, op: DeviceOp[T], *, stream: Stream | None = None) -> T:
+        """Submit ``op`` and wait for its output. If the calling task is
+        cancelled first, nothing is submitted; if it is cancelled while
+        waiting, ``Cancelled`` is raised promptly and the scope keeps the
+        submission until the GPU finished it."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        fut = self.submit(op, stream=stream)
+        return await fut.wait()
+
+    # ------------------------------------------------------------------ kernels
+    def _function(self, kernel: Kernel) -> object:
+        fn = self._functions.get(kernel)
+        if fn is None:
+            fn = self._driver.load_kernel(kernel)
+            self._functions[kernel] = fn
+        return fn
+
+    def _check_launch_config(self, prepared: PreparedLaunch) -> None:
+        cache = prepared.cache
+        info = self._info
+        if cache.get("checked") is info:
+            return
+        c = prepared.config
+        name = prepared.kernel.name
+        threads = c.block[0] * c.block[1] * c.block[2]
+        if threads > info.max_threads_per_block:
+            raise KernelArgumentError(
+                f"{name}: block: expected at most {info.max_threads_per_block} threads per block, "
+                f"got {c.block} = {threads}"
+            )
+        for axis, (b, mb) in enumerate(zip(c.block, info.max_block_dim, strict=True)):
+            if b > mb:
+                raise KernelArgumentError(f"{name}: block: dimension {axis} is {b}, the device allows {mb}")
+        for axis, (g, mg) in enumerate(zip(c.grid, info.max_grid_dim, strict=True)):
+            if g > mg:
+                raise KernelArgumentError(f"{name}: grid: dimension {axis} is {g}, the device allows {mg}")
+        if c.shared_mem > info.max_shared_memory_per_block_optin:
+            raise KernelArgumentError(
+                f"{name}: shared_mem: expected at most {info.max_shared_memory_per_block_optin} bytes, "
+                f"got {c.shared_mem}"
+            )
+        if c.cluster is not None:
+            size = c.cluster[0] * c.cluster[1] * c.cluster[2]
+            if size > 8:
+                raise KernelArgumentError(
+                    f"{name}: cluster: expected at most 8 blocks per cluster, got {size}"
+                )
+        if c.cooperative:
+            blocks = c.grid[0] * c.grid[1] * c.grid[2]
+            per_sm = max(1, 2048 // max(threads, 1))
+            limit = info.multiprocessor_count * min(per_sm, 32)
+            if blocks > limit:
+                raise KernelArgumentError(
+                    f"{name}: cooperative launch of {blocks} blocks exceeds the co-resident limit "
+                    f"{limit} ({info.multiprocessor_count} SMs)"
+                )
+        cache["checked"] = info
+
+    # ------------------------------------------------------------------ handles
+    def _release_handle(self, alloc: Allocation) -> None:
+        alloc.handles -= 1
+        self._maybe_free(alloc)
+
+    def _release_handle_later(self, alloc: Allocation) -> None:
+        """From a garbage-collection finalizer, possibly on another thread."""
+        if self._closed:
+            return
+        self._gc_releases.append(alloc)
+        try:
+            self._token.run_sync_soon(self._wake)
+        except trio.RunFinishedError:
+            pass
+
+    def _wake(self) -> None:
+        idle = self._idle
+        if idle is not None:
+            self._idle = None
+            idle.set()
+
+    def _maybe_free(self, alloc: Allocation) -> None:
+        if alloc.handles <= 0 and not alloc.active and alloc.state is AllocState.LIVE:
+            self._free(alloc)
+
+    def _free(self, alloc: Allocation) -> None:
+        try:
+            self._driver.free(alloc.ptr, alloc.nbytes)
+        except Exception as exc:
+            # Prefer a leak to a dangling pointer.
+            alloc.state = AllocState.QUARANTINED
+            warnings.warn(
+                ResourceWarning(f"freeing {alloc!r} failed ({exc}); the memory is quarantined"), stacklevel=2
+            )
+            return
+        alloc.state = AllocState.FREED
+        del self._allocs[alloc]
+
+    # ------------------------------------------------------------------ handoff
+    async def _handoff(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope(shield=True) as cs:
+            self._handoff_cs = cs
+            task_status.started()
+            driver = self._driver
+            while True:
+                self._scan()
+                heads = [s._pending[0].marker for s in self._streams if s._pending]
+                if not heads:
+                    drain = self._drain_event
+                    if drain is not None:
+                        drain.set()
+                    idle = self._idle = trio.Event()
+                    await idle.wait()
+                else:
+                    await driver.wait_for_progress(heads)  # type: ignore[arg-type]
+
+    def _scan(self) -> None:
+        gc = self._gc_releases
+        while gc:
+            self._release_handle(gc.popleft())
+        poll = self._driver.poll_marker
+        for stream in self._streams:
+            pending = stream._pending
+            while pending:
+                head = pending[0]
+                assert head.marker is not None
+                p = poll(head.marker)
+                if p.state is MarkerState.PENDING:
+                    break
+                pending.popleft()
+                if type(head) is HostStep:
+                    self._run_host_step(head, p)
+                else:
+                    self._retire(head, p)
+
+    def _run_host_step(self, step: HostStep, p: Poll) -> None:
+        sub = step.submission
+        self._host_steps -= 1
+        if p.state is MarkerState.DONE:
+            try:
+                step.result._resolve(step.fn(*step.args))
+            except Exception as exc:
+                if sub.error is None:
+                    sub.error = exc
+                else:
+                    self._orphan_errors.append(exc)
+        elif p.state is MarkerState.FAILED:
+            if sub.error is None:
+                sub.error = p.error
+        else:
+            sub.unknown = p.error or CompletionUnknownError("unknown completion")
+        try:
+            self._driver.open_gate(step.gate)
+        except Exception as exc:
+            sub.unknown = exc
+
+    def _retire(self, sub: Submission, p: Poll) -> None:
+        if p.state is MarkerState.UNKNOWN or sub.unknown is not None:
+            self._quarantine_submission(sub, p.error or sub.unknown)
+            return
+        if p.state is MarkerState.FAILED:
+            err = p.error or RuntimeError("work failed")
+            if sub.error is None:
+                sub.error = err
+            elif sub.error is not err:
+                self._orphan_errors.append(err)
+        elif sub.error is None:
+            for fin in sub.finishers:
+                try:
+                    fin()
+                except Exception as exc:
+                    sub.error = exc
+                    break
+        for alloc in sub.leases:
+            del alloc.active[sub]
+            if alloc.last_writer is sub:
+                alloc.last_writer = None
+            alloc.readers.pop(sub, None)
+            self._leases_held -= 1
+            self._maybe_free(alloc)
+        sub.owners.clear()
+        sub.finishers.clear()
+        sub.leases.clear()
+        self._settle(sub, SubState.FAILED if sub.error is not None else SubState.DONE)
+
+    def _settle(self, sub: Submission, state: SubState) -> None:
+        sub.state = state
+        self._in_flight -= 1
+        self._completed += 1
+        s = sub.stream
+        s._in_flight -= 1
+        s._completed += 1
+        if sub.error is not None:
+            self._failed += 1
+            if not sub.observed:
+                self._unobserved[sub] = None
+        event = sub.event
+        if event is not None:
+            event.set()
+
+    def _quarantine_submission(self, sub: Submission, cause: BaseException | None) -> None:
+        err = CompletionUnknownError(
+            f"completion of {sub.label} on stream {sub.stream.index} could not be established"
+            + (f": {cause}" if cause is not None else "")
+            + "; its memory and resources are quarantined and will never be freed"
+        )
+        err.__cause__ = cause
+        if sub.error is not None and sub.observed:
+            self._orphan_errors.append(err)
+        else:
+            sub.error = err
+        for alloc in sub.leases:
+            if alloc.state is AllocState.LIVE:
+                alloc.state = AllocState.QUARANTINED
+        self._leases_held -= len(sub.leases)
+        self._quarantined_leases += len(sub.leases)
+        self._quarantine.append(sub)
+        self._settle(sub, SubState.QUARANTINED)
+
+    # ------------------------------------------------------------------ exit
+    async def _drain(self, timeout: float | None) -> None:
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while self._in_flight or any(s._pending for s in self._streams):
+                self._drain_event = trio.Event()
+                self._wake()
+                await self._drain_event.wait()
+        self._drain_event = None
+
+    def _abandon_in_flight(self, timeout: float | None) -> None:
+        """Quarantine what is still in flight after the drain timeout."""
+        abandoned = 0
+        for stream in self._streams:
+            pending = stream._pending
+            while pending:
+                head = pending.popleft()
+                if type(head) is HostStep:
+                    self._host_steps -= 1
+                    head.submission.unknown = CompletionUnknownError("host closure never ran")
+                    try:
+                        self._driver.open_gate(head.gate)
+                    except Exception:  # pragma: no cover - best effort
+                        pass
+                else:
+                    assert isinstance(head, Submission)
+                    abandoned += 1
+                    self._quarantine_submission(
+                        head, TimeoutError(f"still in flight when drain_timeout={timeout} s passed")
+                    )
+        self._timed_out += abandoned
+        if abandoned:
+            warnings.warn(
+                ResourceWarning(
+                    f"trio_cuda scope exited with {abandoned} submission(s) still in flight after "
+                    f"drain_timeout={timeout} s; their memory, streams and driver state are quarantined "
+                    f"(leaked, never freed)"
+                ),
+                stacklevel=3,
+            )
+
+    def _release_everything(self) -> None:
+        """After the drain: free memory, unload modules, destroy streams."""
+        driver = self._driver
+        while self._gc_releases:
+            self._gc_releases.popleft()
+        kept_owners = {id(o) for sub in self._quarantine for o in sub.owners}
+        for alloc in list(self._allocs):
+            if alloc.state is AllocState.LIVE and not alloc.active:
+                self._free(alloc)
+        unload = getattr(driver, "unload_kernel", None)
+        for kernel, fn in list(self._functions.items()):
+            if id(fn) in kept_owners:
+                continue
+            del self._functions[kernel]
+            if unload is not None:
+                unload(fn)
+        if self._timed_out:
+            return  # work may still run: leak streams and driver state too
+        for s in self._streams:
+            driver.destroy_stream(s.handle)
+        driver.close()
+
+
+class _Alloc(DeviceOp[Any]):
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "allocation"
+
+
+_ALLOC_OP = _Alloc()
+
+
+# --------------------------------------------------------------------------- open_scope
+
+
+_CONFLICTS = ("order", "error")
+
+
+@final
+class _ScopeManager:
+    __slots__ = ("_args", "_nursery_cm", "_scope", "_token")
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        self._args = args
+        self._scope: ResourceScope | None = None
+
+    async def __aenter__(self) -> ResourceScope:
+        await trio.lowlevel.checkpoint()
+        from .._backends import open_device
+
+        a = self._args
+        driver = open_device(a["device"])
+        try:
+            scope = ResourceScope._create(driver, a["streams"], a["conflicts"], a["policy"])
+        except BaseException:
+            driver.close()
+            raise
+        self._nursery_cm = trio.open_nursery()
+        nursery = await self._nursery_cm.__aenter__()
+        nursery.start_soon(scope._handoff)
+        self._scope = scope
+        self._token = _current.set(scope)
+        log.debug("opened %r", scope)
+        return scope
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        scope = self._scope
+        assert scope is not None
+        _current.reset(self._token)
+        scope._closing = True
+        timeout = self._args["drain_timeout"]
+        internal: list[BaseException] = []
+        try:
+            with trio.CancelScope(shield=True):
+                await scope._drain(timeout)
+                if scope._in_flight or any(s._pending for s in scope._streams):
+                    scope._abandon_in_flight(timeout)
+                scope._release_everything()
+        finally:
+            scope._closed = True
+            if scope._handoff_cs is not None:
+                scope._handoff_cs.cancel()
+            try:
+                await self._nursery_cm.__aexit__(None, None, None)
+            except trio.Cancelled:
+                if exc is None:
+                    raise
+            except BaseException as nursery_exc:  # the handoff task crashed
+                internal.append(nursery_exc)
+        errors: list[BaseException] = [s.error for s in scope._unobserved if s.error is not None]
+        errors.extend(scope._orphan_errors)
+        errors.extend(internal)
+        scope._unobserved.clear()
+        scope._orphan_errors.clear()
+        if not errors:
+            if exc is None:
+                await trio.lowlevel.checkpoint()
+            return False
+        if exc is not None:
+            errors.insert(0, exc)
+        raise BaseExceptionGroup(
+            "errors from trio_cuda scope (work nobody awaited, or that failed late)", errors
+        )
+
+
+def open_scope(
+    device: object = "auto",
+    streams: int = 4,
+    conflicts: Literal["order", "error"] = "order",
+    drain_timeout: float | None = None,
+    *,
+    policy: SchedulingPolicy | None = None,
+) -> _ScopeManager:
+    """Open a :class:`ResourceScope`: ``async with open_scope() as gpu:``.
+
+    ``device`` is "auto" (the real GPU when a driver and a device answer, else
+    the simulator; the choice is logged), "sim", a
+    :class:`~trio_cuda.testing.SimDevice`, "cuda" or "cuda:N". ``streams`` is
+    the size of the stream pool; ``conflicts`` is "order" (cross-stream
+    conflicts become device-side waits) or "error" (they raise
+    :class:`~trio_cuda.AccessConflictError`). ``drain_timeout`` bounds the
+    wait at exit; what is still in flight then is quarantined.
+    """
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise ValueError(f"streams: expected an int >= 1, got {streams!r}")
+    if conflicts not in _CONFLICTS:
+        raise ValueError(f"conflicts: expected 'order' or 'error', got {conflicts!r}")
+    if drain_timeout is not None and (
+        isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) or drain_timeout < 0
+    ):
+        raise ValueError(f"drain_timeout: expected None or a number >= 0, got {drain_timeout!r}")
+    if policy is None:
+        policy = RoundRobin()
+    elif not callable(getattr(policy, "choose", None)):
+        raise TypeError(f"policy: expected a SchedulingPolicy (with a choose() method), got {policy!r}")
+    return _ScopeManager(
+        {
+            "device": device,
+            "streams": streams,
+            "conflicts": conflicts,
+            "drain_timeout": drain_timeout,
+            "policy": policy,
+        }
+    )

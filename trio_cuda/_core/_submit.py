@@ -1,0 +1,307 @@
+"""Submissions, leases and the enqueue context.
+
+Invariants:
+
+* A :class:`Submission` runs on exactly one stream. Everything its work
+  touches (arrays, kernels/modules, argument storage, staging buffers, host
+  closures) is recorded on it *before* the driver call that enqueues the work.
+* Every lease is released by the completion-handoff task when the
+  submission's end marker has completed, never when an awaiting task returns.
+* Under ``conflicts="order"``, a conflict with in-flight work on another stream
+  becomes a device-side wait on that work's marker; under ``"error"`` it raises
+  :class:`AccessConflictError` before anything of the piece is enqueued.
+* Reads never conflict with reads; same-stream work needs no wait (FIFO).
+* The unsafe context (``submission is None``) takes no lease, retains nothing
+  and adds no wait.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, final
+
+import numpy as np
+import trio
+
+from ._array import Allocation, AllocState, DeviceArray
+from ._driver import Finisher, Gate, Marker, MarkerState
+from ._errors import AccessConflictError, KernelArgumentError
+from ._ops import Access, HostResult
+
+if TYPE_CHECKING:
+    from ._kernel import PreparedLaunch
+    from ._scope import ResourceScope, Stream
+
+
+class SubState(enum.Enum):
+    ENQUEUING = "enqueuing"
+    IN_FLIGHT = "in_flight"
+    DONE = "done"
+    FAILED = "failed"
+    QUARANTINED = "quarantined"
+
+
+TERMINAL = frozenset({SubState.DONE, SubState.FAILED, SubState.QUARANTINED})
+
+
+@final
+class Submission:
+    """Everything one submission retains, and how it ended."""
+
+    __slots__ = (
+        "__weakref__",
+        "dirty",
+        "error",
+        "event",
+        "finishers",
+        "id",
+        "leases",
+        "marker",
+        "observed",
+        "op",
+        "output",
+        "owners",
+        "retained_bytes",
+        "scope",
+        "state",
+        "stream",
+        "unknown",
+    )
+
+    def __init__(self, scope: ResourceScope, stream: Stream, sid: int, op: object) -> None:
+        self.scope = scope
+        self.stream = stream
+        self.id = sid
+        self.op = op
+        self.state = SubState.ENQUEUING
+        self.marker: Marker | None = None
+        self.owners: list[object] = []
+        self.finishers: list[Finisher] = []
+        self.leases: dict[Allocation, Access] = {}
+        self.retained_bytes = 0
+        self.error: BaseException | None = None
+        self.observed = False
+        self.output: object = None
+        self.event: trio.Event | None = None
+        #: True once any driver call of this submission enqueued something
+        self.dirty = False
+        #: set when a marker of this submission reported unknown completion
+        self.unknown: BaseException | None = None
+
+    @property
+    def label(self) -> str:
+        text = repr(self.op)
+        if len(text) > 80:
+            text = text[:77] + "..."
+        return f"submission #{self.id} ({text})"
+
+    def __repr__(self) -> str:
+        return f"<{self.label} on stream {self.stream.index}: {self.state.value}>"
+
+
+@final
+class HostStep:
+    """A host closure waiting in stream order (see ``ops.host_closure``)."""
+
+    __slots__ = ("args", "fn", "gate", "marker", "result", "submission")
+
+    def __init__(
+        self,
+        submission: Submission,
+        marker: Marker,
+        gate: Gate,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        result: HostResult[Any],
+    ) -> None:
+        self.submission = submission
+        self.marker = marker
+        self.gate = gate
+        self.fn = fn
+        self.args = args
+        self.result = result
+
+
+def _conflict_name(held: Access, wanted: Access) -> str:
+    if held is Access.WRITE and wanted is Access.READ:
+        return "read-after-write"
+    if held is Access.WRITE:
+        return "write-after-write"
+    return "write-after-read"
+
+
+@final
+class EnqueueContext:
+    """What an op's ``_enqueue`` may use. One per submission (or unsafe call)."""
+
+    __slots__ = ("driver", "scope", "stream", "submission", "unsafe")
+
+    def __init__(self, scope: ResourceScope, stream: Stream, submission: Submission | None) -> None:
+        self.scope = scope
+        self.stream = stream
+        self.submission = submission
+        self.unsafe = submission is None
+        self.driver = scope._driver
+
+    # ------------------------------------------------------------------ retention
+    def retain(self, obj: object) -> None:
+        """Keep ``obj`` alive until the submission retired."""
+        sub = self.submission
+        if sub is not None:
+            sub.owners.append(obj)
+
+    def on_retire(self, fn: Finisher) -> None:
+        """Run ``fn`` at retirement, once the work completed successfully."""
+        sub = self.submission
+        if sub is not None:
+            sub.finishers.append(fn)
+
+    def _enqueued(self) -> None:
+        sub = self.submission
+        if sub is not None:
+            sub.dirty = True
+
+    # ------------------------------------------------------------------ leases
+    def use(self, accesses: Sequence[tuple[DeviceArray, Access]], *, what: str = "argument") -> None:
+        """Check, order and record leases for one piece of work, atomically:
+        if this raises, no lease of the piece was taken and nothing enqueued."""
+        scope = self.scope
+        stream = self.stream
+        sub = self.submission
+        waits: dict[int, Submission] = {}
+        for arr, access in accesses:
+            arr._check_usable(what)
+            alloc = arr._alloc
+            if alloc.scope is not scope:
+                raise KernelArgumentError(
+                    f"{what}: expected an array of this scope, got one of another scope ({arr!r})"
+                )
+            if access is Access.WRITE and arr.readonly:
+                raise KernelArgumentError(f"{what}: write access to a read-only array ({arr!r})")
+            if sub is None:
+                continue
+            others: list[tuple[Submission, Access]] = []
+            w = alloc.last_writer
+            if w is not None and w is not sub and w.stream is not stream:
+                others.append((w, Access.WRITE))
+            if access is Access.WRITE:
+                for r in alloc.readers:
+                    if r is not sub and r.stream is not stream:
+                        others.append((r, Access.READ))
+            for other, held in others:
+                if other.state is not SubState.IN_FLIGHT or other.id in waits:
+                    continue
+                marker = other.marker
+                assert marker is not None
+                if self.driver.poll_marker(marker).state is not MarkerState.PENDING:
+                    continue  # completed; the handoff task retires it soon
+                if scope._conflicts == "error":
+                    raise AccessConflictError(
+                        f"{what}: {_conflict_name(held, access)} conflict on {arr!r}: in-flight "
+                        f"{other.label} on stream {other.stream.index} holds a "
+                        f"{'write' if held is Access.WRITE else 'read'} lease; this work targets "
+                        f"stream {stream.index} (conflicts='error')"
+                    )
+                waits[other.id] = other
+        if sub is None:
+            return
+        for other in waits.values():
+            assert other.marker is not None
+            self.driver.wait_marker(stream.handle, other.marker)
+            self._enqueued()
+        for arr, access in accesses:
+            self._lease(arr._alloc, access)
+
+    def _lease(self, alloc: Allocation, access: Access) -> None:
+        sub = self.submission
+        assert sub is not None
+        prev = sub.leases.get(alloc)
+        if prev is None:
+            sub.retained_bytes += alloc.nbytes
+            self.scope._leases_held += 1
+        if prev is None or (prev is Access.READ and access is Access.WRITE):
+            sub.leases[alloc] = access
+            alloc.active[sub] = access
+        if access is Access.WRITE:
+            alloc.last_writer = sub
+            alloc.readers.clear()
+        else:
+            alloc.readers[sub] = None
+
+    def after(self, other: Submission | None) -> None:
+        """Order this work after ``other`` (used by shared ops)."""
+        sub = self.submission
+        if other is None or sub is None or other is sub:
+            return
+        if other.state is SubState.QUARANTINED:
+            from ._errors import CompletionUnknownError
+
+            raise CompletionUnknownError(f"shared op: completion of {other.label} is unknown")
+        if other.state is SubState.IN_FLIGHT and other.stream is not self.stream:
+            assert other.marker is not None
+            self.driver.wait_marker(self.stream.handle, other.marker)
+            self._enqueued()
+
+    # ------------------------------------------------------------------ work
+    def launch(self, prepared: PreparedLaunch, accesses: Sequence[tuple[DeviceArray, Access]]) -> None:
+        scope = self.scope
+        scope._check_launch_config(prepared)
+        function = scope._function(prepared.kernel)
+        self.use(accesses, what=f"{prepared.kernel.name}")
+        self.retain(prepared)
+        self.retain(function)
+        self.driver.launch(self.stream.handle, function, prepared)
+        self._enqueued()
+
+    def copy(self, dst: object, src: object) -> None:
+        d = self.driver
+        h = self.stream.handle
+        if isinstance(dst, DeviceArray) and isinstance(src, DeviceArray):
+            if src._alloc is dst._alloc:
+                self.use([(dst, Access.WRITE)], what="copy")
+            else:
+                self.use([(src, Access.READ), (dst, Access.WRITE)], what="copy")
+            d.copy_d2d(h, dst.ptr, src.ptr, dst.nbytes)
+        elif isinstance(dst, DeviceArray):
+            assert isinstance(src, np.ndarray)
+            host = np.ascontiguousarray(src)
+            self.use([(dst, Access.WRITE)], what="copy: dst")
+            token = d.copy_h2d(h, dst.ptr, host)
+            if token is not None:
+                self.retain(token)
+        else:
+            assert isinstance(dst, np.ndarray)
+            assert isinstance(src, DeviceArray)
+            self.use([(src, Access.READ)], what="copy: src")
+            self.retain(dst)
+            fin = d.copy_d2h(h, dst, src.ptr, direct=self.unsafe)
+            if fin is not None:
+                self.on_retire(fin)
+        self._enqueued()
+
+    def fill(self, arr: DeviceArray, pattern: bytes) -> None:
+        self.use([(arr, Access.WRITE)], what="fill")
+        self.driver.fill(self.stream.handle, arr.ptr, pattern, arr.size)
+        self._enqueued()
+
+    def host_step(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> HostResult[Any]:
+        sub = self.submission
+        if sub is None:
+            raise TypeError(
+                "host_closure cannot run through unsafe.async_on: it needs the scope's "
+                "completion-handoff task; submit it with scope.run() or scope.submit()"
+            )
+        result: HostResult[Any] = HostResult()
+        self.retain(fn)
+        self.retain(args)
+        marker = self.driver.record_marker(self.stream.handle)
+        gate = self.driver.create_gate(self.stream.handle)
+        self._enqueued()
+        self.stream._pending.append(HostStep(sub, marker, gate, fn, args, result))
+        self.scope._host_steps += 1
+        return result
+
+
+def is_quarantined(alloc: Allocation) -> bool:
+    return alloc.state is AllocState.QUARANTINED
