@@ -685,7 +685,6 @@ class ResourceScope:
         with trio.CancelScope(shield=True) as cs:
             self._handoff_cs = cs
             task_status.started()
-            driver = self._driver
             while True:
                 self._scan()
                 heads = [s._pending[0].marker for s in self._streams if s._pending]
@@ -696,7 +695,7 @@ class ResourceScope:
                     idle = self._idle = trio.Event()
                     await idle.wait()
                 else:
-                    await driver.wait_for_progress(heads)  # type: ignore[arg-type]
+                    await self._driver.wait_for_progress(heads)  # type: ignore[arg-type]
 
     def _scan(self) -> None:
         gc = self._gc_releases
@@ -782,7 +781,12 @@ class ResourceScope:
         if event is not None:
             event.set()
 
-    def _quarantine_submission(self, sub: Submission, cause: BaseException | None) -> None:
+    def _quarantine_submission(
+        self, sub: Submission, cause: BaseException | None, *, report: bool = True
+    ) -> None:
+        """Leak ``sub``'s owners and leases on purpose. ``report=False`` (drain
+        timeout: the ResourceWarning reports it) keeps the error off the exit
+        group; awaiting the future still raises it."""
         err = CompletionUnknownError(
             f"completion of {sub.label} on stream {sub.stream.index} could not be established"
             + (f": {cause}" if cause is not None else "")
@@ -790,9 +794,12 @@ class ResourceScope:
         )
         err.__cause__ = cause
         if sub.error is not None and sub.observed:
-            self._orphan_errors.append(err)
+            if report:
+                self._orphan_errors.append(err)
         else:
             sub.error = err
+            if not report:
+                sub.observed = True
         for alloc in sub.leases:
             if alloc.state is AllocState.LIVE:
                 alloc.state = AllocState.QUARANTINED
@@ -828,7 +835,9 @@ class ResourceScope:
                     assert isinstance(head, Submission)
                     abandoned += 1
                     self._quarantine_submission(
-                        head, TimeoutError(f"still in flight when drain_timeout={timeout} s passed")
+                        head,
+                        TimeoutError(f"still in flight when drain_timeout={timeout} s passed"),
+                        report=False,
                     )
         self._timed_out += abandoned
         if abandoned:

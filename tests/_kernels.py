@@ -1,0 +1,67 @@
+"""Kernels shared by the tests: CUDA C++ for the GPU, NumPy references for the simulator."""
+
+import numpy as np
+
+import trio_cuda
+from trio_cuda import In, InOut, Out, Scalar
+
+SAXPY_SRC = r"""
+extern "C" __global__ void saxpy(float a, const float* x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+"""
+
+
+def saxpy_ref(a, x, y, n):
+    y[:n] = a * x[:n] + y[:n]
+
+
+SAXPY = trio_cuda.Kernel.from_source(
+    SAXPY_SRC, "saxpy", params=[Scalar("f4"), In("f4"), InOut("f4"), Scalar("i4")], reference=saxpy_ref
+)
+
+COPY_SRC = r"""
+extern "C" __global__ void copy_f4(const float* src, float* dst, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i];
+}
+"""
+
+
+def copy_ref(src, dst, n):
+    dst[:n] = src[:n]
+
+
+COPY = trio_cuda.Kernel.from_source(
+    COPY_SRC, "copy_f4", params=[In("f4"), Out("f4"), Scalar("i4")], reference=copy_ref
+)
+
+ADD_SRC = r"""
+extern "C" __global__ void add_f4(float* x, float v, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += v;
+}
+"""
+
+
+def add_ref(x, v, n):
+    x[:n] += v
+
+
+ADD = trio_cuda.Kernel.from_source(
+    ADD_SRC, "add_f4", params=[InOut("f4"), Scalar("f4"), Scalar("i4")], reference=add_ref
+)
+
+
+def saxpy(a, x, y, n=None):
+    n = x.size if n is None else n
+    return SAXPY.launch(np.float32(a), x, y, n, grid=(n + 127) // 128, block=128)
+
+
+def copy(src, dst):
+    return COPY.launch(src, dst, src.size, grid=(src.size + 127) // 128, block=128)
+
+
+def add(x, v):
+    return ADD.launch(x, np.float32(v), x.size, grid=(x.size + 127) // 128, block=128)
