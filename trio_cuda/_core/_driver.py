@@ -130,6 +130,11 @@ class DeviceContext(Protocol):
         """Compile/load once per context; the result is cached by the core."""
         ...
 
+    def unload_kernel(self, function: object) -> None:
+        """Unload what :meth:`load_kernel` returned; only called once no
+        submission that uses it is in flight."""
+        ...
+
     def launch(self, stream: StreamHandle, function: object, launch: PreparedLaunch) -> None:
         """Enqueue one kernel launch; raises ``LaunchError``/``CudaError``."""
         ...

@@ -196,6 +196,8 @@ class ArgView:
     value: Any = None
     length: int = 0
     access: Access | None = None
+    #: dtype of a ``"slice"``'s length parameter
+    len_dtype: np.dtype[Any] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -499,7 +501,17 @@ class Kernel:
                 if length > info.max:
                     raise KernelArgumentError(f"{label}: length {length} does not fit {param.len_dtype.name}")
                 raws.append(np.asarray(length, dtype=param.len_dtype).tobytes())
-                views.append(ArgView("slice", arr.ptr, arr.shape, arr.dtype, length=length, access=access))
+                views.append(
+                    ArgView(
+                        "slice",
+                        arr.ptr,
+                        arr.shape,
+                        arr.dtype,
+                        length=length,
+                        access=access,
+                        len_dtype=param.len_dtype,
+                    )
+                )
             else:
                 views.append(ArgView("array", arr.ptr, arr.shape, arr.dtype, access=access))
         prepared = PreparedLaunch(self, config, self._plan, _pack(self._plan, raws), tuple(views))

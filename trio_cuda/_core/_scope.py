@@ -859,13 +859,11 @@ class ResourceScope:
         for alloc in list(self._allocs):
             if alloc.state is AllocState.LIVE and not alloc.active:
                 self._free(alloc)
-        unload = getattr(driver, "unload_kernel", None)
         for kernel, fn in list(self._functions.items()):
             if id(fn) in kept_owners:
                 continue
             del self._functions[kernel]
-            if unload is not None:
-                unload(fn)
+            driver.unload_kernel(fn)
         if self._timed_out:
             return  # work may still run: leak streams and driver state too
         for s in self._streams:
