@@ -44,6 +44,7 @@ async def test_submission_retains_everything_before_enqueue(sim):
         x = await gpu.to_device(host())
         y = await gpu.to_device(host(value=1.0))
         op = saxpy(2.0, x, y)
+        expected_prepared = op.prepared
         seen = []
 
         class Spy:
@@ -55,7 +56,7 @@ async def test_submission_retains_everything_before_enqueue(sim):
 
             def launch(self, stream, function, prepared):
                 st = gpu.statistics()
-                seen.append((st.leases_held, prepared is op.prepared))
+                seen.append((st.leases_held, prepared is expected_prepared))
                 self.inner.launch(stream, function, prepared)
 
         gpu._driver = Spy(gpu._driver)
@@ -187,7 +188,7 @@ async def test_conflicts_error_raises_and_enqueues_nothing(sim):
         sim.hold()
         fut = gpu.submit(add(x, 1.0), stream=s0)
         before = (gpu.statistics(), sim.pending)
-        with pytest.raises(trio_cuda.AccessConflictError, match="read-after-write .* stream 0"):
+        with pytest.raises(trio_cuda.AccessConflictError, match=r"read-after-write .* stream 0"):
             gpu.submit(copy(x, y), stream=s1)
         with pytest.raises(trio_cuda.AccessConflictError, match="write-after-write"):
             gpu.submit(ops.fill(x, 0.0), stream=s1)
@@ -496,7 +497,8 @@ async def test_unknown_completion_quarantines_and_poisons(sim):
             await gpu.run(saxpy(2.0, x, y))
         st = gpu.statistics()
         assert (st.quarantined, st.quarantined_leases, st.leases_held) == (1, 2, 0)
-        assert x.quarantined and y.quarantined
+        assert x.quarantined
+        assert y.quarantined
         with pytest.raises(trio_cuda.CompletionUnknownError, match="quarantined"):
             gpu.submit(add(x, 1.0))
         with pytest.raises(trio_cuda.CompletionUnknownError):
@@ -550,7 +552,8 @@ async def test_readonly_handle_keeps_memory_and_shares_reads(sim):
         s0, s1 = gpu.streams
         x = await gpu.to_device(host(), stream=s0)
         ro = x.as_readonly()
-        assert ro.ptr == x.ptr and ro.readonly
+        assert ro.ptr == x.ptr
+        assert ro.readonly
         x.close()
         assert len(sim.live_allocations) == 1
         out = gpu.empty(N, np.float32, stream=s1)
@@ -611,7 +614,9 @@ async def test_handoff_retires_in_completion_order():
             order.append(name)
 
         async with trio.open_nursery() as nursery:
-            f0 = gpu.submit(add(a, 1.0).then(lambda out: add(out, 1.0)).then(lambda out: add(out, 1.0)), stream=s0)
+            f0 = gpu.submit(
+                add(a, 1.0).then(lambda out: add(out, 1.0)).then(lambda out: add(out, 1.0)), stream=s0
+            )
             f1 = gpu.submit(add(b, 1.0), stream=s1)
             nursery.start_soon(waiter, "slow s0", f0)
             nursery.start_soon(waiter, "fast s1", f1)
