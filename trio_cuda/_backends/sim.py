@@ -865,7 +865,7 @@ class SimDevice:
                 )
             )
             return
-        args = self._kernel_args(s, kernel, launch.args)
+        args = self._kernel_args(s, kernel, launch.arg_views())
         if args is None or kernel.reference is None:
             return
         try:

@@ -15,17 +15,18 @@ Invariants:
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, final
 
 import attrs
 import numpy as np
 
+from ._array import DeviceArray
 from ._errors import KernelArgumentError
 from ._ops import Access, DeviceOp
 
 if TYPE_CHECKING:
-    from ._array import DeviceArray
     from ._submit import EnqueueContext
 
 Dim3 = tuple[int, int, int]
@@ -220,18 +221,68 @@ class LaunchConfig:
 
 
 @final
-@attrs.frozen(eq=False)
 class PreparedLaunch:
     """Everything a backend needs to enqueue one launch. ``arena`` holds the
-    packed parameters at the offsets of ``plan``; ``args`` describes them."""
+    packed parameters at the offsets of ``plan``; :meth:`arg_views` describes
+    them (built lazily from ``values``, one per kernel parameter, unless
+    ``args`` was given). Immutable by convention; ``cache`` is the backends'
+    scratch space (e.g. the ``void**`` array), filled on first launch."""
 
-    kernel: Kernel
-    config: LaunchConfig
-    plan: ParamPlan
-    arena: bytes
-    args: tuple[ArgView, ...]
-    #: backend-private cache (e.g. the void** array), filled on first launch
-    cache: dict[str, Any] = attrs.field(factory=dict)
+    __slots__ = ("arena", "args", "cache", "config", "kernel", "plan", "values")
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        config: LaunchConfig,
+        plan: ParamPlan,
+        arena: bytes,
+        args: tuple[ArgView, ...] | None = None,
+        values: tuple[object, ...] = (),
+    ) -> None:
+        self.kernel = kernel
+        self.config = config
+        self.plan = plan
+        self.arena = arena
+        self.args = args
+        self.values = values
+        self.cache: dict[str, Any] = {}
+
+    def arg_views(self) -> tuple[ArgView, ...]:
+        """One :class:`ArgView` per kernel parameter (cached)."""
+        if self.args is not None:
+            return self.args
+        views = self.cache.get("views")
+        if views is None:
+            views = self.cache["views"] = _views_of(self.kernel.params, self.values)
+        return views
+
+    def __repr__(self) -> str:
+        return f"<PreparedLaunch {self.kernel.name} {len(self.arena)} B of parameters>"
+
+
+def _views_of(params: Sequence[Param], values: Sequence[object]) -> tuple[ArgView, ...]:
+    out: list[ArgView] = []
+    for param, value in zip(params, values, strict=True):
+        if isinstance(param, Scalar):
+            scalar = value if isinstance(value, np.generic) else param.dtype.type(value)
+            out.append(ArgView("scalar", dtype=param.dtype, value=scalar))
+            continue
+        assert isinstance(value, DeviceArray)
+        if isinstance(param, Slice):
+            out.append(
+                ArgView(
+                    "slice",
+                    value.ptr,
+                    value.shape,
+                    value.dtype,
+                    length=value.size,
+                    access=param.access,
+                    len_dtype=param.len_dtype,
+                )
+            )
+        else:
+            out.append(ArgView("array", value.ptr, value.shape, value.dtype, access=param.access))
+    return tuple(out)
 
 
 def _pack(plan: ParamPlan, values: Sequence[bytes]) -> bytes:
@@ -285,6 +336,26 @@ def make_config(
                     f"got grid={g}, cluster={c}"
                 )
     return LaunchConfig(g, b, int(shared_mem), c, bool(cooperative), bool(pdl))
+
+
+_CONFIG_CACHE: dict[tuple[object, ...], LaunchConfig] = {}
+
+
+def cached_config(
+    grid: object, block: object, shared_mem: object, cluster: object, cooperative: bool, pdl: bool
+) -> LaunchConfig:
+    """``make_config`` memoised on hashable arguments (the launch hot path)."""
+    key = (grid, block, shared_mem, cluster, cooperative, pdl)
+    try:
+        return _CONFIG_CACHE[key]
+    except KeyError:
+        config = make_config(grid, block, shared_mem, cluster, cooperative, pdl)
+        if len(_CONFIG_CACHE) >= 4096:
+            _CONFIG_CACHE.clear()
+        _CONFIG_CACHE[key] = config
+        return config
+    except TypeError:  # unhashable (lists)
+        return make_config(grid, block, shared_mem, cluster, cooperative, pdl)
 
 
 def _convert_scalar(label: str, dtype: np.dtype[Any], value: object) -> np.generic:
@@ -342,8 +413,6 @@ def _convert_scalar(label: str, dtype: np.dtype[Any], value: object) -> np.gener
 
 
 def _check_array(label: str, param: Param, value: object, access: Access) -> DeviceArray:
-    from ._array import DeviceArray
-
     if not isinstance(value, DeviceArray):
         raise KernelArgumentError(f"{label}: expected a trio_cuda DeviceArray, got {type(value).__name__}")
     if value.closed:
@@ -387,12 +456,15 @@ class Kernel:
     options: tuple[str, ...] = ()
     reference: Callable[..., object] | None = None
     _plan: ParamPlan = attrs.field(init=False, repr=False)
+    _fast: tuple[tuple[Any, ...], ...] | None = attrs.field(init=False, repr=False)
+    _struct: struct.Struct | None = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         layout: list[tuple[int, int]] = []
         for p in self.params:
             layout.extend(_slots_for(p))
         self._plan = ParamPlan.from_layout(layout)
+        self._fast, self._struct = _fast_packer(self.params, self._plan)
 
     @classmethod
     def from_source(
@@ -470,13 +542,22 @@ class Kernel:
         """Check ``args`` against the parameter list and return an immutable,
         schedulable :class:`KernelLaunch`. Raises :class:`KernelArgumentError`
         naming the offending argument; nothing is enqueued."""
+        config = cached_config(grid, block, shared_mem, cluster, cooperative, pdl)
+        fast = self._fast
+        if fast is not None and len(args) == len(fast):
+            made = _launch_fast(self, fast, args, config)
+            if made is not None:
+                return made
+        return self._launch_checked(args, config)
+
+    def _launch_checked(self, args: tuple[object, ...], config: LaunchConfig) -> KernelLaunch:
+        """The reference path: checks every argument with a precise error."""
         if len(args) != len(self.params):
             raise KernelArgumentError(
                 f"{self.name}: expected {len(self.params)} arguments "
                 f"({', '.join(_param_label(i, p) for i, p in enumerate(self.params))}), "
                 f"got {len(args)}"
             )
-        config = make_config(grid, block, shared_mem, cluster, cooperative, pdl)
         raws: list[bytes] = []
         views: list[ArgView] = []
         accesses: list[tuple[DeviceArray, Access]] = []
@@ -535,6 +616,140 @@ def _merge_accesses(
     return tuple(merged.values())
 
 
+# --------------------------------------------------------------------------- fast path
+
+_STRUCT_CODES = {
+    "i1": "b",
+    "u1": "B",
+    "i2": "h",
+    "u2": "H",
+    "i4": "i",
+    "u4": "I",
+    "i8": "q",
+    "u8": "Q",
+    "f2": "e",
+    "f4": "f",
+    "f8": "d",
+    "b1": "?",
+}
+_K_INT, _K_FLOAT, _K_BOOL, _K_ARRAY, _K_SLICE = range(5)
+
+
+def _code(dtype: np.dtype[Any]) -> str | None:
+    if dtype.fields is not None or dtype.subdtype is not None or dtype.metadata:
+        return None
+    if dtype.byteorder not in ("=", "|", "<"):
+        return None
+    return _STRUCT_CODES.get(f"{dtype.kind}{dtype.itemsize}")
+
+
+def _fast_packer(
+    params: Sequence[Param], plan: ParamPlan
+) -> tuple[tuple[tuple[Any, ...], ...] | None, struct.Struct | None]:
+    """A per-kernel table and ``struct.Struct`` for the common parameter kinds
+    (numeric scalars, arrays, slices). None when a parameter needs the general
+    path (structs, complex, exotic dtypes)."""
+    table: list[tuple[Any, ...]] = []
+    codes: list[str] = []
+    for p in params:
+        if isinstance(p, Scalar):
+            code = _code(p.dtype)
+            if code is None:
+                return None, None
+            kind = p.dtype.kind
+            if kind in "iu":
+                info = np.iinfo(p.dtype)
+                table.append((_K_INT, p.dtype.type, int(info.min), int(info.max), None))
+            elif kind == "f":
+                table.append((_K_FLOAT, p.dtype.type, 0, 0, None))
+            else:
+                table.append((_K_BOOL, p.dtype.type, 0, 0, None))
+            codes.append(code)
+        elif isinstance(p, Slice):
+            code = _code(p.len_dtype)
+            if code is None or p.len_dtype.kind not in "iu":
+                return None, None
+            table.append((_K_SLICE, p.dtype, 0, int(np.iinfo(p.len_dtype).max), p.access))
+            codes.extend(("Q", code))
+        else:
+            table.append((_K_ARRAY, p.dtype, 0, 0, p.access))
+            codes.append("Q")
+    fmt = ["<"]
+    offset = 0
+    for slot, code in zip(plan.slots, codes, strict=True):
+        if slot.offset > offset:
+            fmt.append(f"{slot.offset - offset}x")
+        fmt.append(code)
+        offset = slot.offset + slot.size
+    if plan.size > offset:
+        fmt.append(f"{plan.size - offset}x")
+    packer = struct.Struct("".join(fmt))
+    assert packer.size == plan.size
+    return tuple(table), packer
+
+
+def _launch_fast(
+    kernel: Kernel, table: tuple[tuple[Any, ...], ...], args: tuple[object, ...], config: LaunchConfig
+) -> KernelLaunch | None:
+    """Validate and pack the common case; None sends the caller to the
+    checked path, which raises the precise error (or handles the rest)."""
+    flat: list[object] = []
+    accesses: list[tuple[DeviceArray, Access]] = []
+    outputs: list[DeviceArray] = []
+    write = Access.WRITE
+    for (kind, dt, lo, hi, access), v in zip(table, args):
+        t = type(v)
+        if kind in (_K_ARRAY, _K_SLICE):
+            if t is not DeviceArray:
+                return None
+            arr: DeviceArray = v  # type: ignore[assignment]
+            if arr._closed or not (arr._dtype is dt or arr._dtype == dt):
+                return None
+            if access is write:
+                if arr._readonly:
+                    return None
+                outputs.append(arr)
+            accesses.append((arr, access))
+            flat.append(arr._alloc.ptr + arr._offset)
+            if kind == _K_SLICE:
+                n = arr.size
+                if n > hi:
+                    return None
+                flat.append(n)
+        elif kind == _K_INT:
+            if t is int:
+                if not lo <= v <= hi:
+                    return None
+            elif t is not dt:
+                return None
+            flat.append(v)
+        elif kind == _K_FLOAT:
+            if t is not float and t is not dt and t is not int:
+                return None
+            flat.append(v)
+        else:
+            if t is not bool and t is not dt:
+                return None
+            flat.append(v)
+    st = kernel._struct
+    assert st is not None
+    try:
+        arena = st.pack(*flat)
+    except (struct.error, OverflowError):
+        return None
+    prepared = PreparedLaunch(kernel, config, kernel._plan, arena, None, args)
+    n = len(accesses)
+    if n > 1 and (
+        accesses[0][0]._alloc is accesses[1][0]._alloc
+        if n == 2
+        else len({id(a._alloc) for a, _ in accesses}) < n
+    ):
+        merged = _merge_accesses(accesses)
+    else:
+        merged = tuple(accesses)
+    return KernelLaunch._create(prepared, merged, outputs)
+
+
 # --------------------------------------------------------------------------- launch op
 
 
@@ -568,9 +783,10 @@ class KernelLaunch(DeviceOp[Any]):
         outputs: Sequence[DeviceArray],
     ) -> KernelLaunch:
         self = object.__new__(cls)
-        self.prepared = prepared
-        self._accesses = accesses
-        self._output = _output_of(outputs)
+        setattr_ = object.__setattr__
+        setattr_(self, "prepared", prepared)
+        setattr_(self, "_accesses", accesses)
+        setattr_(self, "_output", _output_of(outputs))
         return self
 
     @property
@@ -582,9 +798,7 @@ class KernelLaunch(DeviceOp[Any]):
         return self.prepared.config
 
     def __setattr__(self, name: str, value: object) -> None:
-        if hasattr(self, "_output"):
-            raise AttributeError("KernelLaunch is immutable")
-        object.__setattr__(self, name, value)
+        raise AttributeError("KernelLaunch is immutable")
 
     def __repr__(self) -> str:
         c = self.prepared.config
@@ -673,8 +887,6 @@ class LaunchBuilder:
 
     def arg(self, value: object, *, access: AccessName | None = None) -> LaunchBuilder:
         """Append a DeviceArray (passed as its pointer) or a NumPy scalar."""
-        from ._array import DeviceArray
-
         index = len(self._args)
         if isinstance(value, DeviceArray):
             if value.closed:

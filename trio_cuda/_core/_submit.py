@@ -169,49 +169,82 @@ class EnqueueContext:
         scope = self.scope
         stream = self.stream
         sub = self.submission
-        waits: dict[int, Submission] = {}
+        waits: dict[int, Submission] | None = None
+        write = Access.WRITE
         for arr, access in accesses:
-            arr._check_usable(what)
             alloc = arr._alloc
-            if alloc.scope is not scope:
+            if arr._closed or alloc.state is not AllocState.LIVE or alloc.scope is not scope:
+                arr._check_usable(what)
                 raise KernelArgumentError(
                     f"{what}: expected an array of this scope, got one of another scope ({arr!r})"
                 )
-            if access is Access.WRITE and arr.readonly:
+            if access is write and arr._readonly:
                 raise KernelArgumentError(f"{what}: write access to a read-only array ({arr!r})")
             if sub is None:
                 continue
-            others: list[tuple[Submission, Access]] = []
             w = alloc.last_writer
             if w is not None and w is not sub and w.stream is not stream:
-                others.append((w, Access.WRITE))
-            if access is Access.WRITE:
+                waits = self._conflict(waits, arr, w, write, access, what)
+            if access is write and alloc.readers:
                 for r in alloc.readers:
                     if r is not sub and r.stream is not stream:
-                        others.append((r, Access.READ))
-            for other, held in others:
-                if other.state is not SubState.IN_FLIGHT or other.id in waits:
-                    continue
-                marker = other.marker
-                assert marker is not None
-                if self.driver.poll_marker(marker).state is not MarkerState.PENDING:
-                    continue  # completed; the handoff task retires it soon
-                if scope._conflicts == "error":
-                    raise AccessConflictError(
-                        f"{what}: {_conflict_name(held, access)} conflict on {arr!r}: in-flight "
-                        f"{other.label} on stream {other.stream.index} holds a "
-                        f"{'write' if held is Access.WRITE else 'read'} lease; this work targets "
-                        f"stream {stream.index} (conflicts='error')"
-                    )
-                waits[other.id] = other
+                        waits = self._conflict(waits, arr, r, Access.READ, access, what)
         if sub is None:
             return
-        for other in waits.values():
-            assert other.marker is not None
-            self.driver.wait_marker(stream.handle, other.marker)
-            self._enqueued()
+        if waits:
+            wait_marker = self.driver.wait_marker
+            handle = stream.handle
+            for other in waits.values():
+                assert other.marker is not None
+                wait_marker(handle, other.marker)
+            sub.dirty = True
+        leases = sub.leases
         for arr, access in accesses:
-            self._lease(arr._alloc, access)
+            alloc = arr._alloc
+            prev = leases.get(alloc)
+            if prev is None:
+                sub.retained_bytes += alloc.nbytes
+                scope._leases_held += 1
+                leases[alloc] = access
+                alloc.active[sub] = access
+            elif prev is not access and access is write:
+                leases[alloc] = access
+                alloc.active[sub] = access
+            if access is write:
+                alloc.last_writer = sub
+                if alloc.readers:
+                    alloc.readers.clear()
+            else:
+                alloc.readers[sub] = None
+
+    def _conflict(
+        self,
+        waits: dict[int, Submission] | None,
+        arr: DeviceArray,
+        other: Submission,
+        held: Access,
+        access: Access,
+        what: str,
+    ) -> dict[int, Submission] | None:
+        """``other`` (in-flight, another stream) conflicts with this access:
+        note a device-side wait, or raise under ``conflicts="error"``."""
+        if other.state is not SubState.IN_FLIGHT or (waits is not None and other.id in waits):
+            return waits
+        marker = other.marker
+        assert marker is not None
+        if self.driver.poll_marker(marker).state is not MarkerState.PENDING:
+            return waits  # completed; the handoff task retires it soon
+        if self.scope._conflicts == "error":
+            raise AccessConflictError(
+                f"{what}: {_conflict_name(held, access)} conflict on {arr!r}: in-flight "
+                f"{other.label} on stream {other.stream.index} holds a "
+                f"{'write' if held is Access.WRITE else 'read'} lease; this work targets "
+                f"stream {self.stream.index} (conflicts='error')"
+            )
+        if waits is None:
+            waits = {}
+        waits[other.id] = other
+        return waits
 
     def _lease(self, alloc: Allocation, access: Access) -> None:
         sub = self.submission
@@ -246,13 +279,19 @@ class EnqueueContext:
     # ------------------------------------------------------------------ work
     def launch(self, prepared: PreparedLaunch, accesses: Sequence[tuple[DeviceArray, Access]]) -> None:
         scope = self.scope
-        scope._check_launch_config(prepared)
-        function = scope._function(prepared.kernel)
-        self.use(accesses, what=f"{prepared.kernel.name}")
-        self.retain(prepared)
-        self.retain(function)
+        if prepared.cache.get("checked") is not scope._info:
+            scope._check_launch_config(prepared)
+        kernel = prepared.kernel
+        function = scope._functions.get(kernel)
+        if function is None:
+            function = scope._function(kernel)
+        self.use(accesses, what=kernel.name)
+        sub = self.submission
+        if sub is not None:
+            sub.owners += (prepared, function)
         self.driver.launch(self.stream.handle, function, prepared)
-        self._enqueued()
+        if sub is not None:
+            sub.dirty = True
 
     def copy(self, dst: object, src: object) -> None:
         d = self.driver
