@@ -341,6 +341,8 @@ class SimDevice:
     ``copy_time`` are the simulated seconds each launch / each copy or fill takes
     while free-running (0: it executes as soon as it is enqueued). ``trace_limit``
     bounds :attr:`trace` to the most recent events (None: unbounded, 0: off).
+    ``batch_markers`` lets scopes record one completion marker per burst of
+    submissions, as on a real GPU.
 
     Test controls: :meth:`hold`, :meth:`release`, :meth:`complete_next`,
     :meth:`run_until_idle`, :meth:`inject_fault`, :attr:`violations`,
@@ -352,6 +354,13 @@ class SimDevice:
     kernel_time: float = attrs.field(default=0.0, validator=_check_time)
     copy_time: float = attrs.field(default=0.0, validator=_check_time)
     trace_limit: int | None = attrs.field(default=100_000, kw_only=True, validator=_check_trace_limit)
+    #: let scopes share one completion marker among a burst of submissions
+    #: (as the CUDA backend does); an error then fails every submission of
+    #: the burst. Off by default so that each error is attributed exactly.
+    batch_markers: bool = attrs.field(default=False, kw_only=True)
+    #: seconds an awaiting task polls its own marker before parking (see
+    #: ``DeviceFuture.wait``); useful with ``kernel_time`` to model a GPU
+    inline_spin: float = attrs.field(default=0.0, kw_only=True, validator=_check_time)
 
     _held: bool = attrs.field(init=False, default=False)
     _next_ptr: int = attrs.field(init=False, default=_BASE_ADDRESS)
@@ -928,6 +937,14 @@ class SimContext:
     @property
     def device(self) -> SimDevice:
         return self._device
+
+    @property
+    def batch_markers(self) -> bool:
+        return self._device.batch_markers
+
+    @property
+    def inline_spin(self) -> float:
+        return self._device.inline_spin
 
     @property
     def closed(self) -> bool:

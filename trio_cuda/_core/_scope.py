@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import math
+import time
 import warnings
 from collections import deque
 from collections.abc import Sequence
@@ -149,6 +150,7 @@ class Stream:
         "_pending",
         "_scope",
         "_submitted",
+        "_unmarked",
         "handle",
         "index",
     )
@@ -157,6 +159,7 @@ class Stream:
     index: int
     handle: StreamHandle
     _pending: deque[Submission | HostStep]
+    _unmarked: list[Submission]
     _in_flight: int
     _submitted: int
     _completed: int
@@ -171,6 +174,7 @@ class Stream:
         self.index = index
         self.handle = handle
         self._pending = deque()
+        self._unmarked = []
         self._in_flight = 0
         self._submitted = 0
         self._completed = 0
@@ -227,6 +231,9 @@ class DeviceFuture(Generic[T]):
         or release the GPU work."""
         sub = self._sub
         if sub.state not in TERMINAL:
+            if sub.scope._spin and self._spin():
+                await trio.lowlevel.checkpoint()
+                return resolve_output(sub.output)  # type: ignore[return-value]
             event = sub.event
             if event is None:
                 event = sub.event = trio.Event()
@@ -234,6 +241,29 @@ class DeviceFuture(Generic[T]):
         else:
             await trio.lowlevel.checkpoint()
         return self._outcome()
+
+    def _spin(self) -> bool:
+        """Inline spin budget: poll this submission's marker for a few
+        microseconds (the driver's ``inline_spin``) before parking, so a short
+        kernel's result is returned without a round trip through the handoff
+        task. Retirement (leases, memory) still happens there, in order."""
+        sub = self._sub
+        if sub.finishers or sub.error is not None or sub.state is not SubState.IN_FLIGHT:
+            return False
+        scope = sub.scope
+        if sub.marker is None:
+            scope._flush(sub.stream)
+        marker = sub.marker
+        if marker is None:
+            return False
+        poll = scope._driver.poll_marker
+        deadline = time.perf_counter() + scope._spin
+        while True:
+            state = poll(marker).state
+            if state is MarkerState.DONE:
+                return sub.error is None
+            if state is not MarkerState.PENDING or time.perf_counter() >= deadline:
+                return False
 
     def wait_nowait(self) -> T:
         """The output if the work completed; raises ``trio.WouldBlock`` if not."""
@@ -271,6 +301,7 @@ class ResourceScope:
     __slots__ = (
         "__weakref__",
         "_allocs",
+        "_batch",
         "_closed",
         "_closing",
         "_completed",
@@ -292,15 +323,20 @@ class ResourceScope:
         "_policy",
         "_quarantine",
         "_quarantined_leases",
+        "_spin",
         "_streams",
         "_submitted",
         "_timed_out",
         "_token",
+        "_unflushed",
         "_unobserved",
     )
 
     _driver: DeviceContext
     _info: DeviceInfo
+    _batch: bool
+    _spin: float
+    _unflushed: list[Stream]
     _conflicts: str
     _policy: SchedulingPolicy
     _closed: bool
@@ -341,6 +377,9 @@ class ResourceScope:
         self = object.__new__(cls)
         self._driver = driver
         self._info = driver.info
+        self._batch = bool(getattr(driver, "batch_markers", False))
+        self._spin = float(getattr(driver, "inline_spin", 0.0))
+        self._unflushed = []
         self._conflicts = conflicts
         self._policy = policy
         self._closed = False
@@ -398,7 +437,7 @@ class ResourceScope:
     def statistics(self) -> ScopeStatistics:
         retained: set[Allocation] = set()
         for s in self._streams:
-            for e in s._pending:
+            for e in (*s._pending, *s._unmarked):
                 if type(e) is Submission:
                     retained.update(e.leases)
         q_allocs = [a for a in self._allocs if a.state is AllocState.QUARANTINED]
@@ -562,27 +601,50 @@ class ResourceScope:
         return DeviceFuture._create(sub)
 
     def _finish_submission(self, sub: Submission, out: object) -> None:
+        """Put an enqueued submission in flight. Its completion marker is
+        recorded now, or, when the driver batches markers, once for every
+        submission of the stream since the last one (see :meth:`_flush`)."""
         s = sub.stream
         sub.output = out
-        try:
-            sub.marker = self._driver.record_marker(s.handle)
-        except BaseException as exc:
-            self._submitted += 1
-            self._in_flight += 1
-            s._in_flight += 1
-            self._quarantine_submission(sub, exc)
-            raise
         sub.state = SubState.IN_FLIGHT
-        s._pending.append(sub)
         s._in_flight += 1
         s._submitted += 1
         self._submitted += 1
         self._in_flight += 1
+        if not s._unmarked:
+            self._unflushed.append(s)
+        s._unmarked.append(sub)
+        if not self._batch:
+            self._flush(s)
         self._driver.notify_submitted()
         idle = self._idle
         if idle is not None:
             self._idle = None
             idle.set()
+
+    def _flush(self, s: Stream) -> None:
+        """Record one completion marker after the stream's unmarked
+        submissions. If that fails, their completion cannot be established."""
+        subs = s._unmarked
+        if not subs:
+            return
+        s._unmarked = []
+        try:
+            marker = self._driver.record_marker(s.handle)
+        except Exception as exc:
+            for sub in subs:
+                self._quarantine_submission(sub, exc)
+            return
+        for sub in subs:
+            sub.marker = marker
+        s._pending.extend(subs)
+
+    def _flush_all(self) -> None:
+        streams = self._unflushed
+        if streams:
+            self._unflushed = []
+            for s in streams:
+                self._flush(s)
 
     async def run(self, op: DeviceOp[T], *, stream: Stream | None = None) -> T:
         """Submit ``op`` and wait for its output. If the calling task is
@@ -698,6 +760,7 @@ class ResourceScope:
                     await self._driver.wait_for_progress(heads)  # type: ignore[arg-type]
 
     def _scan(self) -> None:
+        self._flush_all()
         gc = self._gc_releases
         while gc:
             self._release_handle(gc.popleft())
@@ -811,7 +874,7 @@ class ResourceScope:
     # ------------------------------------------------------------------ exit
     async def _drain(self, timeout: float | None) -> None:
         with trio.move_on_after(math.inf if timeout is None else timeout):
-            while self._in_flight or any(s._pending for s in self._streams):
+            while self._in_flight or any(s._pending or s._unmarked for s in self._streams):
                 self._drain_event = trio.Event()
                 self._wake()
                 await self._drain_event.wait()
@@ -820,6 +883,7 @@ class ResourceScope:
     def _abandon_in_flight(self, timeout: float | None) -> None:
         """Quarantine what is still in flight after the drain timeout."""
         abandoned = 0
+        self._flush_all()
         for stream in self._streams:
             pending = stream._pending
             while pending:
@@ -929,7 +993,7 @@ class _ScopeManager:
         try:
             with trio.CancelScope(shield=True):
                 await scope._drain(timeout)
-                if scope._in_flight or any(s._pending for s in scope._streams):
+                if scope._in_flight or any(s._pending or s._unmarked for s in scope._streams):
                     scope._abandon_in_flight(timeout)
                 scope._release_everything()
         finally:

@@ -231,8 +231,11 @@ class EnqueueContext:
         if other.state is not SubState.IN_FLIGHT or (waits is not None and other.id in waits):
             return waits
         marker = other.marker
-        assert marker is not None
-        if self.driver.poll_marker(marker).state is not MarkerState.PENDING:
+        if marker is None:
+            self.scope._flush(other.stream)
+            if other.marker is None:  # recording the marker failed: quarantined
+                return waits
+        elif self.driver.poll_marker(marker).state is not MarkerState.PENDING:
             return waits  # completed; the handoff task retires it soon
         if self.scope._conflicts == "error":
             raise AccessConflictError(
@@ -272,7 +275,10 @@ class EnqueueContext:
 
             raise CompletionUnknownError(f"shared op: completion of {other.label} is unknown")
         if other.state is SubState.IN_FLIGHT and other.stream is not self.stream:
-            assert other.marker is not None
+            if other.marker is None:
+                self.scope._flush(other.stream)
+                if other.marker is None:  # quarantined
+                    return
             self.driver.wait_marker(self.stream.handle, other.marker)
             self._enqueued()
 
@@ -334,6 +340,7 @@ class EnqueueContext:
         result: HostResult[Any] = HostResult()
         self.retain(fn)
         self.retain(args)
+        self.scope._flush(self.stream)  # earlier submissions' marker must precede the gate
         marker = self.driver.record_marker(self.stream.handle)
         gate = self.driver.create_gate(self.stream.handle)
         self._enqueued()
