@@ -780,13 +780,13 @@ async def test_batched_marker_error_fails_the_whole_burst():
 
 
 async def test_inline_spin_returns_before_retirement_and_retires_in_order():
-    sim = SimDevice(kernel_time=0.0005, inline_spin=0.05)
+    sim = SimDevice(kernel_time=0.0005, await_spin=0.05)
     async with trio_cuda.open_scope(device=sim, streams=1) as gpu:
         a = await gpu.to_device(host(16))
-        out = await gpu.run(add(a, 1.0))
-        assert out is a
-        # the result came from the waiter's own poll; the handoff retires it afterwards
-        assert gpu.statistics().leases_held == 1
+        fut = gpu.submit(add(a, 1.0))
+        assert await fut.wait() is a
+        # the waiter polled its own marker and never parked on the handoff's event
+        assert fut._sub.event is None
         await trio.testing.wait_all_tasks_blocked()
         assert gpu.statistics().leases_held == 0
         np.testing.assert_array_equal(await gpu.to_host(a), host(16) + 1)  # finisher path: no spin
@@ -794,11 +794,21 @@ async def test_inline_spin_returns_before_retirement_and_retires_in_order():
 
 
 async def test_inline_spin_gives_up_on_held_work_and_parks():
-    sim = SimDevice(inline_spin=0.001)
+    sim = SimDevice(await_spin=0.001)
     async with trio_cuda.open_scope(device=sim) as gpu, trio.open_nursery() as nursery:
         a = await gpu.to_device(host(16))
         sim.hold()
         nursery.start_soon(release_after, sim, 0.05)
         t0 = time.perf_counter()
-        await gpu.run(add(a, 1.0))
+        fut = gpu.submit(add(a, 1.0))
+        await fut.wait()
         assert time.perf_counter() - t0 >= 0.04
+        assert fut._sub.event is not None  # it parked after the spin budget
+
+
+async def test_scope_whose_body_never_yields_exits():
+    with trio.fail_after(5):
+        async with trio_cuda.open_scope(device="sim"):
+            pass
+        async with trio_cuda.open_scope(device="sim") as gpu:
+            gpu.zeros(4, np.float32)

@@ -360,7 +360,7 @@ class SimDevice:
     batch_markers: bool = attrs.field(default=False, kw_only=True)
     #: seconds an awaiting task polls its own marker before parking (see
     #: ``DeviceFuture.wait``); useful with ``kernel_time`` to model a GPU
-    inline_spin: float = attrs.field(default=0.0, kw_only=True, validator=_check_time)
+    await_spin: float = attrs.field(default=0.0, kw_only=True, validator=_check_time)
 
     _held: bool = attrs.field(init=False, default=False)
     _next_ptr: int = attrs.field(init=False, default=_BASE_ADDRESS)
@@ -943,8 +943,8 @@ class SimContext:
         return self._device.batch_markers
 
     @property
-    def inline_spin(self) -> float:
-        return self._device.inline_spin
+    def await_spin(self) -> float:
+        return self._device.await_spin
 
     @property
     def closed(self) -> bool:

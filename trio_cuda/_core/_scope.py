@@ -234,6 +234,8 @@ class DeviceFuture(Generic[T]):
             if sub.scope._spin and self._spin():
                 await trio.lowlevel.checkpoint()
                 return resolve_output(sub.output)  # type: ignore[return-value]
+            if sub.marker is None:
+                sub.scope._flush(sub.stream)  # someone waits: record the marker now
             event = sub.event
             if event is None:
                 event = sub.event = trio.Event()
@@ -244,7 +246,7 @@ class DeviceFuture(Generic[T]):
 
     def _spin(self) -> bool:
         """Inline spin budget: poll this submission's marker for a few
-        microseconds (the driver's ``inline_spin``) before parking, so a short
+        microseconds (the driver's ``await_spin``) before parking, so a short
         kernel's result is returned without a round trip through the handoff
         task. Retirement (leases, memory) still happens there, in order."""
         sub = self._sub
@@ -378,7 +380,7 @@ class ResourceScope:
         self._driver = driver
         self._info = driver.info
         self._batch = bool(getattr(driver, "batch_markers", False))
-        self._spin = float(getattr(driver, "inline_spin", 0.0))
+        self._spin = float(getattr(driver, "await_spin", 0.0))
         self._unflushed = []
         self._conflicts = conflicts
         self._policy = policy
@@ -747,6 +749,8 @@ class ResourceScope:
         with trio.CancelScope(shield=True) as cs:
             self._handoff_cs = cs
             task_status.started()
+            if self._closed:  # the scope exited before this task first ran
+                return
             while True:
                 self._scan()
                 heads = [s._pending[0].marker for s in self._streams if s._pending]

@@ -1,0 +1,617 @@
+"""trio_cuda benchmarks: one command, one table of ratios.
+
+    python3 benchmarks/run.py [--json PATH] [--quick] [--only SECTION,...]
+
+Everything is measured in one process on one GPU, as medians over repeats:
+raw cuda.bindings launches (and the argument-packing variants), the library's
+launch paths (unsafe.async_on, safe submit, await run), many-task throughput,
+idle CPU while awaiting a long kernel, the completion strategies A/B, the
+cross-stream wait A/B, and CuPy / Torch / cuda.core where installed.
+Needs a CUDA device; prints the reason and exits 0 without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import trio
+
+import trio_cuda
+from trio_cuda import In, Kernel, Scalar
+from trio_cuda._backends import probe_cuda
+
+EMPTY_SRC = r"""
+extern "C" __global__ void empty(const float* a, const float* b, const float* c, const float* d, int n) { }
+"""
+SPIN_SRC = r"""
+extern "C" __global__ void spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+EMPTY = Kernel.from_source(EMPTY_SRC, "empty", params=[In("f4"), In("f4"), In("f4"), In("f4"), Scalar("i4")])
+SPIN = Kernel.from_source(SPIN_SRC, "spin", params=[Scalar("u8")])
+
+perf = time.perf_counter
+RESULTS: dict[str, Any] = {}
+QUICK = False
+
+
+def med(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def record(key: str, value: float, unit: str, note: str = "") -> float:
+    RESULTS[key] = {"value": value, "unit": unit, "note": note}
+    print(f"  {key:<48} {value:12.3f} {unit} {note}", flush=True)
+    return value
+
+
+def reps(n: int) -> int:
+    return max(3, n // 4) if QUICK else n
+
+
+# --------------------------------------------------------------------------- raw driver
+
+
+class Raw:
+    """Raw cuda.bindings state: context, stream, the empty kernel, 4 buffers."""
+
+    def __init__(self) -> None:
+        from cuda.bindings import driver as cu
+
+        from trio_cuda._backends import _cuda_nvrtc
+
+        self.cu = cu
+        (err,) = cu.cuInit(0)
+        assert not err, err
+        err, self.dev = cu.cuDeviceGet(0)
+        err, self.ctx = cu.cuDevicePrimaryCtxRetain(self.dev)
+        (err,) = cu.cuCtxSetCurrent(self.ctx)
+        assert not err
+        major = cu.cuDeviceGetAttribute(
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.dev
+        )[1]
+        minor = cu.cuDeviceGetAttribute(
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.dev
+        )[1]
+        self.cc = (int(major), int(minor))
+        err, drv = cu.cuDriverGetVersion()
+        img = _cuda_nvrtc.compile_source(EMPTY_SRC + SPIN_SRC, "raw", (), self.cc, int(drv)).image
+        err, self.mod = cu.cuModuleLoadData(img)
+        assert not err, err
+        err, self.fn = cu.cuModuleGetFunction(self.mod, b"empty")
+        err, self.spin = cu.cuModuleGetFunction(self.mod, b"spin")
+        err, self.stream = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        self.bufs = [int(cu.cuMemAlloc(1024)[1]) for _ in range(4)]
+        # prepacked arena: 4 pointers + 1 int, and the void** array
+        self.arena = np.zeros(40, np.uint8)
+        self.arena[:32] = np.array(self.bufs, np.uint64).view(np.uint8)
+        self.arena[32:36] = np.array([256], np.int32).view(np.uint8)
+        base = self.arena.ctypes.data
+        self.ptrs = np.array([base, base + 8, base + 16, base + 24, base + 32], np.uint64)
+        self.params = int(self.ptrs.ctypes.data)
+        size = ctypes.c_size_t(36)
+        self._size = size
+        self.extra = np.array(
+            [
+                int(cu.CU_LAUNCH_PARAM_BUFFER_POINTER),
+                base,
+                int(cu.CU_LAUNCH_PARAM_BUFFER_SIZE),
+                ctypes.addressof(size),
+                int(cu.CU_LAUNCH_PARAM_END),
+            ],
+            np.uint64,
+        )
+        self.spin_arena = np.zeros(8, np.uint64)
+        self.spin_ptrs = np.array([self.spin_arena.ctypes.data], np.uint64)
+
+    def sync(self) -> None:
+        (err,) = self.cu.cuStreamSynchronize(self.stream)
+        assert not err, err
+
+    def spin_params(self, ns: int) -> int:
+        self.spin_arena[0] = ns
+        return int(self.spin_ptrs.ctypes.data)
+
+
+def burst(fn: Callable[[], object], n: int, sync: Callable[[], None], bursts: int) -> float:
+    """Median host time per call (µs) over bursts of ``n`` calls."""
+    per = []
+    gc.collect()
+    gc.disable()  # as timeit does: no collector pauses inside a timed burst
+    try:
+        for _ in range(bursts):
+            sync()
+            t0 = perf()
+            for _ in range(n):
+                fn()
+            per.append((perf() - t0) / n * 1e6)
+    finally:
+        gc.enable()
+    sync()
+    return med(per)
+
+
+def bench_raw(raw: Raw) -> None:
+    print("raw cuda.bindings cuLaunchKernel (host µs per launch, bursts of 1000)")
+    cu = raw.cu
+    L = cu.cuLaunchKernel
+    fn, st, params = raw.fn, raw.stream, raw.params
+    fn_i, st_i = int(fn), int(st)
+    extra = int(raw.extra.ctypes.data)
+    ptrs = raw.ptrs
+    B = reps(15)
+
+    def v_obj() -> object:
+        return L(fn, 1, 1, 1, 1, 1, 1, 0, st, params, 0)
+
+    def v_int() -> object:
+        return L(fn_i, 1, 1, 1, 1, 1, 1, 0, st_i, params, 0)
+
+    def v_extra() -> object:
+        return L(fn, 1, 1, 1, 1, 1, 1, 0, st, None, extra)
+
+    def v_buffer() -> object:
+        return L(fn, 1, 1, 1, 1, 1, 1, 0, st, ptrs, 0)
+
+    b0, b1, b2, b3 = raw.bufs
+    vals = (b0, b1, b2, b3, 256)
+    types = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+
+    def v_tuple() -> object:
+        return L(fn, 1, 1, 1, 1, 1, 1, 0, st, (vals, types), 0)
+
+    args = (fn, 1, 1, 1, 1, 1, 1, 0, st, params, 0)
+
+    def v_star() -> object:
+        return L(*args)
+
+    for name, f in [
+        ("raw_launch", v_obj),
+        ("raw_launch_int_handles", v_int),
+        ("raw_launch_star_args", v_star),
+        ("raw_launch_extra_buffer", v_extra),
+        ("raw_launch_numpy_voidpp", v_buffer),
+        ("raw_launch_tuple_packing", v_tuple),
+    ]:
+        (err,) = f()  # type: ignore[misc]
+        assert not err, (name, err)
+        record(name, burst(f, 1000, raw.sync, B), "us")
+
+    def launch_sync() -> None:
+        L(fn, 1, 1, 1, 1, 1, 1, 0, st, params, 0)
+        cu.cuStreamSynchronize(st)
+
+    record("raw_launch_sync_roundtrip", burst(launch_sync, 200, raw.sync, B), "us")
+    dptr = cu.CUdeviceptr(raw.bufs[0])
+    W = cu.cuStreamWriteValue32
+    record("raw_write_value32", burst(lambda: W(st, dptr, 1, 0), 1000, raw.sync, B), "us")
+    record("raw_write_value32_int_addr", burst(lambda: W(st, raw.bufs[0], 1, 0), 1000, raw.sync, B), "us")
+    err, ev = cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    record("raw_event_record", burst(lambda: cu.cuEventRecord(ev, st), 1000, raw.sync, B), "us")
+    record("raw_event_query", burst(lambda: cu.cuEventQuery(ev), 1000, raw.sync, B), "us")
+    record("raw_launch+write_value32", burst(lambda: (v_obj(), W(st, dptr, 1, 0)), 1000, raw.sync, B), "us")
+
+
+# --------------------------------------------------------------------------- library
+
+
+async def _scope_bench(raw: Raw) -> None:
+    async with trio_cuda.open_scope(device="cuda", streams=4) as gpu:
+        ctx: Any = gpu._driver
+        bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
+        op = EMPTY.launch(*bufs, 256, grid=1, block=1)
+        s = gpu.streams[0]
+        await gpu.run(op, stream=s)
+        fn = gpu._functions[EMPTY]
+        handle = s.handle
+        prepared = op.prepared
+        B = reps(15)
+
+        def sync() -> None:
+            raw.cu.cuStreamSynchronize(handle.cu)
+
+        print("library launch paths (host µs per launch, bursts of 1000)")
+        record("backend_launch", burst(lambda: ctx.launch(handle, fn, prepared), 1000, sync, B), "us")
+        async_on = trio_cuda.unsafe.async_on
+        record("unsafe_async_on", burst(lambda: async_on(op, s), 1000, sync, B), "us")
+
+        # safe submit: bursts, then let the handoff retire everything
+        per = []
+        for _ in range(B):
+            await gpu.run(trio_cuda.ops.value(None), stream=s)
+            gc.disable()
+            t0 = perf()
+            for _ in range(1000):
+                fut = gpu.submit(op, stream=s)
+            per.append((perf() - t0) / 1000 * 1e6)
+            gc.enable()
+            await fut.wait()
+        record("safe_submit", med(per), "us")
+        # the same, round-robin over the 4 streams
+        per = []
+        for _ in range(B):
+            await gpu.run(trio_cuda.ops.value(None))
+            gc.disable()
+            t0 = perf()
+            for _ in range(1000):
+                fut = gpu.submit(op)
+            per.append((perf() - t0) / 1000 * 1e6)
+            gc.enable()
+            await fut.wait()
+        record("safe_submit_round_robin", med(per), "us")
+        # one task: await run round trip
+        per = []
+        for _ in range(B):
+            t0 = perf()
+            for _ in range(200):
+                await gpu.run(op, stream=s)
+            per.append((perf() - t0) / 200 * 1e6)
+        record("await_run_roundtrip", med(per), "us")
+
+        # A/B of the marker write policy
+        for mode in ("eager", "deferred", "hybrid"):
+            ctx.marker_mode = mode
+            per = []
+            for _ in range(B):
+                await gpu.run(trio_cuda.ops.value(None), stream=s)
+                gc.disable()
+                t0 = perf()
+                for _ in range(1000):
+                    fut = gpu.submit(op, stream=s)
+                per.append((perf() - t0) / 1000 * 1e6)
+                gc.enable()
+                await fut.wait()
+            record(f"markers_{mode}:safe_submit", med(per), "us")
+            per = []
+            for _ in range(B):
+                t0 = perf()
+                for _ in range(200):
+                    await gpu.run(op, stream=s)
+                per.append((perf() - t0) / 200 * 1e6)
+            record(f"markers_{mode}:roundtrip", med(per), "us")
+            rates = [await _many_tasks(gpu, op, 100, 100) for _ in range(reps(5))]
+            record(f"markers_{mode}:100_tasks", med(rates), "launch/s")
+        ctx.marker_mode = "hybrid"
+
+
+async def _strategy_bench(
+    raw: Raw, strategy: str, spin: float | None, inline: float | None, tag: str
+) -> None:
+    async with trio_cuda.open_scope(device="cuda", streams=4) as gpu:
+        ctx: Any = gpu._driver
+        ctx.set_wait_strategy(strategy, spin_budget=spin, inline_spin=inline)
+        bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
+        op = EMPTY.launch(*bufs, 256, grid=1, block=1)
+        s = gpu.streams[0]
+        await gpu.run(op, stream=s)
+        B = reps(9)
+        per = []
+        for _ in range(B):
+            t0 = perf()
+            for _ in range(200):
+                await gpu.run(op, stream=s)
+            per.append((perf() - t0) / 200 * 1e6)
+        record(f"{tag}:roundtrip", med(per), "us")
+
+        rates = []
+        for _ in range(reps(5)):
+            rates.append(await _many_tasks(gpu, op, 100, 100))
+        record(f"{tag}:100_tasks", med(rates), "launch/s")
+
+        # idle CPU and wake-up latency while awaiting a long kernel
+        long_op = SPIN.launch(np.uint64(100_000_000), grid=1, block=1)
+        await gpu.run(SPIN.launch(np.uint64(1000), grid=1, block=1), stream=s)
+        cpu = []
+        for _ in range(reps(5)):
+            gc.collect()
+            c0, w0 = time.process_time(), perf()
+            await gpu.run(long_op, stream=s)
+            cpu.append((time.process_time() - c0) / (perf() - w0) * 100)
+        record(f"{tag}:cpu_100ms_kernel", med(cpu), "%core")
+        over = []
+        short = SPIN.launch(np.uint64(2_000_000), grid=1, block=1)
+        for _ in range(reps(9)):
+            w0 = perf()
+            await gpu.run(short, stream=s)
+            over.append((perf() - w0 - 0.002) * 1e6)
+        record(f"{tag}:wake_2ms_overshoot", med(over), "us")
+
+
+async def _many_tasks(gpu: Any, op: Any, ntasks: int, per_task: int) -> float:
+    async def worker() -> None:
+        for _ in range(per_task):
+            await gpu.run(op)
+
+    t0 = perf()
+    async with trio.open_nursery() as nursery:
+        for _ in range(ntasks):
+            nursery.start_soon(worker)
+    return ntasks * per_task / (perf() - t0)
+
+
+async def _tasks_bench(raw: Raw) -> None:
+    async with trio_cuda.open_scope(device="cuda", streams=4) as gpu:
+        bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
+        op = EMPTY.launch(*bufs, 256, grid=1, block=1)
+        await gpu.run(op)
+        print("many tasks (each awaiting its own launches)")
+        r100 = [await _many_tasks(gpu, op, 100, 200) for _ in range(reps(5))]
+        record("tasks_100", med(r100), "launch/s")
+        r10k = [await _many_tasks(gpu, op, 10_000, 5) for _ in range(reps(3))]
+        record("tasks_10000", med(r10k), "launch/s")
+
+        # per-op memory: peak traced bytes per concurrently awaited op
+        for n in (100, 10_000):
+            gc.collect()
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            await _many_tasks(gpu, op, n, 1)
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            record(f"mem_per_op_{n}_tasks", (peak - base) / n, "B")
+
+
+def bench_wait_marker(raw: Raw) -> None:
+    """Cross-stream dependency A/B: a chain of empty kernels alternating
+    between two streams, each waiting on the other's marker."""
+    print("cross-stream wait (µs per dependent hop; host and device)")
+
+    async def main() -> None:
+        async with trio_cuda.open_scope(device="cuda", streams=2) as gpu:
+            ctx: Any = gpu._driver
+            bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
+            op = EMPTY.launch(*bufs, 256, grid=1, block=1)
+            await gpu.run(op)
+            fn = gpu._functions[EMPTY]
+            a, b = (s.handle for s in gpu.streams)
+            N = 2000
+            for mode in ("same_stream", "flag", "event"):
+                ctx.wait_marker_mode = mode if mode != "same_stream" else "flag"
+                host, dev = [], []
+                for _ in range(reps(7)):
+                    raw.cu.cuCtxSynchronize()
+                    t0 = perf()
+                    for i in range(N):
+                        src, dst = (a, b) if i % 2 else (b, a)
+                        if mode == "same_stream":
+                            ctx.launch(a, fn, op.prepared)
+                            continue
+                        m = ctx.record_marker(src)
+                        ctx.wait_marker(dst, m)
+                        ctx.launch(dst, fn, op.prepared)
+                    t1 = perf()
+                    raw.cu.cuCtxSynchronize()
+                    t2 = perf()
+                    host.append((t1 - t0) / N * 1e6)
+                    dev.append((t2 - t0) / N * 1e6)
+                record(f"hop_{mode}_host", med(host), "us")
+                record(f"hop_{mode}_wall", med(dev), "us")
+            ctx.wait_marker_mode = "flag"
+
+    trio.run(main)
+
+
+# --------------------------------------------------------------------------- peers
+
+
+def bench_peers(raw: Raw) -> None:
+    print("peers (host µs per launch, bursts of 1000)")
+    B = reps(15)
+    try:
+        import cupy as cp
+
+        k = cp.RawKernel(EMPTY_SRC, "empty")
+        arrs = [cp.zeros(256, cp.float32) for _ in range(4)]
+        n = np.int32(256)
+        cs = cp.cuda.Stream(non_blocking=True)
+        with cs:
+            k((1,), (1,), (*arrs, n))
+            record("cupy_rawkernel", burst(lambda: k((1,), (1,), (*arrs, n)), 1000, cs.synchronize, B), "us")
+    except Exception as exc:
+        RESULTS["cupy_rawkernel"] = {"value": None, "note": repr(exc)[:200]}
+        print("  cupy:", repr(exc)[:200])
+    try:
+        import torch
+
+        x = torch.zeros(256, device="cuda")
+        y = torch.zeros(256, device="cuda")
+        z = torch.zeros(256, device="cuda")
+        torch.add(x, y, out=z)
+        torch.cuda.synchronize()
+        record("torch_add", burst(lambda: torch.add(x, y, out=z), 1000, torch.cuda.synchronize, B), "us")
+    except Exception as exc:
+        RESULTS["torch_add"] = {"value": None, "note": repr(exc)[:200]}
+        print("  torch:", repr(exc)[:200])
+    try:
+        try:
+            from cuda.core import Device, LaunchConfig, Program, ProgramOptions, launch
+        except ImportError:
+            from cuda.core.experimental import Device, LaunchConfig, Program, ProgramOptions, launch
+        dev = Device(0)
+        dev.set_current()
+        stream = dev.create_stream()
+        prog = Program(EMPTY_SRC, code_type="c++", options=ProgramOptions(arch=f"sm_{raw.cc[0]}{raw.cc[1]}"))
+        mod = prog.compile("cubin")
+        ker = mod.get_kernel("empty")
+        cfg = LaunchConfig(grid=1, block=1)
+        ptrs = [np.uintp(b) for b in raw.bufs]
+        n = np.int32(256)
+        launch(stream, cfg, ker, *ptrs, n)
+        stream.sync()
+        record(
+            "cuda_core_launch", burst(lambda: launch(stream, cfg, ker, *ptrs, n), 1000, stream.sync, B), "us"
+        )
+    except Exception as exc:
+        RESULTS["cuda_core_launch"] = {"value": None, "note": repr(exc)[:200]}
+        print("  cuda.core:", repr(exc)[:200])
+
+
+# --------------------------------------------------------------------------- table
+
+
+def v(key: str) -> float | None:
+    e = RESULTS.get(key)
+    return None if e is None else e.get("value")
+
+
+def table() -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+
+    def row(
+        name: str,
+        value: float | None,
+        unit: str,
+        base: float | None,
+        target: str,
+        ok: Callable[[float], bool] | None,
+    ) -> None:
+        ratio = None if value is None or not base else value / base
+        met = None if ratio is None or ok is None else ok(ratio)
+        rows.append(
+            {"benchmark": name, "value": value, "unit": unit, "ratio": ratio, "target": target, "met": met}
+        )
+
+    raw = v("raw_launch")
+    raw_rate = 1e6 / raw if raw else None
+    row("raw prepacked cuLaunchKernel", raw, "us/launch", raw, "(baseline)", None)
+    row("unsafe.async_on", v("unsafe_async_on"), "us/launch", raw, "<= 1.10 x raw", lambda r: r <= 1.10)
+    row("safe gpu.submit", v("safe_submit"), "us/launch", raw, "<= 1.5 x raw", lambda r: r <= 1.5)
+    row(
+        "await gpu.run round trip",
+        v("await_run_roundtrip"),
+        "us",
+        v("raw_launch_sync_roundtrip"),
+        "<= 1.25 x launch+sync",
+        lambda r: r <= 1.25,
+    )
+    t100 = v("tasks_100")
+    row("100 tasks, own launches", t100, "launch/s", raw_rate, ">= 0.7 x raw rate", lambda r: r >= 0.7)
+    row("10,000 tasks", v("tasks_10000"), "launch/s", t100, ">= 0.8 x 100-task rate", lambda r: r >= 0.8)
+    m100, m10k = v("mem_per_op_100_tasks"), v("mem_per_op_10000_tasks")
+    row("memory per op, 10k vs 100 tasks", m10k, "B/op", m100, "no growth (<= 1.2x)", lambda r: r <= 1.2)
+    cpu = v("adaptive:cpu_100ms_kernel")
+    row("idle CPU awaiting a 100 ms kernel", cpu, "% core", 100.0, "< 5 % of a core", lambda r: r < 0.05)
+    row(
+        "graph replay, 100-kernel op",
+        None,
+        "n/a (graphs not implemented yet)",
+        None,
+        ">= 10 x less host time",
+        None,
+    )
+    for key, name in (
+        ("cupy_rawkernel", "CuPy RawKernel"),
+        ("torch_add", "torch.add"),
+        ("cuda_core_launch", "cuda.core launch"),
+    ):
+        row(name, v(key), "us/launch", raw, "(reference)", None)
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print()
+    print(f"{'benchmark':<36} {'value':>12} {'unit':<10} {'ratio':>7}  {'target':<24} met")
+    print("-" * 100)
+    for r in rows:
+        val = "n/a" if r["value"] is None else f"{r['value']:.2f}"
+        unit = r["unit"]
+        if r["value"] is None and "n/a" in unit:
+            val, unit = "n/a", unit
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        met = "" if r["met"] is None else ("yes" if r["met"] else "MISSED")
+        print(f"{r['benchmark']:<36} {val:>12} {unit:<10} {ratio:>7}  {r['target']:<24} {met}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+STRATEGIES = [
+    # tag, strategy, spin budget, inline spin
+    ("adaptive", "adaptive", None, None),
+    ("adaptive_no_inline", "adaptive", None, 0.0),
+    ("sleep_poll", "sleep", None, 0.0),
+    ("event_poll", "event", None, 0.0),
+    ("thread_block", "thread", 0.0, 0.0),
+    ("thread_block+spin", "thread", 200e-6, 20e-6),
+]
+
+
+def main() -> int:
+    global QUICK
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="also write the results as JSON to this path")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    ap.add_argument(
+        "--only", default="", help="comma-separated sections: raw,lib,tasks,strategies,hops,peers"
+    )
+    args = ap.parse_args()
+    QUICK = args.quick
+    probe = probe_cuda()
+    if not probe.available:
+        print(f"no CUDA device: {probe.reason}")
+        return 0
+    only = set(filter(None, args.only.split(",")))
+
+    def want(name: str) -> bool:
+        return not only or name in only
+
+    raw = Raw()
+    sections: list[tuple[str, Callable[[], None]]] = [
+        ("raw", lambda: bench_raw(raw)),
+        ("lib", lambda: trio.run(_scope_bench, raw)),
+        ("tasks", lambda: trio.run(_tasks_bench, raw)),
+        ("hops", lambda: bench_wait_marker(raw)),
+    ]
+    for tag, strat, spin, inline in STRATEGIES:
+        sections.append(
+            (
+                "strategies",
+                lambda tag=tag, strat=strat, spin=spin, inline=inline: (  # type: ignore[misc]
+                    print(f"completion strategy {tag}"),
+                    trio.run(_strategy_bench, raw, strat, spin, inline, tag),
+                ),
+            )
+        )
+    sections.append(("peers", lambda: bench_peers(raw)))
+    t0 = perf()
+    for name, fn in sections:
+        if not want(name):
+            continue
+        try:
+            fn()
+        except Exception as exc:  # keep going: one broken section must not hide the rest
+            import traceback
+
+            traceback.print_exc()
+            RESULTS[f"error:{name}"] = repr(exc)[:300]
+    rows = table()
+    print_table(rows)
+    print(
+        f"\n(total {perf() - t0:.1f} s; device: {probe.device_count} GPU(s), driver {probe.driver_version})"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": RESULTS, "table": rows}, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
