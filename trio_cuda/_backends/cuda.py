@@ -578,7 +578,7 @@ class CudaContext:
         #: written at once (so the write queues right behind the work and adds
         #: no latency), later ones are deferred and coalesced until the next
         #: flush; "deferred": always deferred; "eager": a write per marker
-        self.marker_mode = "hybrid"
+        self.marker_mode = "eager"  # the core already coalesces markers (batch_markers)
         self._hot: list[CudaStream] = []  # streams that wrote a marker since the last flush
         # counters (statistics for tests and benchmarks)
         self.counters = {"handoffs": 0, "event_waits": 0, "poll_waits": 0, "loop_sleeps": 0, "spins": 0}

@@ -194,6 +194,31 @@ class Stream:
 # --------------------------------------------------------------------------- future
 
 
+def _find_run_context() -> Any:
+    """Trio's run context, to read the run queue without the ~2 µs of
+    ``current_statistics()``; None on Trio versions without it (no spinning)."""
+    try:
+        from trio._core import _run
+    except ImportError:  # pragma: no cover
+        return None
+    return getattr(_run, "GLOBAL_RUN_CONTEXT", None)
+
+
+_RUN_CONTEXT: Any = _find_run_context()
+
+
+def _others_runnable(handoff: object) -> bool:
+    """True when Trio tasks other than the scope's handoff task are ready to
+    run: then spinning would delay them, so a waiter parks at once."""
+    try:
+        runq = _RUN_CONTEXT.runner.runq
+    except AttributeError:  # pragma: no cover
+        return True
+    n = len(runq)
+    return n > 1 or (n == 1 and runq[0] is not handoff)
+
+
+
 @final
 class DeviceFuture(Generic[T]):
     """The pending result of ``scope.submit(op)``.
@@ -231,7 +256,8 @@ class DeviceFuture(Generic[T]):
         or release the GPU work."""
         sub = self._sub
         if sub.state not in TERMINAL:
-            if sub.scope._spin and self._spin():
+            scope = sub.scope
+            if scope._spin and not _others_runnable(scope._handoff_task) and self._spin():
                 await trio.lowlevel.checkpoint()
                 return resolve_output(sub.output)  # type: ignore[return-value]
             if sub.marker is None:
@@ -245,10 +271,11 @@ class DeviceFuture(Generic[T]):
         return self._outcome()
 
     def _spin(self) -> bool:
-        """Inline spin budget: poll this submission's marker for a few
-        microseconds (the driver's ``await_spin``) before parking, so a short
-        kernel's result is returned without a round trip through the handoff
-        task. Retirement (leases, memory) still happens there, in order."""
+        """Inline spin budget: when no other task is ready to run, poll this
+        submission's marker for a few microseconds (the driver's
+        ``await_spin``) before parking, so a short kernel's result is returned
+        without a round trip through the handoff task. Retirement (leases,
+        memory) still happens there, in order."""
         sub = self._sub
         if sub.finishers or sub.error is not None or sub.state is not SubState.IN_FLIGHT:
             return False
@@ -315,6 +342,7 @@ class ResourceScope:
         "_functions",
         "_gc_releases",
         "_handoff_cs",
+        "_handoff_task",
         "_host_steps",
         "_idle",
         "_in_flight",
@@ -362,6 +390,7 @@ class ResourceScope:
     _idle: trio.Event | None
     _drain_event: trio.Event | None
     _handoff_cs: trio.CancelScope | None
+    _handoff_task: trio.lowlevel.Task | None
     _token: trio.lowlevel.TrioToken
     _streams: tuple[Stream, ...]
 
@@ -405,6 +434,7 @@ class ResourceScope:
         self._idle = None
         self._drain_event = None
         self._handoff_cs = None
+        self._handoff_task = None
         self._token = trio.lowlevel.current_trio_token()
         self._streams = ()
         made: list[Stream] = []
@@ -748,6 +778,7 @@ class ResourceScope:
     async def _handoff(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with trio.CancelScope(shield=True) as cs:
             self._handoff_cs = cs
+            self._handoff_task = trio.lowlevel.current_task()
             task_status.started()
             if self._closed:  # the scope exited before this task first ran
                 return

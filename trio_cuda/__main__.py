@@ -1,0 +1,177 @@
+"""The ``trio-cuda`` command (also ``python -m trio_cuda``).
+
+* ``info``: the backend ``open_scope(device="auto")`` would pick and why, the
+  CUDA devices, and the versions of trio_cuda and its dependencies. It never
+  crashes on a machine without a GPU or without libcuda.
+* ``demo [options]``: the cancellation-safe batch job (see ``demo --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+from typing import Any
+
+from ._version import __version__
+
+__all__ = ["main"]
+
+_DISTRIBUTIONS = ("trio", "attrs", "numpy", "cuda-bindings", "cuda-python", "cuda-pathfinder")
+
+
+def _driver_version(version: int) -> str:
+    if version <= 0:
+        return "unknown"
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _cuda_driver() -> Any:
+    """``cuda.bindings.driver``, or None; never raises."""
+    try:
+        return importlib.import_module("cuda.bindings.driver")
+    except Exception:
+        return None
+
+
+def _call(fn: Any, *args: Any) -> Any:
+    """Call a cuda.bindings function; its value on success, else None."""
+    try:
+        result = fn(*args)
+    except Exception:  # e.g. DynamicLibNotFoundError without libcuda
+        return None
+    if not isinstance(result, tuple) or not result:
+        return None
+    try:
+        if int(result[0]) != 0:
+            return None
+    except (TypeError, ValueError):
+        return None
+    if len(result) == 1:
+        return True
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def cuda_devices(count: int) -> list[str]:
+    """One line per CUDA device: name, compute capability, memory. Never raises."""
+    cu = _cuda_driver()
+    if cu is None:
+        return []
+    lines = []
+    attr = getattr(cu, "CUdevice_attribute", None)
+    for ordinal in range(count):
+        dev = _call(getattr(cu, "cuDeviceGet", None), ordinal)
+        if dev is None:
+            lines.append(f"cuda:{ordinal}: (cuDeviceGet failed)")
+            continue
+        raw_name = _call(getattr(cu, "cuDeviceGetName", None), 256, dev)
+        if isinstance(raw_name, bytes | bytearray):
+            name = bytes(raw_name).split(b"\0", 1)[0].decode(errors="replace")
+        else:
+            name = "unknown device"
+        parts = [name]
+        if attr is not None:
+            major = _call(cu.cuDeviceGetAttribute, attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+            minor = _call(cu.cuDeviceGetAttribute, attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+            if major is not None and minor is not None:
+                parts.append(f"compute capability {int(major)}.{int(minor)}")
+            sms = _call(cu.cuDeviceGetAttribute, attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)
+            if sms is not None:
+                parts.append(f"{int(sms)} SMs")
+        total = _call(getattr(cu, "cuDeviceTotalMem", None), dev)
+        if total is not None:
+            parts.append(f"{int(total) / 2**30:.1f} GiB")
+        lines.append(f"cuda:{ordinal}: " + ", ".join(parts))
+    return lines
+
+
+def _versions() -> list[tuple[str, str]]:
+    out = [("trio_cuda", __version__), ("python", f"{platform.python_version()} ({sys.executable})")]
+    for dist in _DISTRIBUTIONS:
+        try:
+            out.append((dist, metadata.version(dist)))
+        except metadata.PackageNotFoundError:
+            out.append((dist, "not installed"))
+    return out
+
+
+def info_lines() -> list[str]:
+    """What ``trio-cuda info`` prints."""
+    from ._backends import _cuda_backend_available, probe_cuda
+
+    probe = probe_cuda()
+    lines = []
+    if probe.available and _cuda_backend_available():
+        lines.append(
+            f"backend: cuda (driver {_driver_version(probe.driver_version)}, "
+            f"{probe.device_count} device(s) answer; open_scope(device='auto') uses cuda:0)"
+        )
+    elif probe.available:
+        lines.append(
+            f"backend: sim ({probe.device_count} CUDA device(s) answer, but the cuda backend is not "
+            f"installed; open_scope(device='auto') uses the simulator)"
+        )
+    else:
+        lines.append(f"backend: sim ({probe.reason}; open_scope(device='auto') uses the simulator)")
+    lines.append("devices:")
+    if probe.available:
+        lines.extend(f"  {line}" for line in cuda_devices(probe.device_count))
+    else:
+        lines.append("  (no CUDA device)")
+    lines.append("  sim: the simulated device (device='sim'), always available")
+    lines.append("versions:")
+    width = max(len(name) for name, _ in _versions())
+    lines.extend(f"  {name:<{width}}  {version}" for name, version in _versions())
+    return lines
+
+
+def _info(args: argparse.Namespace) -> int:
+    for line in info_lines():
+        print(line)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ._demo import run_from_args
+
+    return run_from_args(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ._demo import build_parser as demo_parser
+
+    parser = argparse.ArgumentParser(
+        prog="trio-cuda",
+        description="trio_cuda: structured concurrency for NVIDIA GPUs, on Trio.",
+    )
+    parser.add_argument("--version", action="version", version=f"trio_cuda {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    info = commands.add_parser("info", help="backend, devices and versions")
+    info.set_defaults(handler=_info)
+    demo = commands.add_parser(
+        "demo",
+        help="run the cancellation-safe batch job",
+        description="Run a cancellation-safe GPU batch job and check that nothing leaked.",
+    )
+    demo_parser(demo)
+    demo.set_defaults(handler=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``trio-cuda`` and ``python -m trio_cuda``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    status: int = handler(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
