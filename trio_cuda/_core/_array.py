@@ -59,8 +59,8 @@ class Allocation:
         self.nbytes = nbytes
         self.handles = 0
         self.state = AllocState.LIVE
-        #: every in-flight submission holding a lease, with its mode
-        self.active: dict[Submission, Access] = {}
+        #: number of in-flight submissions holding a lease on it
+        self.active = 0
         #: in-flight work later accesses must order after
         self.last_writer: Submission | None = None
         self.readers: dict[Submission, None] = {}

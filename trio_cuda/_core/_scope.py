@@ -36,8 +36,9 @@ import trio
 from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_shape
 from ._driver import DeviceContext, DeviceInfo, MarkerState, Poll, StreamHandle
 from ._errors import CompletionUnknownError, KernelArgumentError, ScopeClosedError
+from ._kernel import KernelLaunch
 from ._ops import Access, DeviceOp, _Copy, resolve_output
-from ._submit import TERMINAL, EnqueueContext, HostStep, Submission, SubState
+from ._submit import TERMINAL, EnqueueContext, HostStep, Submission, SubState, take_leases
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -149,7 +150,6 @@ class Stream:
         "_in_flight",
         "_pending",
         "_scope",
-        "_submitted",
         "_unmarked",
         "handle",
         "index",
@@ -161,7 +161,6 @@ class Stream:
     _pending: deque[Submission | HostStep]
     _unmarked: list[Submission]
     _in_flight: int
-    _submitted: int
     _completed: int
 
     def __init__(self) -> None:
@@ -176,7 +175,6 @@ class Stream:
         self._pending = deque()
         self._unmarked = []
         self._in_flight = 0
-        self._submitted = 0
         self._completed = 0
         return self
 
@@ -185,7 +183,9 @@ class Stream:
         return self._scope
 
     def statistics(self) -> StreamStatistics:
-        return StreamStatistics(self.index, self._in_flight, self._submitted, self._completed)
+        return StreamStatistics(
+            self.index, self._in_flight, self._completed + self._in_flight, self._completed
+        )
 
     def __repr__(self) -> str:
         return f"<Stream {self.index} of {self._scope._info.backend}:{self._scope._info.ordinal}>"
@@ -216,7 +216,6 @@ def _others_runnable(handoff: object) -> bool:
         return True
     n = len(runq)
     return n > 1 or (n == 1 and runq[0] is not handoff)
-
 
 
 @final
@@ -310,7 +309,9 @@ class DeviceFuture(Generic[T]):
 
     def statistics(self) -> FutureStatistics:
         sub = self._sub
-        return FutureStatistics(sub.state.value, sub.stream.index, len(sub.leases), sub.retained_bytes)
+        return FutureStatistics(
+            sub.state.value, sub.stream.index, len(sub.leases), sum(a.nbytes for a in sub.leases)
+        )
 
     def __repr__(self) -> str:
         return f"<DeviceFuture of {self._sub!r}>"
@@ -347,7 +348,6 @@ class ResourceScope:
         "_idle",
         "_in_flight",
         "_info",
-        "_leases_held",
         "_next_id",
         "_orphan_errors",
         "_policy",
@@ -355,7 +355,6 @@ class ResourceScope:
         "_quarantined_leases",
         "_spin",
         "_streams",
-        "_submitted",
         "_timed_out",
         "_token",
         "_unflushed",
@@ -379,9 +378,7 @@ class ResourceScope:
     _orphan_errors: list[BaseException]
     _quarantine: list[Submission]
     _quarantined_leases: int
-    _leases_held: int
     _in_flight: int
-    _submitted: int
     _completed: int
     _failed: int
     _host_steps: int
@@ -423,9 +420,7 @@ class ResourceScope:
         self._orphan_errors = []
         self._quarantine = []
         self._quarantined_leases = 0
-        self._leases_held = 0
         self._in_flight = 0
-        self._submitted = 0
         self._completed = 0
         self._failed = 0
         self._host_steps = 0
@@ -472,6 +467,8 @@ class ResourceScope:
             for e in (*s._pending, *s._unmarked):
                 if type(e) is Submission:
                     retained.update(e.leases)
+        # every lease taken and not yet released, the one being enqueued included
+        leases_held = sum(a.active for a in self._allocs) - self._quarantined_leases
         q_allocs = [a for a in self._allocs if a.state is AllocState.QUARANTINED]
         live = [a for a in self._allocs if a.state is not AllocState.FREED]
         return ScopeStatistics(
@@ -479,11 +476,11 @@ class ResourceScope:
             device=self._info.name,
             streams=len(self._streams),
             in_flight=self._in_flight,
-            submitted=self._submitted,
+            submitted=self._completed + self._in_flight,
             completed=self._completed,
             failed=self._failed,
             quarantined=len(self._quarantine),
-            leases_held=self._leases_held,
+            leases_held=leases_held,
             quarantined_leases=self._quarantined_leases,
             retained_bytes=sum(a.nbytes for a in retained),
             quarantined_bytes=sum(a.nbytes for a in q_allocs),
@@ -603,6 +600,8 @@ class ResourceScope:
         retained until it completed. Nothing is enqueued if the op is invalid
         from the start.
         """
+        if type(op) is KernelLaunch and not (self._closing or self._enqueuing):
+            return self._submit_launch(op, stream)
         if not isinstance(op, DeviceOp):
             from ._kernel import LaunchBuilder
 
@@ -632,6 +631,32 @@ class ResourceScope:
         self._finish_submission(sub, out)
         return DeviceFuture._create(sub)
 
+    def _submit_launch(self, op: KernelLaunch, stream: Stream | None) -> DeviceFuture[Any]:
+        """``submit`` for a single kernel launch, the hot path: the same steps
+        as ``EnqueueContext.launch`` without the generic op machinery."""
+        s = self._pick(op, stream) if stream is None or stream._scope is not self else stream
+        prepared = op.prepared
+        if prepared.cache.get("checked") is not self._info:
+            self._check_launch_config(prepared)
+        kernel = prepared.kernel
+        function = self._functions.get(kernel)
+        if function is None:
+            function = self._function(kernel)
+        self._next_id += 1
+        sub = Submission(self, s, self._next_id, op)
+        take_leases(self, s, sub, op._accesses, kernel.name)
+        sub.owners += (prepared, function)
+        try:
+            self._driver.launch(s.handle, function, prepared)
+        except BaseException as exc:
+            sub.error = exc  # leases were taken: retire them behind a marker
+            sub.observed = True
+            self._finish_submission(sub, None)
+            raise
+        sub.dirty = True
+        self._finish_submission(sub, op._output)
+        return DeviceFuture._create(sub)
+
     def _finish_submission(self, sub: Submission, out: object) -> None:
         """Put an enqueued submission in flight. Its completion marker is
         recorded now, or, when the driver batches markers, once for every
@@ -640,8 +665,6 @@ class ResourceScope:
         sub.output = out
         sub.state = SubState.IN_FLIGHT
         s._in_flight += 1
-        s._submitted += 1
-        self._submitted += 1
         self._in_flight += 1
         if not s._unmarked:
             self._unflushed.append(s)
@@ -853,11 +876,10 @@ class ResourceScope:
                     sub.error = exc
                     break
         for alloc in sub.leases:
-            del alloc.active[sub]
+            alloc.active -= 1
             if alloc.last_writer is sub:
                 alloc.last_writer = None
             alloc.readers.pop(sub, None)
-            self._leases_held -= 1
             self._maybe_free(alloc)
         sub.owners.clear()
         sub.finishers.clear()
@@ -901,7 +923,6 @@ class ResourceScope:
         for alloc in sub.leases:
             if alloc.state is AllocState.LIVE:
                 alloc.state = AllocState.QUARANTINED
-        self._leases_held -= len(sub.leases)
         self._quarantined_leases += len(sub.leases)
         self._quarantine.append(sub)
         self._settle(sub, SubState.QUARANTINED)

@@ -62,7 +62,6 @@ class Submission:
         "op",
         "output",
         "owners",
-        "retained_bytes",
         "scope",
         "state",
         "stream",
@@ -79,7 +78,6 @@ class Submission:
         self.owners: list[object] = []
         self.finishers: list[Finisher] = []
         self.leases: dict[Allocation, Access] = {}
-        self.retained_bytes = 0
         self.error: BaseException | None = None
         self.observed = False
         self.output: object = None
@@ -166,99 +164,16 @@ class EnqueueContext:
     def use(self, accesses: Sequence[tuple[DeviceArray, Access]], *, what: str = "argument") -> None:
         """Check, order and record leases for one piece of work, atomically:
         if this raises, no lease of the piece was taken and nothing enqueued."""
-        scope = self.scope
-        stream = self.stream
-        sub = self.submission
-        waits: dict[int, Submission] | None = None
-        write = Access.WRITE
-        for arr, access in accesses:
-            alloc = arr._alloc
-            if arr._closed or alloc.state is not AllocState.LIVE or alloc.scope is not scope:
-                arr._check_usable(what)
-                raise KernelArgumentError(
-                    f"{what}: expected an array of this scope, got one of another scope ({arr!r})"
-                )
-            if access is write and arr._readonly:
-                raise KernelArgumentError(f"{what}: write access to a read-only array ({arr!r})")
-            if sub is None:
-                continue
-            w = alloc.last_writer
-            if w is not None and w is not sub and w.stream is not stream:
-                waits = self._conflict(waits, arr, w, write, access, what)
-            if access is write and alloc.readers:
-                for r in alloc.readers:
-                    if r is not sub and r.stream is not stream:
-                        waits = self._conflict(waits, arr, r, Access.READ, access, what)
-        if sub is None:
-            return
-        if waits:
-            wait_marker = self.driver.wait_marker
-            handle = stream.handle
-            for other in waits.values():
-                assert other.marker is not None
-                wait_marker(handle, other.marker)
-            sub.dirty = True
-        leases = sub.leases
-        for arr, access in accesses:
-            alloc = arr._alloc
-            prev = leases.get(alloc)
-            if prev is None:
-                sub.retained_bytes += alloc.nbytes
-                scope._leases_held += 1
-                leases[alloc] = access
-                alloc.active[sub] = access
-            elif prev is not access and access is write:
-                leases[alloc] = access
-                alloc.active[sub] = access
-            if access is write:
-                alloc.last_writer = sub
-                if alloc.readers:
-                    alloc.readers.clear()
-            else:
-                alloc.readers[sub] = None
-
-    def _conflict(
-        self,
-        waits: dict[int, Submission] | None,
-        arr: DeviceArray,
-        other: Submission,
-        held: Access,
-        access: Access,
-        what: str,
-    ) -> dict[int, Submission] | None:
-        """``other`` (in-flight, another stream) conflicts with this access:
-        note a device-side wait, or raise under ``conflicts="error"``."""
-        if other.state is not SubState.IN_FLIGHT or (waits is not None and other.id in waits):
-            return waits
-        marker = other.marker
-        if marker is None:
-            self.scope._flush(other.stream)
-            if other.marker is None:  # recording the marker failed: quarantined
-                return waits
-        elif self.driver.poll_marker(marker).state is not MarkerState.PENDING:
-            return waits  # completed; the handoff task retires it soon
-        if self.scope._conflicts == "error":
-            raise AccessConflictError(
-                f"{what}: {_conflict_name(held, access)} conflict on {arr!r}: in-flight "
-                f"{other.label} on stream {other.stream.index} holds a "
-                f"{'write' if held is Access.WRITE else 'read'} lease; this work targets "
-                f"stream {self.stream.index} (conflicts='error')"
-            )
-        if waits is None:
-            waits = {}
-        waits[other.id] = other
-        return waits
+        take_leases(self.scope, self.stream, self.submission, accesses, what)
 
     def _lease(self, alloc: Allocation, access: Access) -> None:
         sub = self.submission
         assert sub is not None
         prev = sub.leases.get(alloc)
         if prev is None:
-            sub.retained_bytes += alloc.nbytes
-            self.scope._leases_held += 1
+            alloc.active += 1
         if prev is None or (prev is Access.READ and access is Access.WRITE):
             sub.leases[alloc] = access
-            alloc.active[sub] = access
         if access is Access.WRITE:
             alloc.last_writer = sub
             alloc.readers.clear()
@@ -351,3 +266,93 @@ class EnqueueContext:
 
 def is_quarantined(alloc: Allocation) -> bool:
     return alloc.state is AllocState.QUARANTINED
+
+
+def take_leases(
+    scope: ResourceScope,
+    stream: Stream,
+    sub: Submission | None,
+    accesses: Sequence[tuple[DeviceArray, Access]],
+    what: str,
+) -> None:
+    """Check, order and record leases for one piece of work on ``stream``,
+    atomically: if this raises, no lease was taken and nothing enqueued.
+    ``sub`` None (the unsafe path) only checks."""
+    waits: dict[int, Submission] | None = None
+    write = Access.WRITE
+    for arr, access in accesses:
+        alloc = arr._alloc
+        if arr._closed or alloc.state is not AllocState.LIVE or alloc.scope is not scope:
+            arr._check_usable(what)
+            raise KernelArgumentError(
+                f"{what}: expected an array of this scope, got one of another scope ({arr!r})"
+            )
+        if access is write and arr._readonly:
+            raise KernelArgumentError(f"{what}: write access to a read-only array ({arr!r})")
+        if sub is None:
+            continue
+        w = alloc.last_writer
+        if w is not None and w is not sub and w.stream is not stream:
+            waits = _conflict(scope, stream, waits, arr, w, write, access, what)
+        if access is write and alloc.readers:
+            for r in alloc.readers:
+                if r is not sub and r.stream is not stream:
+                    waits = _conflict(scope, stream, waits, arr, r, Access.READ, access, what)
+    if sub is None:
+        return
+    if waits:
+        wait_marker = scope._driver.wait_marker
+        handle = stream.handle
+        for other in waits.values():
+            assert other.marker is not None
+            wait_marker(handle, other.marker)
+        sub.dirty = True
+    leases = sub.leases
+    for arr, access in accesses:
+        alloc = arr._alloc
+        prev = leases.get(alloc)
+        if prev is None:
+            leases[alloc] = access
+            alloc.active += 1
+        elif prev is not access and access is write:
+            leases[alloc] = access
+        if access is write:
+            alloc.last_writer = sub
+            if alloc.readers:
+                alloc.readers.clear()
+        else:
+            alloc.readers[sub] = None
+
+
+def _conflict(
+    scope: ResourceScope,
+    stream: Stream,
+    waits: dict[int, Submission] | None,
+    arr: DeviceArray,
+    other: Submission,
+    held: Access,
+    access: Access,
+    what: str,
+) -> dict[int, Submission] | None:
+    """``other`` (in-flight, another stream) conflicts with this access:
+    note a device-side wait, or raise under ``conflicts="error"``."""
+    if other.state is not SubState.IN_FLIGHT or (waits is not None and other.id in waits):
+        return waits
+    marker = other.marker
+    if marker is None:
+        scope._flush(other.stream)
+        if other.marker is None:  # recording the marker failed: quarantined
+            return waits
+    elif scope._driver.poll_marker(marker).state is not MarkerState.PENDING:
+        return waits  # completed; the handoff task retires it soon
+    if scope._conflicts == "error":
+        raise AccessConflictError(
+            f"{what}: {_conflict_name(held, access)} conflict on {arr!r}: in-flight "
+            f"{other.label} on stream {other.stream.index} holds a "
+            f"{'write' if held is Access.WRITE else 'read'} lease; this work targets "
+            f"stream {stream.index} (conflicts='error')"
+        )
+    if waits is None:
+        waits = {}
+    waits[other.id] = other
+    return waits
