@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from ._core._kernel import KernelLaunch
+from ._core._kernel import KernelLaunch, LaunchBuilder
 from ._core._ops import DeviceOp
 from ._core._scope import Stream
 from ._core._submit import EnqueueContext
@@ -28,6 +28,8 @@ def async_on(op: DeviceOp[T], stream: Stream) -> T:
     bookkeeping run (the scope is open; the launch fits the device).
     ``ops.host_closure`` is refused (it needs the completion handoff).
     """
+    if type(stream) is not Stream:
+        raise TypeError(f"stream: expected a Stream, got {type(stream).__name__}")
     if type(op) is KernelLaunch:
         scope = stream._scope
         if scope._closing:
@@ -40,9 +42,11 @@ def async_on(op: DeviceOp[T], stream: Stream) -> T:
         scope._driver.launch(stream.handle, fn, prepared)
         return op._output  # type: ignore[return-value]
     if not isinstance(op, DeviceOp):
+        if isinstance(op, LaunchBuilder):
+            raise TypeError(
+                "op: a LaunchBuilder is inert and cannot be scheduled; call .finalize_unchecked() first"
+            )
         raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
-    if not isinstance(stream, Stream):
-        raise TypeError(f"stream: expected a Stream, got {type(stream).__name__}")
     stream._scope._check_open("async_on")
     out: Any = op._enqueue(EnqueueContext(stream._scope, stream, None))
     return out  # type: ignore[no-any-return]

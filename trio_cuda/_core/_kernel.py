@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, final
 import attrs
 import numpy as np
 
-from ._array import DeviceArray
+from ._array import AllocState, DeviceArray
 from ._errors import KernelArgumentError
 from ._ops import Access, DeviceOp
 
@@ -341,11 +341,21 @@ def make_config(
 _CONFIG_CACHE: dict[tuple[object, ...], LaunchConfig] = {}
 
 
+def _plain(dims: object) -> bool:
+    t = type(dims)
+    return t is int or (t is tuple and all(type(d) is int for d in dims))  # type: ignore[attr-defined]
+
+
 def cached_config(
     grid: object, block: object, shared_mem: object, cluster: object, cooperative: bool, pdl: bool
 ) -> LaunchConfig:
     """``make_config`` memoised on hashable arguments (the launch hot path)."""
-    key = (grid, block, shared_mem, cluster, cooperative, pdl)
+    if not (
+        _plain(grid) and _plain(block) and type(shared_mem) is int and (cluster is None or _plain(cluster))
+    ):
+        # floats and bools compare equal to ints: only exact ints may hit the cache
+        return make_config(grid, block, shared_mem, cluster, cooperative, pdl)
+    key = (grid, block, shared_mem, cluster, cooperative is True, pdl is True)
     try:
         return _CONFIG_CACHE[key]
     except KeyError:
@@ -633,6 +643,7 @@ _STRUCT_CODES = {
     "b1": "?",
 }
 _K_INT, _K_FLOAT, _K_BOOL, _K_ARRAY, _K_SLICE = range(5)
+_LIVE = AllocState.LIVE
 
 
 def _code(dtype: np.dtype[Any]) -> str | None:
@@ -703,7 +714,7 @@ def _launch_fast(
             if t is not DeviceArray:
                 return None
             arr: DeviceArray = v  # type: ignore[assignment]
-            if arr._closed or not (arr._dtype is dt or arr._dtype == dt):
+            if arr._closed or arr._alloc.state is not _LIVE or not (arr._dtype is dt or arr._dtype == dt):
                 return None
             if access is write:
                 if arr._readonly:

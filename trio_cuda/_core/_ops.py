@@ -226,18 +226,24 @@ def fill(arr: DeviceArray, x: object) -> DeviceOp[DeviceArray]:
     """Set every element of ``arr`` to ``x`` (cast to ``arr.dtype``). The
     element size must be 1, 2, 4 or 8 bytes."""
     from ._array import DeviceArray
-    from ._kernel import _convert_scalar
 
     if not isinstance(arr, DeviceArray):
         raise TypeError(f"fill: arr: expected a DeviceArray, got {type(arr).__name__}")
     arr._check_writable("fill: arr")
-    if arr.dtype.itemsize not in (1, 2, 4, 8) or arr.dtype.fields is not None:
+    return _Fill(arr, fill_pattern(arr.dtype, x))
+
+
+def fill_pattern(dtype: np.dtype[Any], x: object) -> bytes:
+    """The bytes ``fill`` repeats: ``x`` checked and cast to ``dtype``."""
+    from ._kernel import _convert_scalar
+
+    if dtype.itemsize not in (1, 2, 4, 8) or dtype.fields is not None:
         raise TypeError(
-            f"fill: arr: expected an element size of 1, 2, 4 or 8 bytes, got dtype {arr.dtype} "
-            f"({arr.dtype.itemsize} bytes)"
+            f"fill: arr: expected an element size of 1, 2, 4 or 8 bytes, got dtype {dtype} "
+            f"({dtype.itemsize} bytes)"
         )
-    scalar = _convert_scalar("fill: x", arr.dtype, x)
-    return _Fill(arr, np.asarray(scalar, dtype=arr.dtype).tobytes())
+    scalar = _convert_scalar("fill: x", dtype, x)
+    return np.asarray(scalar, dtype=dtype).tobytes()
 
 
 @final

@@ -37,7 +37,7 @@ from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normal
 from ._driver import DeviceContext, DeviceInfo, MarkerState, Poll, StreamHandle
 from ._errors import CompletionUnknownError, KernelArgumentError, ScopeClosedError
 from ._kernel import KernelLaunch
-from ._ops import Access, DeviceOp, _Copy, resolve_output
+from ._ops import Access, DeviceOp, _Copy, _Fill, resolve_output
 from ._submit import TERMINAL, EnqueueContext, HostStep, Submission, SubState, take_leases
 
 if TYPE_CHECKING:
@@ -541,11 +541,12 @@ class ResourceScope:
         self, shape: object, fill_value: object, dtype: object = np.float64, *, stream: Stream | None = None
     ) -> DeviceArray:
         """A new device array filled with ``fill_value`` (the fill is enqueued)."""
-        from ._ops import fill
+        from ._ops import fill_pattern
 
+        pattern = fill_pattern(normalize_dtype(dtype), fill_value)  # checked before allocating
         arr = self.empty(shape, dtype, stream=stream)
         try:
-            self.submit(fill(arr, fill_value), stream=stream)
+            self.submit(_Fill(arr, pattern), stream=stream)
         except BaseException:
             arr.close()
             raise
