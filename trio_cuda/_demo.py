@@ -390,6 +390,8 @@ async def run_batch(config: BatchConfig, *, out: TextIO | None = None) -> BatchR
 
     # ----------------------------------------------------------------- checks
     report.completed = len(results)
+    if gpu is None:
+        sim = None  # nothing ran
     for i, got in sorted(results.items()):
         want = _expected(xs[i], ys[i], a, scale, shift)
         if np.allclose(got, want, rtol=RTOL, atol=ATOL):
@@ -404,7 +406,7 @@ async def run_batch(config: BatchConfig, *, out: TextIO | None = None) -> BatchR
     for i, why_failed in report.failed:
         problems.append(f"input {i} failed: {why_failed}")
     for err in report.scope_errors:
-        problems.append(f"scope exit raised {err}")
+        problems.append(f"the scope raised {err}" if gpu is not None else f"could not open a scope: {err}")
     if gpu is not None:
         stats = gpu.statistics()
         report.final_stats = stats
@@ -418,8 +420,6 @@ async def run_batch(config: BatchConfig, *, out: TextIO | None = None) -> BatchR
                 problems.append(
                     f"after scope exit, statistics().{name} is {getattr(stats, name)}, expected 0"
                 )
-    else:
-        problems.append("the scope did not open")
     if sim is not None:
         report.sim_violations = sim.violations
         report.sim_live_allocations = sim.live_allocations

@@ -100,9 +100,9 @@ class ScopeStatistics:
 class FutureStatistics:
     """A snapshot of one submission (``fut.statistics()``)."""
 
-    state: str
+    state: str  #: "in_flight", "done", "failed" or "quarantined"
     stream: int
-    leases: int
+    leases: int  #: still held (released when the handoff task retires the work)
     retained_bytes: int
 
 
@@ -242,8 +242,9 @@ class DeviceFuture(Generic[T]):
         return self
 
     def done(self) -> bool:
-        """True once the submission retired (or was quarantined)."""
-        return self._sub.state in TERMINAL
+        """True once the work completed (or was quarantined)."""
+        sub = self._sub
+        return sub.early or sub.state in TERMINAL
 
     @property
     def stream(self) -> Stream:
@@ -289,13 +290,17 @@ class DeviceFuture(Generic[T]):
         while True:
             state = poll(marker).state
             if state is MarkerState.DONE:
-                return sub.error is None
+                sub.early = sub.error is None
+                return sub.early
             if state is not MarkerState.PENDING or time.perf_counter() >= deadline:
                 return False
 
     def wait_nowait(self) -> T:
         """The output if the work completed; raises ``trio.WouldBlock`` if not."""
-        if self._sub.state not in TERMINAL:
+        sub = self._sub
+        if sub.state not in TERMINAL:
+            if sub.early and sub.error is None:
+                return resolve_output(sub.output)  # type: ignore[return-value]
             raise trio.WouldBlock
         return self._outcome()
 
@@ -309,9 +314,8 @@ class DeviceFuture(Generic[T]):
 
     def statistics(self) -> FutureStatistics:
         sub = self._sub
-        return FutureStatistics(
-            sub.state.value, sub.stream.index, len(sub.leases), sum(a.nbytes for a in sub.leases)
-        )
+        state = "done" if sub.early and sub.state is SubState.IN_FLIGHT else sub.state.value
+        return FutureStatistics(state, sub.stream.index, len(sub.leases), sum(a.nbytes for a in sub.leases))
 
     def __repr__(self) -> str:
         return f"<DeviceFuture of {self._sub!r}>"
@@ -526,8 +530,7 @@ class ResourceScope:
         arr = DeviceArray._create(alloc, shp, dt)
         # Publish the allocation as written by `s`: other streams order after it.
         sub = self._new_submission(s, _ALLOC_OP)
-        ctx = EnqueueContext(self, s, sub)
-        ctx._lease(alloc, Access.WRITE)
+        take_leases(self, s, sub, ((arr, Access.WRITE),), "empty")
         self._finish_submission(sub, None)
         return arr
 

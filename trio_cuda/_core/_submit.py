@@ -52,6 +52,7 @@ class Submission:
     __slots__ = (
         "__weakref__",
         "dirty",
+        "early",
         "error",
         "event",
         "finishers",
@@ -84,6 +85,8 @@ class Submission:
         self.event: trio.Event | None = None
         #: True once any driver call of this submission enqueued something
         self.dirty = False
+        #: its waiter saw the marker complete before the handoff retired it
+        self.early = False
         #: set when a marker of this submission reported unknown completion
         self.unknown: BaseException | None = None
 
@@ -165,20 +168,6 @@ class EnqueueContext:
         """Check, order and record leases for one piece of work, atomically:
         if this raises, no lease of the piece was taken and nothing enqueued."""
         take_leases(self.scope, self.stream, self.submission, accesses, what)
-
-    def _lease(self, alloc: Allocation, access: Access) -> None:
-        sub = self.submission
-        assert sub is not None
-        prev = sub.leases.get(alloc)
-        if prev is None:
-            alloc.active += 1
-        if prev is None or (prev is Access.READ and access is Access.WRITE):
-            sub.leases[alloc] = access
-        if access is Access.WRITE:
-            alloc.last_writer = sub
-            alloc.readers.clear()
-        else:
-            alloc.readers[sub] = None
 
     def after(self, other: Submission | None) -> None:
         """Order this work after ``other`` (used by shared ops)."""
