@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from _kernels import add, copy, saxpy
+from _kernels import ADD, COPY, add, copy, saxpy
 
 import trio_cuda
 from trio_cuda import ops, unsafe
@@ -812,3 +812,16 @@ async def test_scope_whose_body_never_yields_exits():
             pass
         async with trio_cuda.open_scope(device="sim") as gpu:
             gpu.zeros(4, np.float32)
+
+
+async def test_load_compiles_ahead_and_is_a_checkpoint(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        with trio.testing.assert_checkpoints():
+            await gpu.load(ADD, COPY)
+        assert sim.statistics().kernel_loads == 2
+        await gpu.load(ADD)  # already loaded: nothing more
+        x = await gpu.to_device(host())
+        await gpu.run(add(x, 1.0))
+        assert sim.statistics().kernel_loads == 2
+        with pytest.raises(TypeError, match=r"kernels\[0\]: expected a Kernel, got str"):
+            await gpu.load("add_f4")

@@ -284,16 +284,9 @@ async def _process_one(
 
 
 async def _warm_up(gpu: ResourceScope, kernels: Kernels) -> None:
-    """Run both kernels once on one element, so that compiling and loading them
-    (NVRTC on a real GPU) is not charged to the batch's deadline."""
-    x = await gpu.to_device(np.zeros(1, np.float32))
-    async with x, gpu.zeros(1, np.float32) as y, gpu.empty(1, np.float32) as out:
-        one, zero = np.float32(1.0), np.float32(0.0)
-        await gpu.run(
-            kernels.saxpy.launch(one, x, y, 1, 0, grid=1, block=BLOCK).then(
-                lambda y_dev: kernels.scale_shift.launch(y_dev, out, one, zero, 1, 0, grid=1, block=BLOCK)
-            )
-        )
+    """Compile and load both kernels (NVRTC on a real GPU) in a worker thread,
+    before the batch's deadline starts."""
+    await gpu.load(kernels.saxpy, kernels.scale_shift)
 
 
 def _expected(

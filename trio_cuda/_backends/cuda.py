@@ -569,6 +569,8 @@ class CudaContext:
         #: the core's per-await spin budget (``DeviceFuture.wait``) and marker batching
         self.await_spin = 50e-6
         self.batch_markers = True
+        #: load_kernel may run in a worker thread (it makes the context current there)
+        self.load_in_thread = True
         self.error_check_interval = 0.02
         self.poll_interval = 50e-6
         self.max_poll_interval = 1e-3

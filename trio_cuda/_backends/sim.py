@@ -412,6 +412,7 @@ class SimDevice:
 
     @property
     def info(self) -> DeviceInfo:
+        """Static facts about the simulated device."""
         return self._info
 
     def open_context(self) -> SimContext:
@@ -434,6 +435,7 @@ class SimDevice:
         return list(self._violations)
 
     def clear_violations(self) -> None:
+        """Forget the recorded memcheck violations."""
         self._violations.clear()
 
     @property
@@ -448,9 +450,11 @@ class SimDevice:
         return list(self._trace)
 
     def clear_trace(self) -> None:
+        """Forget the recorded trace."""
         self._trace.clear()
 
     def statistics(self) -> SimStatistics:
+        """Counters of the device (a snapshot)."""
         return SimStatistics(
             launches=self._launches,
             copies=self._copies,

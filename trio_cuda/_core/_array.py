@@ -113,18 +113,22 @@ class DeviceArray:
     # ------------------------------------------------------------------ facts
     @property
     def shape(self) -> tuple[int, ...]:
+        """The array's shape."""
         return self._shape
 
     @property
     def dtype(self) -> np.dtype[Any]:
+        """The NumPy dtype of the elements."""
         return self._dtype
 
     @property
     def ndim(self) -> int:
+        """Number of dimensions."""
         return len(self._shape)
 
     @property
     def size(self) -> int:
+        """Number of elements."""
         n = 1
         for d in self._shape:
             n *= d
@@ -132,10 +136,12 @@ class DeviceArray:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element."""
         return self._dtype.itemsize
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the array's elements."""
         return self.size * self._dtype.itemsize
 
     @property
@@ -145,6 +151,7 @@ class DeviceArray:
 
     @property
     def readonly(self) -> bool:
+        """True for a handle from :meth:`as_readonly`."""
         return self._readonly
 
     @property
@@ -159,6 +166,7 @@ class DeviceArray:
 
     @property
     def scope(self) -> ResourceScope:
+        """The scope that owns the memory."""
         return self._alloc.scope
 
     # ------------------------------------------------------------------ handles

@@ -56,6 +56,7 @@ class Scalar:
 
     @property
     def access(self) -> None:
+        """Scalars take no lease."""
         return None
 
 
@@ -802,10 +803,12 @@ class KernelLaunch(DeviceOp[Any]):
 
     @property
     def kernel(self) -> Kernel:
+        """The kernel this launch runs."""
         return self.prepared.kernel
 
     @property
     def config(self) -> LaunchConfig:
+        """The launch geometry and modes."""
         return self.prepared.config
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -873,26 +876,32 @@ class LaunchBuilder:
         return self
 
     def grid(self, *dims: int) -> LaunchBuilder:
+        """Set the grid dimensions (1 to 3 ints)."""
         self._grid = dims
         return self
 
     def block(self, *dims: int) -> LaunchBuilder:
+        """Set the block dimensions (1 to 3 ints)."""
         self._block = dims
         return self
 
     def shared_mem(self, nbytes: int) -> LaunchBuilder:
+        """Set the dynamic shared memory in bytes."""
         self._shared = nbytes
         return self
 
     def cluster(self, *dims: int) -> LaunchBuilder:
+        """Set the thread-block cluster dimensions."""
         self._cluster = dims
         return self
 
     def cooperative(self, enabled: bool = True) -> LaunchBuilder:
+        """Make it a cooperative launch."""
         self._cooperative = bool(enabled)
         return self
 
     def pdl(self, enabled: bool = True) -> LaunchBuilder:
+        """Allow programmatic dependent launch."""
         self._pdl = bool(enabled)
         return self
 

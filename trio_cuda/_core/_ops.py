@@ -259,10 +259,12 @@ class HostResult(Generic[T]):
 
     @property
     def ready(self) -> bool:
+        """True once the closure ran."""
         return self._set
 
     @property
     def value(self) -> T:
+        """The closure's return value (after it ran)."""
         if not self._set:
             raise RuntimeError("the host closure has not run yet")
         return self._value  # type: ignore[no-any-return]

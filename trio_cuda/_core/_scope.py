@@ -36,14 +36,14 @@ import trio
 from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_shape
 from ._driver import DeviceContext, DeviceInfo, MarkerState, Poll, StreamHandle
 from ._errors import CompletionUnknownError, KernelArgumentError, ScopeClosedError
-from ._kernel import KernelLaunch
+from ._kernel import Kernel, KernelLaunch
 from ._ops import Access, DeviceOp, _Copy, _Fill, resolve_output
 from ._submit import TERMINAL, EnqueueContext, HostStep, Submission, SubState, take_leases
 
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from ._kernel import Kernel, PreparedLaunch
+    from ._kernel import PreparedLaunch
 
 T = TypeVar("T")
 log = logging.getLogger("trio_cuda")
@@ -112,7 +112,9 @@ class FutureStatistics:
 class SchedulingPolicy(Protocol):
     """Chooses the stream of a submission that was not pinned to one."""
 
-    def choose(self, streams: Sequence[Stream], op: DeviceOp[Any]) -> Stream: ...
+    def choose(self, streams: Sequence[Stream], op: DeviceOp[Any]) -> Stream:
+        """Return the stream ``op`` should run on (one of ``streams``)."""
+        ...
 
 
 @final
@@ -123,6 +125,7 @@ class RoundRobin:
     _next: int = attrs.field(default=0, init=False)
 
     def choose(self, streams: Sequence[Stream], op: DeviceOp[Any]) -> Stream:
+        """Return the stream ``op`` should run on."""
         i = self._next
         self._next = (i + 1) % len(streams)
         return streams[i % len(streams)]
@@ -134,6 +137,7 @@ class LeastLoaded:
     """The stream with the fewest submissions in flight (lowest index on ties)."""
 
     def choose(self, streams: Sequence[Stream], op: DeviceOp[Any]) -> Stream:
+        """The stream with the fewest submissions in flight."""
         return min(streams, key=lambda s: (s._in_flight, s.index))
 
 
@@ -180,9 +184,11 @@ class Stream:
 
     @property
     def scope(self) -> ResourceScope:
+        """The scope this stream belongs to."""
         return self._scope
 
     def statistics(self) -> StreamStatistics:
+        """A snapshot of counters (see the class of the result)."""
         return StreamStatistics(
             self.index, self._in_flight, self._completed + self._in_flight, self._completed
         )
@@ -248,6 +254,7 @@ class DeviceFuture(Generic[T]):
 
     @property
     def stream(self) -> Stream:
+        """The stream the work was submitted to."""
         return self._sub.stream
 
     async def wait(self) -> T:
@@ -313,6 +320,7 @@ class DeviceFuture(Generic[T]):
         return resolve_output(sub.output)  # type: ignore[return-value]
 
     def statistics(self) -> FutureStatistics:
+        """A snapshot of this submission's state and retention."""
         sub = self._sub
         state = "done" if sub.early and sub.state is SubState.IN_FLIGHT else sub.state.value
         return FutureStatistics(state, sub.stream.index, len(sub.leases), sum(a.nbytes for a in sub.leases))
@@ -450,6 +458,7 @@ class ResourceScope:
     # ------------------------------------------------------------------ facts
     @property
     def streams(self) -> tuple[Stream, ...]:
+        """The scope's stream pool, in index order."""
         return self._streams
 
     @property
@@ -459,13 +468,16 @@ class ResourceScope:
 
     @property
     def backend(self) -> str:
+        """``"cuda"`` or ``"sim"``."""
         return self._info.backend
 
     @property
     def closed(self) -> bool:
+        """True once the scope exited."""
         return self._closed
 
     def statistics(self) -> ScopeStatistics:
+        """A snapshot of the scope's counters (see :class:`ScopeStatistics`)."""
         retained: set[Allocation] = set()
         for s in self._streams:
             for e in (*s._pending, *s._unmarked):
@@ -715,6 +727,29 @@ class ResourceScope:
         return await fut.wait()
 
     # ------------------------------------------------------------------ kernels
+    async def load(self, *kernels: Kernel) -> None:
+        """Compile and load ``kernels`` for this scope now, without blocking
+        the event loop: on a real GPU, NVRTC and module loading run in a worker
+        thread. Otherwise the first launch of a kernel loads it, synchronously."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        for i, kernel in enumerate(kernels):
+            if not isinstance(kernel, Kernel):
+                raise TypeError(f"kernels[{i}]: expected a Kernel, got {type(kernel).__name__}")
+        self._check_open("load")
+        in_thread = bool(getattr(self._driver, "load_in_thread", False))
+        for kernel in kernels:
+            if kernel in self._functions:
+                continue
+            if in_thread:
+                fn = await trio.to_thread.run_sync(self._driver.load_kernel, kernel)
+                if kernel in self._functions or self._closing:  # loaded meanwhile, or exiting
+                    self._driver.unload_kernel(fn)
+                    continue
+            else:
+                fn = self._driver.load_kernel(kernel)
+            self._functions[kernel] = fn
+        await trio.lowlevel.checkpoint()
+
     def _function(self, kernel: Kernel) -> object:
         fn = self._functions.get(kernel)
         if fn is None:
