@@ -265,9 +265,17 @@ async def _scope_bench(raw: Raw) -> None:
             per.append((perf() - t0) / 200 * 1e6)
         record("await_run_roundtrip", med(per), "us")
 
-        # A/B of the marker write policy
-        for mode in ("eager", "deferred", "hybrid"):
-            ctx.marker_mode = mode
+        # A/B of the core's completion options: one marker per burst of
+        # submissions (batch) or one per submission, and the awaiting task's
+        # own spin on its marker before it parks (await_spin)
+        variants = (
+            ("batch+spin", True, 50e-6),
+            ("batch", True, 0.0),
+            ("per_sub+spin", False, 50e-6),
+            ("per_sub", False, 0.0),
+        )
+        for tag, batch, spin in variants:
+            gpu._batch, gpu._spin = batch, spin
             per = []
             for _ in range(B):
                 await gpu.run(trio_cuda.ops.value(None), stream=s)
@@ -278,17 +286,17 @@ async def _scope_bench(raw: Raw) -> None:
                 per.append((perf() - t0) / 1000 * 1e6)
                 gc.enable()
                 await fut.wait()
-            record(f"markers_{mode}:safe_submit", med(per), "us")
+            record(f"core_{tag}:safe_submit", med(per), "us")
             per = []
             for _ in range(B):
                 t0 = perf()
                 for _ in range(200):
                     await gpu.run(op, stream=s)
                 per.append((perf() - t0) / 200 * 1e6)
-            record(f"markers_{mode}:roundtrip", med(per), "us")
+            record(f"core_{tag}:roundtrip", med(per), "us")
             rates = [await _many_tasks(gpu, op, 100, 100) for _ in range(reps(5))]
-            record(f"markers_{mode}:100_tasks", med(rates), "launch/s")
-        ctx.marker_mode = "hybrid"
+            record(f"core_{tag}:100_tasks", med(rates), "launch/s")
+        gpu._batch, gpu._spin = ctx.batch_markers, ctx.await_spin
 
 
 async def _strategy_bench(
