@@ -923,6 +923,7 @@ class ResourceScope:
         sub.owners.clear()
         sub.finishers.clear()
         sub.leases.clear()
+        sub.op = None  # a kept future must not pin the op's arrays
         self._settle(sub, SubState.FAILED if sub.error is not None else SubState.DONE)
 
     def _settle(self, sub: Submission, state: SubState) -> None:

@@ -92,6 +92,8 @@ class Submission:
 
     @property
     def label(self) -> str:
+        if self.op is None:
+            return f"submission #{self.id}"
         text = repr(self.op)
         if len(text) > 80:
             text = text[:77] + "..."
