@@ -1019,13 +1019,15 @@ class ResourceScope:
         for alloc in list(self._allocs):
             if alloc.state is AllocState.LIVE and not alloc.active:
                 self._free(alloc)
+        if self._timed_out:
+            # Work may still run: leak modules, streams and driver state too
+            # (unloading a module can wait for the device, which may never come).
+            return
         for kernel, fn in list(self._functions.items()):
             if id(fn) in kept_owners:
                 continue
             del self._functions[kernel]
             driver.unload_kernel(fn)
-        if self._timed_out:
-            return  # work may still run: leak streams and driver state too
         for s in self._streams:
             driver.destroy_stream(s.handle)
         driver.close()
