@@ -18,6 +18,7 @@ injection) are guarded by ``backend.sim``.
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,9 +46,13 @@ def host(value: float | None = None) -> np.ndarray:
     return np.full(N, value, dtype=np.float32)
 
 
+# compute-sanitizer slows every driver call down by an order of magnitude
+SLOW = 20.0 if os.environ.get("TRIO_CUDA_SANITIZER") == "1" else 1.0
+
+
 async def until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:
     """Poll ``predicate`` (public statistics) without blocking the loop."""
-    with trio.fail_after(timeout):
+    with trio.fail_after(timeout * SLOW):
         while not predicate():  # noqa: ASYNC110 - polling public statistics
             await trio.sleep(0.001)
 
