@@ -575,7 +575,7 @@ class CudaContext:
         self.poll_interval = 50e-6
         self.max_poll_interval = 1e-3
         self.sleep_max_interval = 5e-3
-        self.wait_marker_mode = "event"  # measured: 7.3 vs 8.2 us per dependent hop
+        self.wait_marker_mode = "flag"  # measured: 6.9 vs 14.6 us per dependent hop (see completion.md)
         #: "hybrid" (default): the first marker of a stream after each flush is
         #: written at once (so the write queues right behind the work and adds
         #: no latency), later ones are deferred and coalesced until the next
