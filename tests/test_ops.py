@@ -304,6 +304,29 @@ async def test_host_closure_runs_on_the_loop_thread_in_stream_order(sim):
         assert await ops.host_closure(lambda: "alone") == "alone"
 
 
+@pytest.mark.parametrize("gated", [0, 1])
+async def test_work_waiting_on_a_gated_stream_completes(sim, gated):
+    # Stream `gated` holds a host closure, then a write of x; the other stream
+    # copies x, so it waits device-side for that write. Once the loop ran the
+    # closure, everything completes and must be retired, whichever of the
+    # two streams the completion-handoff task looks at first.
+    async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
+        g, other = gpu.streams[gated], gpu.streams[1 - gated]
+        x = gpu.zeros(N, F4, stream=g)
+        y = gpu.zeros(N, F4, stream=other)
+        await trio.testing.wait_all_tasks_blocked()
+        closure = gpu.submit(ops.host_closure(lambda: "ran"), stream=g)
+        gpu.submit(add(x, 1.0), stream=g)  # behind the closure's gate
+        fut = gpu.submit(copy(x, y), stream=other)  # waits for add(x)
+        with trio.move_on_after(5):
+            assert await fut.wait() is y
+        done = fut.done()
+        sim.release()  # (wakes a handoff task that slept through the completion)
+        assert done, "the copy completed on the device but was never retired"
+        assert await closure.wait() == "ran"
+        np.testing.assert_array_equal(await gpu.to_host(y), np.ones(N, F4))
+
+
 async def test_host_closure_error_fails_its_submission(sim):
     async with trio_cuda.open_scope(device=sim) as gpu:
         def boom():

@@ -845,7 +845,11 @@ class ResourceScope:
             if self._closed:  # the scope exited before this task first ran
                 return
             while True:
-                self._scan()
+                # Retiring or running a host closure can complete work on a
+                # stream scanned earlier (a gate opens, the device moves on):
+                # rescan until a pass finds nothing, or that wakeup is lost.
+                while self._scan():
+                    pass
                 heads = [s._pending[0].marker for s in self._streams if s._pending]
                 if not heads:
                     drain = self._drain_event
@@ -856,8 +860,10 @@ class ResourceScope:
                 else:
                     await self._driver.wait_for_progress(heads)  # type: ignore[arg-type]
 
-    def _scan(self) -> None:
+    def _scan(self) -> bool:
+        """Retire what completed, per stream in order; True if anything did."""
         self._flush_all()
+        progressed = False
         gc = self._gc_releases
         while gc:
             self._release_handle(gc.popleft())
@@ -871,10 +877,12 @@ class ResourceScope:
                 if p.state is MarkerState.PENDING:
                     break
                 pending.popleft()
+                progressed = True
                 if type(head) is HostStep:
                     self._run_host_step(head, p)
                 else:
                     self._retire(head, p)
+        return progressed
 
     def _run_host_step(self, step: HostStep, p: Poll) -> None:
         sub = step.submission
