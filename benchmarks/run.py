@@ -212,6 +212,33 @@ def bench_raw(raw: Raw) -> None:
 # --------------------------------------------------------------------------- library
 
 
+async def _submit_burst(gpu: Any, op: Any, stream: Any, repeats: int) -> float:
+    """Median host µs per ``gpu.submit`` in bursts of 1000 (GC off), each
+    burst followed by a wait so the handoff retires it before the next."""
+    per = []
+    for _ in range(repeats):
+        await gpu.run(trio_cuda.ops.value(None), stream=stream)
+        gc.disable()
+        t0 = perf()
+        for _ in range(1000):
+            fut = gpu.submit(op, stream=stream)
+        per.append((perf() - t0) / 1000 * 1e6)
+        gc.enable()
+        await fut.wait()
+    return med(per)
+
+
+async def _roundtrip(gpu: Any, op: Any, stream: Any, repeats: int) -> float:
+    """Median µs of one ``await gpu.run(op)``, 200 in a row per repeat."""
+    per = []
+    for _ in range(repeats):
+        t0 = perf()
+        for _ in range(200):
+            await gpu.run(op, stream=stream)
+        per.append((perf() - t0) / 200 * 1e6)
+    return med(per)
+
+
 async def _scope_bench(raw: Raw) -> None:
     async with trio_cuda.open_scope(device="cuda", streams=4) as gpu:
         ctx: Any = gpu._driver
@@ -233,37 +260,11 @@ async def _scope_bench(raw: Raw) -> None:
         record("unsafe_async_on", burst(lambda: async_on(op, s), 1000, sync, B), "us")
 
         # safe submit: bursts, then let the handoff retire everything
-        per = []
-        for _ in range(B):
-            await gpu.run(trio_cuda.ops.value(None), stream=s)
-            gc.disable()
-            t0 = perf()
-            for _ in range(1000):
-                fut = gpu.submit(op, stream=s)
-            per.append((perf() - t0) / 1000 * 1e6)
-            gc.enable()
-            await fut.wait()
-        record("safe_submit", med(per), "us")
+        record("safe_submit", await _submit_burst(gpu, op, s, B), "us")
         # the same, round-robin over the 4 streams
-        per = []
-        for _ in range(B):
-            await gpu.run(trio_cuda.ops.value(None))
-            gc.disable()
-            t0 = perf()
-            for _ in range(1000):
-                fut = gpu.submit(op)
-            per.append((perf() - t0) / 1000 * 1e6)
-            gc.enable()
-            await fut.wait()
-        record("safe_submit_round_robin", med(per), "us")
+        record("safe_submit_round_robin", await _submit_burst(gpu, op, None, B), "us")
         # one task: await run round trip
-        per = []
-        for _ in range(B):
-            t0 = perf()
-            for _ in range(200):
-                await gpu.run(op, stream=s)
-            per.append((perf() - t0) / 200 * 1e6)
-        record("await_run_roundtrip", med(per), "us")
+        record("await_run_roundtrip", await _roundtrip(gpu, op, s, B), "us")
 
         # A/B of the core's completion options: one marker per burst of
         # submissions (batch) or one per submission, and the awaiting task's
@@ -276,24 +277,8 @@ async def _scope_bench(raw: Raw) -> None:
         )
         for tag, batch, spin in variants:
             gpu._batch, gpu._spin = batch, spin
-            per = []
-            for _ in range(B):
-                await gpu.run(trio_cuda.ops.value(None), stream=s)
-                gc.disable()
-                t0 = perf()
-                for _ in range(1000):
-                    fut = gpu.submit(op, stream=s)
-                per.append((perf() - t0) / 1000 * 1e6)
-                gc.enable()
-                await fut.wait()
-            record(f"core_{tag}:safe_submit", med(per), "us")
-            per = []
-            for _ in range(B):
-                t0 = perf()
-                for _ in range(200):
-                    await gpu.run(op, stream=s)
-                per.append((perf() - t0) / 200 * 1e6)
-            record(f"core_{tag}:roundtrip", med(per), "us")
+            record(f"core_{tag}:safe_submit", await _submit_burst(gpu, op, s, B), "us")
+            record(f"core_{tag}:roundtrip", await _roundtrip(gpu, op, s, B), "us")
             rates = [await _many_tasks(gpu, op, 100, 100) for _ in range(reps(5))]
             record(f"core_{tag}:100_tasks", med(rates), "launch/s")
         gpu._batch, gpu._spin = ctx.batch_markers, ctx.await_spin
