@@ -28,15 +28,27 @@ def counters(sim: SimDevice, gpu: trio_cuda.ResourceScope | None) -> tuple[Any, 
     # cache the scope owns and unloads at exit, not work or a leak.)
     s = sim.statistics()
     sim_part = (
-        sim.pending, s.launches, s.copies, s.fills, s.commands_executed, s.live_allocations,
-        s.allocations, s.frees,
+        sim.pending,
+        s.launches,
+        s.copies,
+        s.fills,
+        s.commands_executed,
+        s.live_allocations,
+        s.allocations,
+        s.frees,
     )
     if gpu is None:
         return sim_part
     g = gpu.statistics()
     return (
-        *sim_part, g.submitted, g.in_flight, g.leases_held, g.retained_bytes, g.live_allocations,
-        g.pending_errors, g.failed,
+        *sim_part,
+        g.submitted,
+        g.in_flight,
+        g.leases_held,
+        g.retained_bytes,
+        g.live_allocations,
+        g.pending_errors,
+        g.failed,
     )
 
 
@@ -69,7 +81,7 @@ async def test_wrong_argument_count_names_every_parameter(sim):
                 KernelArgumentError,
                 match=r"^saxpy: expected 4 arguments \(argument 0 \(Scalar\('<f4'\)\), "
                 r"argument 1 \(In\('<f4'\)\), argument 2 \(InOut\('<f4'\)\), argument 3 "
-                    r"\(Scalar\('<i4'\)\)\), "
+                r"\(Scalar\('<i4'\)\)\), "
                 r"got 2$",
             ):
                 SAXPY.launch(F4(2), x, grid=1, block=8)
@@ -89,8 +101,11 @@ async def test_wrong_array_dtype(sim):
                 match=r"^saxpy: argument 1 \(In\('<f4'\)\): expected dtype float32, got float64$",
             ):
                 SAXPY.launch(F4(2), x, y, 8, grid=1, block=8)
-            with pytest.raises(KernelArgumentError, match=r"argument 2 \(InOut\('<f4'\)\): expected dtype "
-                               r"float32, got float64"):
+            with pytest.raises(
+                KernelArgumentError,
+                match=r"argument 2 \(InOut\('<f4'\)\): expected dtype "
+                r"float32, got float64",
+            ):
                 SAXPY.launch(F4(2), y, x, 8, grid=1, block=8)
 
 
@@ -141,14 +156,22 @@ async def test_structured_scalar_mismatch(sim):
     pair = np.dtype([("a", "f4"), ("b", "i4")])
     k = kernel(Scalar(pair))
     async with trio_cuda.open_scope(device=sim):
-        with nothing_happens(sim), pytest.raises(
-            KernelArgumentError, match=r"argument 0 \(Scalar\(.*\)\): expected a NumPy structured scalar "
-            r"of dtype .* or a tuple, got float"
+        with (
+            nothing_happens(sim),
+            pytest.raises(
+                KernelArgumentError,
+                match=r"argument 0 \(Scalar\(.*\)\): expected a NumPy structured scalar "
+                r"of dtype .* or a tuple, got float",
+            ),
         ):
             k.launch(1.0, grid=1, block=1)
-        with nothing_happens(sim), pytest.raises(
-            KernelArgumentError, match=r"argument 0 \(Scalar\(.*\)\): expected a tuple matching .*, got "
-                r"\(1.0,\)"
+        with (
+            nothing_happens(sim),
+            pytest.raises(
+                KernelArgumentError,
+                match=r"argument 0 \(Scalar\(.*\)\): expected a tuple matching .*, got "
+                r"\(1.0,\)",
+            ),
         ):
             k.launch((1.0,), grid=1, block=1)
 
@@ -219,9 +242,12 @@ async def test_closed_array(sim):
         x, y = gpu.zeros(8, F4), gpu.zeros(8, F4)
         y.close()
         with nothing_happens(sim, gpu):
-            with pytest.raises(KernelArgumentError, match=r"^saxpy: argument 2 \(InOut\('<f4'\)\): the array "
+            with pytest.raises(
+                KernelArgumentError,
+                match=r"^saxpy: argument 2 \(InOut\('<f4'\)\): the array "
                 r"is "
-                               r"closed$"):
+                r"closed$",
+            ):
                 SAXPY.launch(F4(2), x, y, 8, grid=1, block=8)
             with pytest.raises(KernelArgumentError, match=r"^argument 0: the array is closed$"):
                 ADD.builder().arg(y)
@@ -274,8 +300,11 @@ async def test_array_of_an_exited_scope(sim):
     async with trio_cuda.open_scope(device=sim) as gpu:
         y = gpu.zeros(8, F4)
         with nothing_happens(sim, gpu):
-            with pytest.raises(KernelArgumentError, match=r"^saxpy: argument 1 \(In\('<f4'\)\): the array is "
-                               r"closed$"):
+            with pytest.raises(
+                KernelArgumentError,
+                match=r"^saxpy: argument 1 \(In\('<f4'\)\): the array is "
+                r"closed$",
+            ):
                 SAXPY.launch(F4(2), x, y, 8, grid=1, block=8)
             with pytest.raises(ScopeClosedError, match=r"^copy: src: the array's scope has exited$"):
                 ops.copy(y, x)
@@ -295,23 +324,33 @@ async def test_array_of_an_exited_scope(sim):
         ({"grid": (2, 0), "block": 8}, r"^grid: every dimension must be >= 1, got \(2, 0\)$"),
         ({"grid": 1, "block": 0}, r"^block: every dimension must be >= 1, got 0$"),
         ({"grid": 1, "block": (8, -2, 1)}, r"^block: every dimension must be >= 1, got \(8, -2, 1\)$"),
-        ({"grid": (1, 1, 1, 1), "block": 8},
-         r"^grid: expected an int or a tuple of 1 to 3 ints, got \(1, 1, 1, 1\)$"),
-        ({"grid": 1, "block": (1, 1, 1, 1)},
-         r"^block: expected an int or a tuple of 1 to 3 ints, got \(1, 1, 1, 1\)$"),
+        (
+            {"grid": (1, 1, 1, 1), "block": 8},
+            r"^grid: expected an int or a tuple of 1 to 3 ints, got \(1, 1, 1, 1\)$",
+        ),
+        (
+            {"grid": 1, "block": (1, 1, 1, 1)},
+            r"^block: expected an int or a tuple of 1 to 3 ints, got \(1, 1, 1, 1\)$",
+        ),
         ({"grid": (), "block": 8}, r"^grid: expected an int or a tuple of 1 to 3 ints, got \(\)$"),
         ({"grid": 2.0, "block": 8}, r"^grid: expected an int or a tuple of 1 to 3 ints, got 2.0$"),
         ({"grid": "4", "block": 8}, r"^grid: expected an int or a tuple of 1 to 3 ints, got '4'$"),
-        ({"grid": (2, 1.5), "block": 8},
-         r"^grid: expected an int or a tuple of 1 to 3 ints, got \(2, 1.5\)$"),
+        (
+            {"grid": (2, 1.5), "block": 8},
+            r"^grid: expected an int or a tuple of 1 to 3 ints, got \(2, 1.5\)$",
+        ),
         ({"grid": 1, "block": None}, r"^block: expected an int or a tuple of 1 to 3 ints, got None$"),
         ({"grid": 1, "block": 8, "shared_mem": -1}, r"^shared_mem: expected a non-negative int, got -1$"),
         ({"grid": 1, "block": 8, "shared_mem": 1.5}, r"^shared_mem: expected a non-negative int, got 1.5$"),
-        ({"grid": 6, "block": 8, "cluster": 4},
-         r"^cluster: dimension 0 \(4\) must divide grid dimension 6; "
-         r"got grid=\(6, 1, 1\), cluster=\(4, 1, 1\)$"),
-        ({"grid": (4, 3), "block": 8, "cluster": (2, 2)},
-         r"^cluster: dimension 1 \(2\) must divide grid dimension 3"),
+        (
+            {"grid": 6, "block": 8, "cluster": 4},
+            r"^cluster: dimension 0 \(4\) must divide grid dimension 6; "
+            r"got grid=\(6, 1, 1\), cluster=\(4, 1, 1\)$",
+        ),
+        (
+            {"grid": (4, 3), "block": 8, "cluster": (2, 2)},
+            r"^cluster: dimension 1 \(2\) must divide grid dimension 3",
+        ),
         ({"grid": 4, "block": 8, "cluster": 0}, r"^cluster: every dimension must be >= 1, got 0$"),
     ],
 )
@@ -339,8 +378,11 @@ async def test_malformed_geometry_is_refused_by_launch(sim, kwargs, pattern):
         ({"grid": 2, "block": 8}, {"grid": 2.0, "block": 8}, "grid: .*got 2.0"),
         ({"grid": 1, "block": 8}, {"grid": 1, "block": 8.0}, "block: .*got 8.0"),
         ({"grid": (2, 2), "block": 8}, {"grid": (2.0, 2), "block": 8}, r"grid: .*got \(2.0, 2\)"),
-        ({"grid": 1, "block": 8, "shared_mem": 0}, {"grid": 1, "block": 8, "shared_mem": False},
-         "shared_mem: expected a non-negative int, got False"),
+        (
+            {"grid": 1, "block": 8, "shared_mem": 0},
+            {"grid": 1, "block": 8, "shared_mem": False},
+            "shared_mem: expected a non-negative int, got False",
+        ),
     ],
 )
 async def test_geometry_types_are_checked_even_after_an_equal_valid_launch(sim, valid, bad, shown):
@@ -356,18 +398,28 @@ async def test_geometry_types_are_checked_even_after_an_equal_valid_launch(sim, 
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"grid": 1, "block": (32, 64)},
-         r"^add_f4: block: expected at most 1024 threads per block, got \(32, 64, 1\) = 2048$"),
-        ({"grid": 1, "block": 1025},
-         r"^add_f4: block: expected at most 1024 threads per block, got \(1025, 1, 1\)"),
+        (
+            {"grid": 1, "block": (32, 64)},
+            r"^add_f4: block: expected at most 1024 threads per block, got \(32, 64, 1\) = 2048$",
+        ),
+        (
+            {"grid": 1, "block": 1025},
+            r"^add_f4: block: expected at most 1024 threads per block, got \(1025, 1, 1\)",
+        ),
         ({"grid": 1, "block": (1, 1, 128)}, r"^add_f4: block: dimension 2 is 128, the device allows 64$"),
         ({"grid": (1, 65536), "block": 1}, r"^add_f4: grid: dimension 1 is 65536, the device allows 65535$"),
-        ({"grid": 1, "block": 8, "shared_mem": 300_000},
-         r"^add_f4: shared_mem: expected at most 232448 bytes, got 300000$"),
-        ({"grid": 16, "block": 8, "cluster": 16},
-         r"^add_f4: cluster: expected at most 8 blocks per cluster, got 16$"),
-        ({"grid": 100_000, "block": 1024, "cooperative": True},
-         r"^add_f4: cooperative launch of 100000 blocks exceeds the co-resident limit \d+ \(132 SMs\)$"),
+        (
+            {"grid": 1, "block": 8, "shared_mem": 300_000},
+            r"^add_f4: shared_mem: expected at most 232448 bytes, got 300000$",
+        ),
+        (
+            {"grid": 16, "block": 8, "cluster": 16},
+            r"^add_f4: cluster: expected at most 8 blocks per cluster, got 16$",
+        ),
+        (
+            {"grid": 100_000, "block": 1024, "cooperative": True},
+            r"^add_f4: cooperative launch of 100000 blocks exceeds the co-resident limit \d+ \(132 SMs\)$",
+        ),
     ],
 )
 async def test_geometry_beyond_the_device_is_refused_before_enqueue(sim, kwargs, pattern):
@@ -483,8 +535,14 @@ async def test_unsafe_async_on_refuses_a_non_stream(sim):
     ("dst_shape", "dst_dtype", "src_shape", "src_dtype", "pattern"),
     [
         ((8,), "f4", (4,), "f4", r"^copy: expected dst and src of the same shape, got \(8,\) and \(4,\)$"),
-        ((2, 4), "f4", (8,), "f4", r"^copy: expected dst and src of the same shape, got \(2, 4\) and "
-            r"\(8,\)$"),
+        (
+            (2, 4),
+            "f4",
+            (8,),
+            "f4",
+            r"^copy: expected dst and src of the same shape, got \(2, 4\) and "
+            r"\(8,\)$",
+        ),
         ((8,), "f4", (8,), "f8", r"^copy: expected dst and src of the same dtype, got float32 and float64$"),
         ((8,), "i4", (8,), "f4", r"^copy: expected dst and src of the same dtype, got int32 and float32$"),
     ],
@@ -536,10 +594,18 @@ async def test_copy_of_wrong_kinds(sim):
         ("f4", 1e40, KernelArgumentError, r"^fill: x: value 1e\+40 overflows float32"),
         ("f8", "1", KernelArgumentError, r"^fill: x: expected a float64 scalar, got str"),
         ("f4", np.float64(1), KernelArgumentError, r"^fill: x: expected a float32 scalar, got float64"),
-        ("c16", 1.0, TypeError,
-         r"^fill: arr: expected an element size of 1, 2, 4 or 8 bytes, got dtype complex128 \(16 bytes\)$"),
-        ([("a", "f4"), ("b", "f4")], (1.0, 2.0), TypeError,
-         r"^fill: arr: expected an element size of 1, 2, 4 "),
+        (
+            "c16",
+            1.0,
+            TypeError,
+            r"^fill: arr: expected an element size of 1, 2, 4 or 8 bytes, got dtype complex128 \(16 bytes\)$",
+        ),
+        (
+            [("a", "f4"), ("b", "f4")],
+            (1.0, 2.0),
+            TypeError,
+            r"^fill: arr: expected an element size of 1, 2, 4 ",
+        ),
     ],
 )
 async def test_fill_with_a_bad_value(sim, dtype, value, error, pattern):
@@ -624,8 +690,12 @@ async def test_bad_shapes_and_dtypes_allocate_nothing(sim, shape, dtype, error, 
         ({"drain_timeout": -1}, ValueError, r"^drain_timeout: expected None or a number >= 0, got -1$"),
         ({"drain_timeout": "1"}, ValueError, r"^drain_timeout: expected None or a number >= 0, got '1'$"),
         ({"drain_timeout": True}, ValueError, r"^drain_timeout: expected None or a number >= 0, got True$"),
-        ({"policy": object()}, TypeError, r"^policy: expected a SchedulingPolicy \(with a choose\(\) "
-            r"method\), got"),
+        (
+            {"policy": object()},
+            TypeError,
+            r"^policy: expected a SchedulingPolicy \(with a choose\(\) "
+            r"method\), got",
+        ),
     ],
 )
 def test_open_scope_checks_its_arguments_at_once(kwargs, error, pattern):
@@ -681,8 +751,12 @@ async def test_stream_of_another_scope(sim):
     ("params", "error", "pattern"),
     [
         ([42], TypeError, r"^params\[0\]: expected Scalar, In, Out, InOut or Slice, got 42$"),
-        ([Scalar("f4"), "f4"], TypeError, r"^params\[1\]: expected Scalar, In, Out, InOut or Slice, got "
-            r"'f4'$"),
+        (
+            [Scalar("f4"), "f4"],
+            TypeError,
+            r"^params\[1\]: expected Scalar, In, Out, InOut or Slice, got "
+            r"'f4'$",
+        ),
         ([In("f4"), np.float32], TypeError, r"^params\[1\]: expected Scalar, In, Out, InOut or Slice, got"),
         ([None], TypeError, r"^params\[0\]: expected Scalar, In, Out, InOut or Slice, got None$"),
     ],
@@ -715,19 +789,26 @@ async def test_builder_argument_errors(sim):
         x = gpu.zeros(8, F4)
         b = ADD.builder()
         with nothing_happens(sim, gpu):
-            with pytest.raises(KernelArgumentError, match=r"^argument 0: expected a DeviceArray or a NumPy "
+            with pytest.raises(
+                KernelArgumentError,
+                match=r"^argument 0: expected a DeviceArray or a NumPy "
                 r"scalar "
-                               r"\(use arg_boxed for raw bytes\), got float$"):
+                r"\(use arg_boxed for raw bytes\), got float$",
+            ):
                 b.arg(1.0)
-            with pytest.raises(KernelArgumentError, match=r"^argument 0: expected a DeviceArray or a NumPy "
+            with pytest.raises(
+                KernelArgumentError,
+                match=r"^argument 0: expected a DeviceArray or a NumPy "
                 r"scalar "
-                               r".*got ndarray$"):
+                r".*got ndarray$",
+            ):
                 b.arg(np.zeros(8, F4))
             with pytest.raises(KernelArgumentError, match=r"^argument 0: raw bytes must not be empty$"):
                 b.arg_boxed(b"", align=4)
             for align in (0, 3, -4, 12):
-                with pytest.raises(KernelArgumentError,
-                                   match=rf"^argument 0: align must be a power of two, got {align}$"):
+                with pytest.raises(
+                    KernelArgumentError, match=rf"^argument 0: align must be a power of two, got {align}$"
+                ):
                     b.arg_boxed(b"abcd", align=align)
             with pytest.raises(
                 ValueError, match=r"^access: expected 'read', 'write' or 'readwrite', got 'all'$"

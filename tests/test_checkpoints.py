@@ -39,8 +39,16 @@ def dev(request: pytest.FixtureRequest):
 def counters(sim: SimDevice, gpu: trio_cuda.ResourceScope) -> tuple[Any, ...]:
     s, g = sim.statistics(), gpu.statistics()
     return (
-        s.launches, s.copies, s.fills, s.allocations, s.live_allocations, sim.pending,
-        g.submitted, g.in_flight, g.live_allocations, g.leases_held,
+        s.launches,
+        s.copies,
+        s.fills,
+        s.allocations,
+        s.live_allocations,
+        sim.pending,
+        g.submitted,
+        g.in_flight,
+        g.live_allocations,
+        g.leases_held,
     )
 
 

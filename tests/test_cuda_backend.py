@@ -412,7 +412,12 @@ async def test_ptx_and_cubin_loading() -> None:
         ptx = _cuda_nvrtc.compile_to_ptx(ADD_ONE_SRC, "add_one", cc)
         assert b".entry add_one" in ptx
         cubin = _cuda_nvrtc.compile_source(
-            ADD_ONE_SRC, "add_one", (), cc, gpu._driver.driver_version, use_cache=False  # type: ignore[attr-defined]
+            ADD_ONE_SRC,
+            "add_one",
+            (),
+            cc,
+            gpu._driver.driver_version,
+            use_cache=False,  # type: ignore[attr-defined]
         ).image
         params = [In("i4"), Out("i4"), Scalar("i4")]
         x = await gpu.to_device(np.arange(100, dtype=np.int32))

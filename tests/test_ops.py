@@ -329,6 +329,7 @@ async def test_work_waiting_on_a_gated_stream_completes(sim, gated):
 
 async def test_host_closure_error_fails_its_submission(sim):
     async with trio_cuda.open_scope(device=sim) as gpu:
+
         def boom():
             raise KeyError("closure")
 
@@ -467,7 +468,9 @@ def _up(v: int, a: int) -> int:
 async def test_read_slice_gets_a_read_only_view_and_a_shared_lease(sim):
     got = []
     k = trio_cuda.Kernel.from_source(
-        "// sum", "sum", params=[Slice("f4", access="read"), InOut("f4")],
+        "// sum",
+        "sum",
+        params=[Slice("f4", access="read"), InOut("f4")],
         reference=lambda v, n, out: (got.append(v.flags.writeable), out.__setitem__(0, v[:n].sum())),
     )
     async with trio_cuda.open_scope(device=sim) as gpu:

@@ -194,8 +194,9 @@ class ProgramMachine(RuleBasedStateMachine):
         self.handles[hid] = HRec(self.handles[src].buf, readonly=True)
         self._emit("readonly", src=src, hid=hid)
 
-    def _launch(self, kernel: str, picks: list[int], mode: str, chain: str | None, fault: str | None,
-                **kw: Any) -> None:
+    def _launch(
+        self, kernel: str, picks: list[int], mode: str, chain: str | None, fault: str | None, **kw: Any
+    ) -> None:
         opened, writable = self._open(), self._writable()
         if kernel == "host":
             hids: list[int] = []
@@ -236,10 +237,30 @@ class ProgramMachine(RuleBasedStateMachine):
     def launch_even_more(self, **kw: Any) -> None:
         self._plain_launch(**kw)
 
-    def _plain_launch(self, kernel: str, picks: list[int], mode: str, chain: str | None,
-                      stream: int | None, a: int, v: int, v2: int, host_raises: bool) -> None:
-        self._launch(kernel, picks, mode, chain, None, stream=self._stream(stream), a=a, v=v, v2=v2,
-                     host_raises=host_raises)
+    def _plain_launch(
+        self,
+        kernel: str,
+        picks: list[int],
+        mode: str,
+        chain: str | None,
+        stream: int | None,
+        a: int,
+        v: int,
+        v2: int,
+        host_raises: bool,
+    ) -> None:
+        self._launch(
+            kernel,
+            picks,
+            mode,
+            chain,
+            None,
+            stream=self._stream(stream),
+            a=a,
+            v=v,
+            v2=v2,
+            host_raises=host_raises,
+        )
 
     @precondition(_has_writable)
     @rule(**FAULTY_ARGS)
@@ -251,10 +272,12 @@ class ProgramMachine(RuleBasedStateMachine):
     def faulty_launch_more(self, **kw: Any) -> None:
         self._faulty_launch(**kw)
 
-    def _faulty_launch(self, kernel: str, picks: list[int], mode: str, fault: str, stream: int | None,
-                       a: int, v: int) -> None:
-        self._launch(kernel, picks, mode, None, fault, stream=self._stream(stream), a=a, v=v, v2=0,
-                     host_raises=False)
+    def _faulty_launch(
+        self, kernel: str, picks: list[int], mode: str, fault: str, stream: int | None, a: int, v: int
+    ) -> None:
+        self._launch(
+            kernel, picks, mode, None, fault, stream=self._stream(stream), a=a, v=v, v2=0, host_raises=False
+        )
 
     @rule(kind=st.sampled_from(["closed", "readonly_write", "readonly_fill"]), pick=PICK)
     def misuse(self, kind: str, pick: int) -> None:
@@ -280,8 +303,18 @@ class ProgramMachine(RuleBasedStateMachine):
         read back: only the runtime's cross-stream ordering keeps it right
         (timed devices run a free stream ahead of a busy one)."""
         for kernel, pk, stream in zip(kernels, picks, streams, strict=False):
-            self._launch(kernel, pk, "keep" if keep else "drop", None, None, stream=self._stream(stream),
-                         a=v, v=v, v2=0, host_raises=False)
+            self._launch(
+                kernel,
+                pk,
+                "keep" if keep else "drop",
+                None,
+                None,
+                stream=self._stream(stream),
+                a=v,
+                v=v,
+                v2=0,
+                host_raises=False,
+            )
         last = self.seg.steps[-1][1]["hids"][-1]  # what the last launch wrote
         self._emit("check", hid=last, fid=self._check_fid(), stream=self._stream(streams[-1] + 1))
 
@@ -564,8 +597,9 @@ class Runner:
         assert len(self.pending_at_exit) <= in_flight
         return in_flight
 
-    def _check_exit(self, seg: Segment, snapshot: int, caught: BaseException | None,
-                    warned: list[Warning | str]) -> None:
+    def _check_exit(
+        self, seg: Segment, snapshot: int, caught: BaseException | None, warned: list[Warning | str]
+    ) -> None:
         gpu, sim = self.gpu, self.sim
         timed_out = snapshot if seg.policy == "timeout" else 0
         if seg.policy == "late_release" and snapshot:
@@ -720,15 +754,26 @@ class Runner:
         # A fresh kernel per faulty launch: the trace then tells whether it executed.
         self.kernels += 1
         return trio_cuda.Kernel.from_source(
-            base.source, f"{base.name}_fault{self.kernels}", params=list(base.params),
+            base.source,
+            f"{base.name}_fault{self.kernels}",
+            params=list(base.params),
             reference=base.reference,
         )
 
     def _executed_probe(self, name: str) -> Callable[[], bool]:
         return lambda: any(ev.kind == "launch" and ev.label == name for ev in self.sim.trace)
 
-    def _plan(self, kernel: str, hids: list[int], chain: str | None, fault: str | None, a: int, v: int,
-              v2: int, host_raises: bool) -> Plan | None:
+    def _plan(
+        self,
+        kernel: str,
+        hids: list[int],
+        chain: str | None,
+        fault: str | None,
+        a: int,
+        v: int,
+        v2: int,
+        host_raises: bool,
+    ) -> Plan | None:
         hs = [self.handles.get(h) for h in hids]
         if any(h is None for h in hs):
             return None  # its creation failed (as predicted) at run time
@@ -896,8 +941,14 @@ class Runner:
                 check_output = check_zip
         entry = None
         if raises is None:
-            entry = Entry(f"{kernel}/{chain}/{fault}", predicted, executed, check_output,
-                          unknown_bufs=unknown_bufs, kernel=kernel != "host")
+            entry = Entry(
+                f"{kernel}/{chain}/{fault}",
+                predicted,
+                executed,
+                check_output,
+                unknown_bufs=unknown_bufs,
+                kernel=kernel != "host",
+            )
         return Plan(op, raises, effects, entry, written, fault)
 
     _token = 0
@@ -947,7 +998,10 @@ class Runner:
                 await gpu.to_device(np.zeros(self.n, F4))
         after = gpu.statistics()
         assert (after.submitted, after.live_allocations, after.leases_held) == (
-            before[0].submitted, before[0].live_allocations, before[0].leases_held)
+            before[0].submitted,
+            before[0].live_allocations,
+            before[0].leases_held,
+        )
         assert (sim.statistics().allocations, sim.live_allocations, sim.pending) == before[1:]
 
     async def _do_readonly(self, src: int, hid: int) -> None:
@@ -966,9 +1020,20 @@ class Runner:
         bid = next(b for b, x in self.bufs.items() if x is buf)
         self._register(hid, bid, r, None)
 
-    async def _do_launch(self, kernel: str, hids: list[int], mode: str, chain: str | None,
-                         fault: str | None, fid: int | None, stream: int | None, a: int, v: int,
-                         v2: int, host_raises: bool) -> None:
+    async def _do_launch(
+        self,
+        kernel: str,
+        hids: list[int],
+        mode: str,
+        chain: str | None,
+        fault: str | None,
+        fid: int | None,
+        stream: int | None,
+        a: int,
+        v: int,
+        v2: int,
+        host_raises: bool,
+    ) -> None:
         if fid is not None:
             self.futs[fid] = None
         gpu, s = self.gpu, self._stream(stream)
@@ -1018,8 +1083,9 @@ class Runner:
                 self.futs[fid] = e
             del fut  # dropped: the scope keeps the submission
 
-    async def _task_launch(self, make_plan: Callable[[], Plan | None], mode: str,
-                           s: trio_cuda.Stream | None) -> None:
+    async def _task_launch(
+        self, make_plan: Callable[[], Plan | None], mode: str, s: trio_cuda.Stream | None
+    ) -> None:
         gpu, sim = self.gpu, self.sim
         cs = trio.CancelScope()
         submitted_before = gpu.statistics().submitted
@@ -1205,7 +1271,11 @@ class Runner:
         await self._quiesce()
         stats = gpu.statistics()
         assert (stats.in_flight, stats.leases_held, stats.retained_bytes, stats.host_closures_pending) == (
-            0, 0, 0, 0)
+            0,
+            0,
+            0,
+            0,
+        )
         assert sim.pending == 0
         live = {(a.ptr, a.nbytes) for a in sim.live_allocations}
         for buf in self.seg_bufs:
