@@ -604,7 +604,7 @@ async def test_copy_of_wrong_kinds(sim):
             [("a", "f4"), ("b", "f4")],
             (1.0, 2.0),
             TypeError,
-            r"^fill: arr: expected an element size of 1, 2, 4 ",
+            r"^fill: arr: expected a non-structured dtype, got the struct dtype ",
         ),
     ],
 )

@@ -237,7 +237,9 @@ def fill_pattern(dtype: np.dtype[Any], x: object) -> bytes:
     """The bytes ``fill`` repeats: ``x`` checked and cast to ``dtype``."""
     from ._kernel import _convert_scalar
 
-    if dtype.itemsize not in (1, 2, 4, 8) or dtype.fields is not None:
+    if dtype.fields is not None:
+        raise TypeError(f"fill: arr: expected a non-structured dtype, got the struct dtype {dtype}")
+    if dtype.itemsize not in (1, 2, 4, 8):
         raise TypeError(
             f"fill: arr: expected an element size of 1, 2, 4 or 8 bytes, got dtype {dtype} "
             f"({dtype.itemsize} bytes)"
