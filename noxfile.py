@@ -53,3 +53,33 @@ def gpu(session: nox.Session) -> None:
     session.run("python", "-m", "trio_cuda", "info")
     session.run("python", "-m", "pytest", "-q", "-m", "gpu", *session.posargs)
     session.run("python", "-m", "trio_cuda", "demo", "--device", "cuda")
+
+
+@nox.session
+def sanitizer(session: nox.Session) -> None:
+    """The GPU tests under ``compute-sanitizer --tool memcheck`` (GPU machine only).
+
+    Host backtraces are off (``--show-backtrace device``): to print one on an
+    error, the tool keeps the Python frames of every launching call alive, and
+    with them their local variables, so arrays whose last handle was dropped
+    would look pinned after their work retired. Device backtraces stay on.
+    """
+    session.install("-e", ".[test]")
+    session.run(
+        "compute-sanitizer",
+        "--tool",
+        "memcheck",
+        "--show-backtrace",
+        "device",
+        "--error-exitcode",
+        "1",
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "gpu",
+        *session.posargs,
+        env={"TRIO_CUDA_SANITIZER": "1"},
+        external=True,
+    )

@@ -3,7 +3,9 @@
 Every test here is marked ``gpu`` and skips cleanly without a CUDA device
 (``trio_cuda._backends.probe_cuda()``). Under compute-sanitizer, set
 ``TRIO_CUDA_SANITIZER=1``: the deliberate illegal-address test is skipped and
-timing thresholds are relaxed.
+timing thresholds are relaxed. Run it with ``--show-backtrace device`` (``nox
+-s sanitizer``): host backtraces make the tool keep the Python frames of each
+launching call, which pins their local arrays past retirement.
 """
 
 from __future__ import annotations
