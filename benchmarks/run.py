@@ -327,8 +327,16 @@ async def _strategy_bench(
         record(f"{tag}:wake_2ms_overshoot", med(over), "us")
 
 
-async def _many_tasks(gpu: Any, op: Any, ntasks: int, per_task: int) -> float:
+async def _many_tasks(gpu: Any, op: Any, ntasks: int, per_task: int, *, spawn: bool = True) -> float:
+    """Launches/s of ``ntasks`` tasks, each awaiting ``per_task`` launches of
+    its own, one after the other. With ``spawn=False`` the clock starts once
+    every task exists and waits at a start line, so Trio's cost of creating
+    the tasks is left out and only the awaiting is measured."""
+    go = trio.Event()
+
     async def worker() -> None:
+        if not spawn:
+            await go.wait()
         for _ in range(per_task):
             await gpu.run(op)
 
@@ -336,6 +344,13 @@ async def _many_tasks(gpu: Any, op: Any, ntasks: int, per_task: int) -> float:
     async with trio.open_nursery() as nursery:
         for _ in range(ntasks):
             nursery.start_soon(worker)
+        if not spawn:
+            for _ in range(100):  # until every worker waits at the start line
+                await trio.lowlevel.checkpoint()
+                if not trio.lowlevel.current_statistics().tasks_runnable:
+                    break
+            t0 = perf()
+            go.set()
     return ntasks * per_task / (perf() - t0)
 
 
@@ -345,10 +360,15 @@ async def _tasks_bench(raw: Raw) -> None:
         op = EMPTY.launch(*bufs, 256, grid=1, block=1)
         await gpu.run(op)
         print("many tasks (each awaiting its own launches)")
-        r100 = [await _many_tasks(gpu, op, 100, 200) for _ in range(reps(5))]
+        r100 = [await _many_tasks(gpu, op, 100, 200, spawn=False) for _ in range(reps(5))]
         record("tasks_100", med(r100), "launch/s")
-        r10k = [await _many_tasks(gpu, op, 10_000, 5) for _ in range(reps(3))]
+        r10k = [await _many_tasks(gpu, op, 10_000, 5, spawn=False) for _ in range(reps(3))]
         record("tasks_10000", med(r10k), "launch/s")
+        # the same, with Trio's task creation inside the clock
+        r100 = [await _many_tasks(gpu, op, 100, 200) for _ in range(reps(5))]
+        record("tasks_100_with_spawn", med(r100), "launch/s")
+        r10k = [await _many_tasks(gpu, op, 10_000, 5) for _ in range(reps(3))]
+        record("tasks_10000_with_spawn", med(r10k), "launch/s")
 
         # per-op memory: peak traced bytes per concurrently awaited op
         for n in (100, 10_000):
@@ -457,6 +477,164 @@ def bench_peers(raw: Raw) -> None:
         print("  cuda.core:", repr(exc)[:200])
 
 
+# --------------------------------------------------------------------------- launch modes
+
+
+async def _submit_burst_of(gpu: Any, make: Callable[[], Any], stream: Any, repeats: int) -> float:
+    """Like ``_submit_burst``, but each submission's op is made by ``make()``
+    inside the timed loop (the typed launch's checks and packing included)."""
+    per = []
+    for _ in range(repeats):
+        await gpu.run(trio_cuda.ops.value(None), stream=stream)
+        gc.disable()
+        t0 = perf()
+        for _ in range(1000):
+            fut = gpu.submit(make(), stream=stream)
+        per.append((perf() - t0) / 1000 * 1e6)
+        gc.enable()
+        await fut.wait()
+    return med(per)
+
+
+async def _launchmodes_bench(raw: Raw) -> None:
+    """Host µs per launch of each way to launch a kernel, each measured next
+    to a raw prepacked cuLaunchKernel in the same section (the table shows
+    ratios to that baseline)."""
+    cu = raw.cu
+    L = cu.cuLaunchKernel
+    fn, st, params = raw.fn, raw.stream, raw.params
+    B = reps(15)
+    print("launch modes (host µs per launch, bursts of 1000)")
+    per = burst(lambda: L(fn, 1, 1, 1, 1, 1, 1, 0, st, params, 0), 1000, raw.sync, B)
+    record("launchmodes:raw_launch", per, "us")
+    # raw cuLaunchKernelEx with the programmatic-dependent-launch attribute, prebuilt
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX = cfg.gridDimY = cfg.gridDimZ = 1
+    cfg.blockDimX = cfg.blockDimY = cfg.blockDimZ = 1
+    cfg.hStream = st
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    LX = cu.cuLaunchKernelEx
+    record("launchmodes:raw_launch_ex_pdl", burst(lambda: LX(cfg, fn, params, 0), 1000, raw.sync, B), "us")
+
+    async with trio_cuda.open_scope(device="cuda", streams=4) as gpu:
+        bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
+        s = gpu.streams[0]
+        handle = s.handle
+        op = EMPTY.launch(*bufs, 256, grid=1, block=1)
+        await gpu.run(op, stream=s)
+        async_on = trio_cuda.unsafe.async_on
+
+        def sync() -> None:
+            cu.cuStreamSynchronize(handle.cu)
+
+        def typed() -> Any:
+            return EMPTY.launch(*bufs, 256, grid=1, block=1)
+
+        def build() -> Any:
+            b = EMPTY.builder().grid(1).block(1)
+            for x in bufs:
+                b.arg(x)
+            return b.arg(np.int32(256)).finalize_unchecked()
+
+        built = build()
+        pdl = EMPTY.launch(*bufs, 256, grid=1, block=1, pdl=True)
+        for warm in (built, pdl):
+            await gpu.run(warm, stream=s)
+        tag = "launchmodes:"
+        record(tag + "typed_launch_only", burst(typed, 1000, sync, B), "us", "(no enqueue)")
+        record(tag + "typed_launch+submit", await _submit_burst_of(gpu, typed, s, B), "us")
+        record(tag + "typed_launch+async_on", burst(lambda: async_on(typed(), s), 1000, sync, B), "us")
+        record(tag + "builder_finalize+async_on", burst(lambda: async_on(build(), s), 1000, sync, B), "us")
+        record(tag + "builder_finalized+submit", await _submit_burst(gpu, built, s, B), "us")
+        record(tag + "builder_finalized+async_on", burst(lambda: async_on(built, s), 1000, sync, B), "us")
+        record(tag + "prebuilt+submit", await _submit_burst(gpu, op, s, B), "us")
+        record(tag + "async_on", burst(lambda: async_on(op, s), 1000, sync, B), "us")
+        record(tag + "async_on_pdl", burst(lambda: async_on(pdl, s), 1000, sync, B), "us")
+
+
+def bench_launchmodes(raw: Raw) -> None:
+    trio.run(_launchmodes_bench, raw)
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+async def _graph_bench(raw: Raw) -> None:
+    """Host time of one replay of a 100-kernel graph against 100 safe
+    launches of the same kernel (both ``gpu.submit``, bursts with GC off,
+    the GPU drained between bursts), plus round trips and the raw
+    ``cuGraphLaunch`` for reference."""
+    async with trio_cuda.open_scope(device="cuda", streams=4) as gpu:
+        bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
+        k = EMPTY.launch(*bufs, 256, grid=1, block=1)
+        s = gpu.streams[0]
+        await gpu.run(k, stream=s)
+        chain: Any = k
+        for _ in range(99):
+            chain = chain.then(lambda _: k)
+        t0 = perf()
+        graph = await gpu.capture(chain, stream=s)
+        record("graph_capture_100_kernels", (perf() - t0) * 1e6, "us", "capture + instantiate")
+        replay = graph.launch()
+        await gpu.run(replay, stream=s)
+        B = reps(15)
+        print("graphs (host µs; one replay of 100 kernels vs 100 safe launches)")
+
+        async def burst_of(n: int, fn: Callable[[], Any]) -> float:
+            """Median host µs per call of ``fn`` in bursts of ``n`` (GC off),
+            the scope drained before each burst."""
+            per = []
+            for _ in range(B):
+                await gpu.run(trio_cuda.ops.value(None), stream=s)
+                await _settle(gpu)
+                gc.disable()
+                t0 = perf()
+                for _ in range(n):
+                    fn()
+                per.append((perf() - t0) / n * 1e6)
+                gc.enable()
+                await gpu.run(trio_cuda.ops.value(None), stream=s)
+            return med(per)
+
+        safe = await burst_of(100, lambda: gpu.submit(k, stream=s))
+        record("graph_base_100_safe_launches", safe * 100, "us", "100 x gpu.submit(launch)")
+        record("graph_replay_submit", await burst_of(100, lambda: gpu.submit(replay, stream=s)), "us")
+        async_on = trio_cuda.unsafe.async_on
+        record("graph_replay_async_on", await burst_of(100, lambda: async_on(replay, s)), "us")
+        for key, op, note in (
+            ("graph_replay_roundtrip", replay, "await gpu.run(graph.launch())"),
+            ("graph_base_100_kernel_roundtrip", chain, "await gpu.run(the 100-kernel op)"),
+        ):
+            per = []
+            for _ in range(B):
+                t0 = perf()
+                for _ in range(20):
+                    await gpu.run(op, stream=s)
+                per.append((perf() - t0) / 20 * 1e6)
+            record(key, med(per), "us", note)
+        # the raw cuGraphLaunch of the same executable graph
+        cu = raw.cu
+        ge = graph._exec.handle
+        cus = s.handle.cu  # type: ignore[attr-defined]
+        await _settle(gpu)
+        record(
+            "raw_graph_launch",
+            burst(lambda: cu.cuGraphLaunch(ge, cus), 100, lambda: cu.cuStreamSynchronize(cus), B),
+            "us",
+        )
+        graph.close()
+
+
+async def _settle(gpu: Any) -> None:
+    """Until the scope retired everything (leases released)."""
+    while gpu.statistics().in_flight:  # noqa: ASYNC110 - polling public statistics
+        await trio.sleep(0.0001)
+
+
 # --------------------------------------------------------------------------- table
 
 
@@ -504,12 +682,25 @@ def table() -> list[dict[str, Any]]:
     row("idle CPU awaiting a 100 ms kernel", cpu, "% core", 100.0, "< 5 % of a core", lambda r: r < 0.05)
     row(
         "graph replay, 100-kernel op",
-        None,
-        "n/a (graphs not implemented yet)",
-        None,
+        v("graph_replay_submit"),
+        "us/replay",
+        v("graph_base_100_safe_launches"),
         ">= 10 x less host time",
-        None,
+        lambda r: r <= 0.1,
     )
+    lm_raw = v("launchmodes:raw_launch")
+    for key, name in (
+        ("launchmodes:typed_launch+submit", "launch modes: typed launch + submit"),
+        ("launchmodes:typed_launch+async_on", "launch modes: typed launch + async_on"),
+        ("launchmodes:builder_finalize+async_on", "launch modes: build+finalize+async_on"),
+        ("launchmodes:builder_finalized+submit", "launch modes: finalized builder submit"),
+        ("launchmodes:builder_finalized+async_on", "launch modes: finalized builder async_on"),
+        ("launchmodes:async_on", "launch modes: async_on"),
+        ("launchmodes:async_on_pdl", "launch modes: async_on, pdl (LaunchEx)"),
+        ("launchmodes:raw_launch_ex_pdl", "launch modes: raw cuLaunchKernelEx, pdl"),
+    ):
+        if v(key) is not None:
+            row(name, v(key), "us/launch", lm_raw, "(vs raw, same section)", None)
     for key, name in (
         ("cupy_rawkernel", "CuPy RawKernel"),
         ("torch_add", "torch.add"),
@@ -553,7 +744,9 @@ def main() -> int:
     ap.add_argument("--json", help="also write the results as JSON to this path")
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
     ap.add_argument(
-        "--only", default="", help="comma-separated sections: raw,lib,tasks,strategies,hops,peers"
+        "--only",
+        default="",
+        help="comma-separated sections: raw,lib,tasks,strategies,hops,graphs,peers,launchmodes",
     )
     args = ap.parse_args()
     QUICK = args.quick
@@ -583,7 +776,9 @@ def main() -> int:
                 ),
             )
         )
+    sections.append(("graphs", lambda: trio.run(_graph_bench, raw)))
     sections.append(("peers", lambda: bench_peers(raw)))
+    sections.append(("launchmodes", lambda: bench_launchmodes(raw)))
     t0 = perf()
     for name, fn in sections:
         if not want(name):

@@ -573,14 +573,10 @@ async def test_copy_of_wrong_kinds(sim):
                 TypeError, match=r"^copy: dst: expected a DeviceArray or a NumPy array, got int$"
             ):
                 ops.copy(3, x)
-            with pytest.raises(
-                ValueError, match=r"^copy: dst: expected a writable C-contiguous NumPy array$"
-            ):
-                ops.copy(np.zeros(16, F4)[::2], x)
             ro = np.zeros(8, F4)
             ro.setflags(write=False)
             with pytest.raises(
-                ValueError, match=r"^copy: dst: expected a writable C-contiguous NumPy array$"
+                ValueError, match=r"^copy: dst: expected a writable NumPy array, got a read-only one$"
             ):
                 ops.copy(ro, x)
 

@@ -6,6 +6,7 @@ buffer or access lease is released while the GPU may still use it, whatever the
 awaiting task does.
 """
 
+from . import interop as interop
 from . import ops as ops
 from . import testing as testing
 from . import unsafe as unsafe
@@ -20,6 +21,8 @@ from ._core._errors import LaunchError as LaunchError
 from ._core._errors import OutOfMemoryError as OutOfMemoryError
 from ._core._errors import ScopeClosedError as ScopeClosedError
 from ._core._errors import TrioCudaError as TrioCudaError
+from ._core._graph import CudaGraph as CudaGraph
+from ._core._graph import GraphStatistics as GraphStatistics
 from ._core._kernel import In as In
 from ._core._kernel import InOut as InOut
 from ._core._kernel import Kernel as Kernel
@@ -43,3 +46,4 @@ from ._core._scope import StreamStatistics as StreamStatistics
 from ._core._scope import current_scope as current_scope
 from ._core._scope import open_scope as open_scope
 from ._version import __version__ as __version__
+from .interop import borrow as borrow

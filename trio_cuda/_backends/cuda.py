@@ -32,19 +32,28 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final, NoReturn, final
 
 import numpy as np
 import trio
 
 from .._core._driver import DONE, PENDING, DeviceInfo, Finisher, Gate, Marker, MarkerState, Poll, StreamHandle
-from .._core._errors import CudaError, LaunchError, OutOfMemoryError, ScopeClosedError
+from .._core._errors import (
+    CudaError,
+    GraphCaptureError,
+    KernelArgumentError,
+    LaunchError,
+    OutOfMemoryError,
+    ScopeClosedError,
+)
+from .._core._kernel import check_cooperative_occupancy, check_param_layout
 from . import _cuda_nvrtc
 from ._cuda_wait import EventJob, PollJob, WaiterPool
 
@@ -61,6 +70,8 @@ __all__ = [
     "CudaContext",
     "CudaFunction",
     "CudaGate",
+    "CudaGraphExec",
+    "CudaGraphTemplate",
     "CudaMarker",
     "CudaStream",
     "compile_statistics",
@@ -196,6 +207,11 @@ def _device_info(dev: Any, ordinal: int) -> DeviceInfo:
             attr("CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y"),
             attr("CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z"),
         ),
+        max_threads_per_multiprocessor=attr("CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR"),
+        max_blocks_per_multiprocessor=attr("CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR"),
+        max_shared_memory_per_multiprocessor=attr("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR"),
+        reserved_shared_memory_per_block=attr("CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK"),
+        cooperative_launch=bool(attr("CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH")),
     )
 
 
@@ -330,13 +346,16 @@ class CudaFunction:
     __slots__ = (
         "__weakref__",
         "arch",
+        "argv",
         "ctx",
         "dyn_smem",
         "fn",
         "from_cache",
         "image_kind",
         "kernel",
+        "limits",
         "module",
+        "ok",
         "unloaded",
     )
 
@@ -359,10 +378,47 @@ class CudaFunction:
         self.from_cache = from_cache
         self.dyn_smem = _DEFAULT_SMEM
         self.unloaded = False
+        #: (max threads per block, static shared bytes, parameter layout or None), read on first check
+        self.limits: tuple[int, int, tuple[tuple[int, int], ...] | None] | None = None
+        #: (config, plan) pairs that passed :meth:`CudaContext.check_launch`
+        self.ok: dict[tuple[object, object], None] = {}
+        #: the kernel's preallocated parameter arena for first launches:
+        #: (arena array, its address, void** array, its address), built on first use
+        self.argv: tuple[Any, int, Any, int] | None = None
 
     def __repr__(self) -> str:
         state = " unloaded" if self.unloaded else ""
         return f"<CudaFunction {self.kernel.name} ({self.image_kind}, {self.arch}){state}>"
+
+
+@final
+class CudaGraphTemplate:
+    """A captured ``CUgraph`` (from :meth:`CudaContext.end_capture`), consumed
+    by ``instantiate`` or ``graph_update``."""
+
+    __slots__ = ("ctx", "graph")
+
+    def __init__(self, ctx: CudaContext, graph: Any) -> None:
+        self.ctx = ctx
+        self.graph: Any = graph
+
+    def __repr__(self) -> str:
+        return f"<CudaGraphTemplate {'consumed' if self.graph is None else 'captured'}>"
+
+
+@final
+class CudaGraphExec:
+    """An executable graph (``CUgraphExec``) of one context."""
+
+    __slots__ = ("__weakref__", "ctx", "destroyed", "handle")
+
+    def __init__(self, ctx: CudaContext, handle: Any) -> None:
+        self.ctx = ctx
+        self.handle = handle
+        self.destroyed = False
+
+    def __repr__(self) -> str:
+        return f"<CudaGraphExec 0x{int(self.handle):x}{' destroyed' if self.destroyed else ''}>"
 
 
 # --------------------------------------------------------------------------- pinned staging
@@ -413,7 +469,8 @@ class _StagingPool:
                     buf.guard = None
                     return buf
         self.ctx._make_current_if_needed()
-        err, addr = cu.cuMemHostAlloc(size, cu.CU_MEMHOSTALLOC_PORTABLE)
+        with self.ctx._relaxed_capture():  # a pinned allocation is refused on a capturing thread
+            err, addr = cu.cuMemHostAlloc(size, cu.CU_MEMHOSTALLOC_PORTABLE)
         if err:
             raise cuda_error(err, f"cuMemHostAlloc({size})", OutOfMemoryError if int(err) == _OOM else None)
         self.allocated += size
@@ -487,6 +544,35 @@ class _D2HFinisher:
 
 
 _STRATEGIES: Final = ("adaptive", "sleep", "event", "thread")
+
+
+def _param_layout(fn: Any) -> tuple[tuple[int, int], ...] | None:
+    """``(offset, size)`` of each parameter of a loaded kernel, as the driver
+    lays them out (``cuFuncGetParamCount``/``cuFuncGetParamInfo``), or None
+    where the driver cannot report it (the bindings may know a function that
+    the installed driver lacks: calling it raises ``RuntimeError``)."""
+    try:
+        count: int | None = None
+        get_count = getattr(cu, "cuFuncGetParamCount", None)
+        if get_count is not None:
+            try:
+                err, n = get_count(fn)
+                if not err:
+                    count = int(n)
+            except RuntimeError:  # not in this driver
+                count = None
+        get_info = cu.cuFuncGetParamInfo
+        layout: list[tuple[int, int]] = []
+        for index in range(count if count is not None else 4096):
+            err, offset, size = get_info(fn, index)
+            if err:
+                if count is not None or index == 0:
+                    return None  # unsupported (or "no parameters" cannot be told from it)
+                break
+            layout.append((int(offset), int(size)))
+        return tuple(layout)
+    except Exception:  # no such function in the bindings or the driver: no check
+        return None
 
 
 def _runnable_tasks() -> int:
@@ -582,6 +668,9 @@ class CudaContext:
         #: flush; "deferred": always deferred; "eager": a write per marker
         self.marker_mode = "eager"  # the core already coalesces markers (batch_markers)
         self._hot: list[CudaStream] = []  # streams that wrote a marker since the last flush
+        #: the stream capturing a graph (one capture at a time), and the live executable graphs
+        self._capturing: CudaStream | None = None
+        self._graph_execs: dict[CudaGraphExec, None] = {}
         # counters (statistics for tests and benchmarks)
         self.counters = {"handoffs": 0, "event_waits": 0, "poll_waits": 0, "loop_sleeps": 0, "spins": 0}
 
@@ -677,6 +766,11 @@ class CudaContext:
     # ------------------------------------------------------------------ memory
     def alloc(self, nbytes: int, stream: StreamHandle) -> int:
         s = self._stream(stream)
+        if self._capturing is not None:
+            raise GraphCaptureError(
+                f"allocating {nbytes} bytes while stream {self._capturing.index} captures a graph "
+                f"(allocate before capturing)"
+            )
         if nbytes == 0:
             return 0
         if _multi_device:
@@ -691,6 +785,8 @@ class CudaContext:
             return
         if self._sticky is not None:
             raise self._sticky  # the core quarantines the allocation: never freed
+        if _multi_device:  # another device's scope may retire our memory's last use
+            cu.cuCtxSetCurrent(self._ctx)
         (err,) = cu.cuMemFreeAsync(ptr, self._aux)
         if err:
             self._fail(err, "cuMemFreeAsync")
@@ -734,6 +830,21 @@ class CudaContext:
             self._fail(err, "cuMemcpyDtoHAsync")
         buf.guard = (s, s.seq + 1)
         return _D2HFinisher(token, dst.ctypes.data, n)
+
+    def copy_peer(
+        self,
+        stream: StreamHandle,
+        dst: int,
+        dst_context: object,
+        src: int,
+        src_context: object,
+        nbytes: int,
+    ) -> object | None:
+        """Enqueue on ``stream`` a copy between memory of two contexts (two
+        devices, or one): see ``_cuda_peer``."""
+        from ._cuda_peer import copy_peer
+
+        return copy_peer(self, self._stream(stream), dst, dst_context, src, src_context, nbytes)
 
     def copy_d2d(self, stream: StreamHandle, dst: int, src: int, nbytes: int) -> None:
         s = self._stream(stream)
@@ -782,6 +893,14 @@ class CudaContext:
 
     # ------------------------------------------------------------------ kernels
     def load_kernel(self, kernel: Kernel) -> CudaFunction:
+        if self._capturing is not None:
+            # first launch of a kernel inside a capture: module loading is
+            # refused on a capturing thread, so relax the mode just for it
+            with self._relaxed_capture():
+                return self._load_kernel(kernel)
+        return self._load_kernel(kernel)
+
+    def _load_kernel(self, kernel: Kernel) -> CudaFunction:
         self._check_open()
         cu.cuCtxSetCurrent(self._ctx)
         from_cache = False
@@ -829,6 +948,85 @@ class CudaContext:
         if err:
             raise cuda_error(err, "cuModuleUnload")
 
+    def _function_limits(self, function: CudaFunction) -> tuple[int, int, tuple[tuple[int, int], ...] | None]:
+        """The kernel's own limits, read once: its maximum threads per block
+        (registers, ``__launch_bounds__``), its static shared memory, and its
+        parameter layout (``cuFuncGetParamInfo``; None where the driver cannot
+        report it)."""
+        limits = function.limits
+        if limits is not None:
+            return limits
+        A = cu.CUfunction_attribute
+        fn = function.fn
+
+        def attr(which: Any, label: str) -> int:
+            err, value = cu.cuFuncGetAttribute(which, fn)
+            if err:
+                raise cuda_error(err, f"cuFuncGetAttribute({label})")
+            return int(value)
+
+        threads = attr(A.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, "MAX_THREADS_PER_BLOCK")
+        static = attr(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, "SHARED_SIZE_BYTES")
+        layout = _param_layout(fn)
+        function.limits = limits = (threads, static, layout)
+        return limits
+
+    def check_launch(self, function: object, launch: PreparedLaunch) -> None:
+        """What only the loaded kernel knows, checked before anything is
+        enqueued: its own thread limit, static plus dynamic shared memory
+        (opting in to more than 48 KiB here), the parameter layout against the
+        compiled kernel, the co-residency of a cooperative grid and the
+        schedulability of a cluster. Raises ``KernelArgumentError``."""
+        if type(function) is not CudaFunction or function.ctx is not self:
+            raise TypeError(f"function: expected a CudaFunction of this context, got {function!r}")
+        c = launch.config
+        key = (c, launch.plan)
+        if key in function.ok:
+            return
+        self._check_open()
+        cu.cuCtxSetCurrent(self._ctx)
+        max_threads, static, layout = self._function_limits(function)
+        name = launch.kernel.name
+        threads = c.block[0] * c.block[1] * c.block[2]
+        if threads > max_threads:
+            raise KernelArgumentError(
+                f"{name}: block: the kernel allows at most {max_threads} threads per block "
+                f"(its register use or __launch_bounds__), got {c.block} = {threads}"
+            )
+        optin = self.info.max_shared_memory_per_block_optin
+        smem = c.shared_mem
+        if static + smem > optin:
+            raise KernelArgumentError(
+                f"{name}: shared_mem: expected at most {max(0, optin - static)} bytes (the kernel has "
+                f"{static} bytes of static shared memory, the device {optin} per block), got {smem}"
+            )
+        if smem > function.dyn_smem:
+            attrib = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            (err,) = cu.cuFuncSetAttribute(function.fn, attrib, smem)
+            if err:
+                call = f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={smem})"
+                raise cuda_error(err, call, LaunchError)
+            function.dyn_smem = smem
+        if layout is not None:
+            check_param_layout(launch, layout)
+        if c.cooperative:
+            err, per_sm = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function.fn, threads, smem)
+            if err:
+                raise cuda_error(err, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+            check_cooperative_occupancy(launch, self.info, int(per_sm))
+        if c.cluster is not None:
+            cfg = self._launch_config(None, launch)
+            err, clusters = cu.cuOccupancyMaxActiveClusters(function.fn, cfg)
+            if err or not clusters:
+                why = _describe(err)[0] if err else "0 clusters can be resident"
+                raise KernelArgumentError(
+                    f"{name}: cluster: the device cannot run clusters of {c.cluster} blocks of {c.block} "
+                    f"threads with {smem} B of dynamic shared memory ({why})"
+                )
+        if len(function.ok) >= 1024:
+            function.ok.clear()
+        function.ok[key] = None
+
     def _prepare_launch(
         self, stream: CudaStream, function: object, launch: PreparedLaunch
     ) -> tuple[Any, ...]:
@@ -871,13 +1069,18 @@ class CudaContext:
         cache[stream.key] = entry
         return entry
 
-    def _launch_config(self, stream: CudaStream, launch: PreparedLaunch) -> Any:
+    def _launch_config(self, stream: CudaStream | None, launch: PreparedLaunch) -> Any:
+        """The ``CUlaunchConfig`` of a launch with modes: clusters
+        (``CLUSTER_DIMENSION``), cooperative (``COOPERATIVE``) and programmatic
+        dependent launch (``PROGRAMMATIC_STREAM_SERIALIZATION``). ``stream``
+        None: for occupancy queries."""
         c = launch.config
         cfg = cu.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = c.grid
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = c.block
         cfg.sharedMemBytes = c.shared_mem
-        cfg.hStream = stream.cu
+        if stream is not None:
+            cfg.hStream = stream.cu
         ids = cu.CUlaunchAttributeID
         attrs = []
         if c.cluster is not None:
@@ -906,6 +1109,8 @@ class CudaContext:
             self._stream(stream)
             raise
         if hit is None or hit[0] is not function:
+            if "cu.seen" not in launch.cache and self._launch_first(stream, function, launch):
+                return
             hit = self._prepare_launch(self._stream(stream), function, launch)
         if _multi_device:
             cu.cuCtxSetCurrent(self._ctx)
@@ -915,6 +1120,44 @@ class CudaContext:
             (err,) = cu.cuLaunchKernelEx(hit[2], hit[1], hit[3], 0)
         if err:
             self._launch_failed(err, launch)
+
+    def _launch_first(self, stream: StreamHandle, function: object, launch: PreparedLaunch) -> bool:
+        """The first enqueue of a plain launch (no launch attributes): its
+        parameters are copied into the kernel's own preallocated arena and
+        launched from there, since ``cuLaunchKernel`` reads them during the
+        call. Only a launch enqueued again gets stable memory of its own (see
+        :meth:`_prepare_launch`), so a launch built, submitted once and
+        dropped costs no per-launch buffers. False: take the general path."""
+        if type(function) is not CudaFunction or function.ctx is not self or function.unloaded:
+            return False
+        c = launch.config
+        plan = launch.plan
+        if (
+            c.cluster is not None
+            or c.cooperative
+            or c.pdl
+            or c.shared_mem > function.dyn_smem
+            or plan is not launch.kernel.plan
+        ):
+            return False
+        s = stream
+        if type(s) is not CudaStream or s.ctx is not self:
+            s = self._stream(stream)
+        argv = function.argv
+        if argv is None:
+            arena = np.zeros(max(plan.size, 8), dtype=np.uint8)
+            base = int(arena.ctypes.data)
+            ptrs = np.array([base + slot.offset for slot in plan.slots], dtype=np.uint64)
+            argv = function.argv = (arena, base, ptrs, int(ptrs.ctypes.data) if plan.slots else 0)
+        data = launch.arena
+        _memmove(argv[1], data, len(data))
+        launch.cache["cu.seen"] = True
+        if _multi_device:
+            cu.cuCtxSetCurrent(self._ctx)
+        (err,) = _cuLaunchKernel(function.fn, *c.grid, *c.block, c.shared_mem, s.cu, argv[3], 0)
+        if err:
+            self._launch_failed(err, launch)
+        return True
 
     def _launch_failed(self, err: Any, launch: PreparedLaunch) -> NoReturn:
         exc = cuda_error(err, f"cuLaunchKernel({launch.kernel.name})", LaunchError)
@@ -986,22 +1229,29 @@ class CudaContext:
             raise TypeError(f"marker: expected a CudaMarker, got {type(m).__name__}")
         other = m.stream
         ev = m.event
+        owner = other.ctx  # another device's context for cross-device waits
+        if owner is not self:  # record (below) in the marker's context, wait in ours
+            cu.cuCtxSetCurrent(owner._ctx)
+            owner._flush_stream(other)
         if ev is None and self.wait_marker_mode == "event" and m.seq == other.seq and not other.destroyed:
             # The marker is the newest point of its stream: an event recorded
             # now completes with it. Re-recording the scratch event later does
-            # not affect a wait already enqueued.
-            ev = self._scratch_event
+            # not affect a wait already enqueued. (The event must belong to
+            # the recording stream's context.)
+            ev = owner._scratch_event
             if ev is None:
-                ev = self._scratch_event = self._new_event()
+                ev = owner._scratch_event = owner._new_event()
             (err,) = cu.cuEventRecord(ev, other.cu)
             if err:
                 self._fail(err, "cuEventRecord")
+        if owner is not self:
+            cu.cuCtxSetCurrent(self._ctx)
         if ev is not None:
             (err,) = cu.cuStreamWaitEvent(s.cu, ev, 0)
             if err:
                 self._fail(err, "cuStreamWaitEvent")
             return
-        self._flush_stream(other)
+        owner._flush_stream(other)
         geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         (err,) = cu.cuStreamWaitValue32(s.cu, other.slot_dptr, m.seq & _M32, geq)
         if err:
@@ -1055,6 +1305,221 @@ class CudaContext:
         # gates of a stream open in order; never move the slot backwards
         if ((gate.seq - cur) & _M32) < _HALF:
             s.mv[s.gate_slot] = gate.seq & _M32
+
+    # ------------------------------------------------------------------ graphs
+    @contextlib.contextmanager
+    def _relaxed_capture(self) -> Iterator[None]:
+        """While this thread captures, let one potentially unsafe call through
+        (``cuThreadExchangeStreamCaptureMode``); a no-op otherwise."""
+        if self._capturing is None:
+            yield
+            return
+        err, old = cu.cuThreadExchangeStreamCaptureMode(
+            cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        )
+        if err:
+            raise cuda_error(err, "cuThreadExchangeStreamCaptureMode")
+        try:
+            yield
+        finally:
+            cu.cuThreadExchangeStreamCaptureMode(old)
+
+    def begin_capture(self, stream: StreamHandle) -> None:
+        """``cuStreamBeginCapture`` in thread-local mode: potentially unsafe
+        calls (allocations, synchronisations) from this thread invalidate the
+        capture, and so do synchronising calls on the stream itself."""
+        s = self._stream(stream)
+        if self._capturing is not None:
+            raise GraphCaptureError(
+                f"begin_capture: stream {self._capturing.index} of this context is already capturing"
+            )
+        if self._sticky is not None:
+            raise self._sticky
+        self._flush_stream(s)  # a deferred marker write of earlier work must not be captured
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        (err,) = cu.cuStreamBeginCapture(s.cu, mode)
+        if err:
+            raise cuda_error(err, "cuStreamBeginCapture")
+        self._capturing = s
+
+    def _end(self, stream: StreamHandle) -> tuple[Any, Any]:
+        s = self._stream(stream)
+        if self._capturing is not s:
+            raise GraphCaptureError(f"end_capture: stream {s.index} is not capturing")
+        self._capturing = None
+        return cu.cuStreamEndCapture(s.cu)  # type: ignore[no-any-return]
+
+    def end_capture(self, stream: StreamHandle) -> CudaGraphTemplate:
+        err, graph = self._end(stream)
+        if err:
+            if graph is not None and int(graph):
+                cu.cuGraphDestroy(graph)
+            cause = cuda_error(err, "cuStreamEndCapture")
+            raise GraphCaptureError(
+                f"the capture was invalidated ({cause.name}): an operation during it was not allowed "
+                f"in stream capture (an allocation or a synchronising call)"
+            ) from cause
+        return CudaGraphTemplate(self, graph)
+
+    def abort_capture(self, stream: StreamHandle) -> None:
+        if self._capturing is not stream:
+            return
+        _err, graph = self._end(stream)  # an invalidated capture also leaves capture mode
+        if graph is not None and int(graph):
+            cu.cuGraphDestroy(graph)
+
+    def _template(self, graph: object) -> CudaGraphTemplate:
+        if type(graph) is not CudaGraphTemplate or graph.ctx is not self:
+            raise TypeError(f"graph: expected a CudaGraphTemplate of this context, got {graph!r}")
+        if graph.graph is None:
+            raise ValueError(f"graph: {graph!r} was already instantiated or used for an update")
+        return graph
+
+    def instantiate(self, graph: object) -> CudaGraphExec:
+        t = self._template(graph)
+        g, t.graph = t.graph, None
+        try:
+            err, graph_exec = cu.cuGraphInstantiate(g, 0)
+            if err:
+                raise cuda_error(err, "cuGraphInstantiate")
+        finally:
+            cu.cuGraphDestroy(g)
+        ge = CudaGraphExec(self, graph_exec)
+        self._graph_execs[ge] = None
+        return ge
+
+    def _graph_exec(self, graph_exec: object) -> CudaGraphExec:
+        if type(graph_exec) is not CudaGraphExec or graph_exec.ctx is not self:
+            raise TypeError(f"graph_exec: expected a CudaGraphExec of this context, got {graph_exec!r}")
+        if graph_exec.destroyed:
+            raise CudaError(
+                400, "CUDA_ERROR_INVALID_HANDLE", f"{graph_exec!r} was destroyed", call="cuGraphLaunch"
+            )
+        return graph_exec
+
+    def graph_launch(self, stream: StreamHandle, graph_exec: object) -> None:
+        s = self._stream(stream)
+        ge = graph_exec if type(graph_exec) is CudaGraphExec and not graph_exec.destroyed else None
+        if ge is None or ge.ctx is not self:
+            ge = self._graph_exec(graph_exec)
+        if _multi_device:
+            cu.cuCtxSetCurrent(self._ctx)
+        (err,) = cu.cuGraphLaunch(ge.handle, s.cu)
+        if err:
+            self._fail(err, "cuGraphLaunch")
+
+    def graph_update(self, graph_exec: object, graph: object) -> None:
+        """``cuGraphExecUpdate``: the parameters of ``graph`` (kernel
+        arguments, copy and fill operands) for later launches, when the
+        topology is the same; ``GraphCaptureError`` naming the reason if not."""
+        ge = self._graph_exec(graph_exec)
+        t = self._template(graph)
+        g, t.graph = t.graph, None
+        try:
+            err, info = cu.cuGraphExecUpdate(ge.handle, g)
+        finally:
+            cu.cuGraphDestroy(g)
+        if err:
+            result = getattr(getattr(info, "result", None), "name", "") or "unknown reason"
+            cause = cuda_error(err, "cuGraphExecUpdate")
+            raise GraphCaptureError(
+                f"cuGraphExecUpdate refused the update ({result}): the new capture must have the "
+                f"same topology (the same kernel launches, copies and fills in the same order)"
+            ) from cause
+
+    def destroy_graph(self, graph_exec: object) -> None:
+        if type(graph_exec) is not CudaGraphExec or graph_exec.ctx is not self:
+            raise TypeError(f"graph_exec: expected a CudaGraphExec of this context, got {graph_exec!r}")
+        if graph_exec.destroyed:
+            return
+        graph_exec.destroyed = True
+        self._graph_execs.pop(graph_exec, None)
+        if self._sticky is not None:
+            return  # leak: the context is broken
+        (err,) = cu.cuGraphExecDestroy(graph_exec.handle)
+        if err:
+            raise cuda_error(err, "cuGraphExecDestroy")
+
+    # ------------------------------------------------------------------ interop
+    # Foreign streams are CUstream handles of other libraries (or 1: legacy
+    # default, 2: per-thread default). These calls may wait device-side on
+    # them, never on the host, except foreign_fence(None).
+
+    #: foreign_fence(None) synchronises the context: the core runs it in a
+    #: worker thread where it can
+    foreign_fence_blocks = True
+    #: foreign_fence(stream) may be called from any thread (a DLPack deleter)
+    foreign_fence_threadsafe = True
+
+    def stream_address(self, stream: StreamHandle) -> int:
+        """The CUstream handle of ``stream``, as consumers name streams."""
+        return self._stream(stream).handle
+
+    def _foreign_event(self, on: Any) -> Any:
+        ev = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        (err,) = cu.cuEventRecord(ev, on)
+        if err:
+            cu.cuEventDestroy(ev)
+            raise cuda_error(err, "cuEventRecord (interop)")
+        return ev
+
+    def foreign_wait(self, foreign: int, stream: StreamHandle) -> None:
+        """Make the foreign stream wait, device-side, for the work enqueued so
+        far on ``stream``."""
+        s = self._stream(stream)
+        self._make_current_if_needed()
+        ev = self._foreign_event(s.cu)
+        try:
+            (err,) = cu.cuStreamWaitEvent(cu.CUstream(foreign), ev, 0)
+            if err:
+                raise cuda_error(err, f"cuStreamWaitEvent(consumer stream {foreign:#x})")
+        finally:
+            cu.cuEventDestroy(ev)  # released once the wait has seen it complete
+
+    def foreign_fence(self, foreign: int | None) -> Any:
+        """An event after the work enqueued so far on the foreign stream; for
+        None (stream unknown), synchronise the whole context and return None."""
+        cu.cuCtxSetCurrent(self._ctx)  # may run in a worker thread
+        if foreign is None:
+            _check(cu.cuCtxSynchronize(), "cuCtxSynchronize (interop fence)")
+            return None
+        return self._foreign_event(cu.CUstream(foreign))
+
+    def wait_fence(self, stream: StreamHandle, fence: object) -> None:
+        """Make ``stream`` wait, device-side, for a fence of :meth:`foreign_fence`."""
+        s = self._stream(stream)
+        (err,) = cu.cuStreamWaitEvent(s.cu, fence, 0)
+        if err:
+            raise cuda_error(err, "cuStreamWaitEvent (interop fence)")
+
+    def drop_fence(self, fence: object) -> None:
+        """Destroy a fence's event (a wait already enqueued is unaffected)."""
+        cu.cuEventDestroy(fence)
+
+    def dlpack_device(self) -> tuple[int, int]:
+        """``(kDLCUDA, ordinal)``."""
+        return (2, self.ordinal)
+
+    def pointer_device(self, ptr: int, nbytes: int) -> str | None:
+        """None if ``ptr`` is device (or managed) memory of this context's
+        device, else what it is instead."""
+        if nbytes == 0:
+            return None
+        self._make_current_if_needed()
+        attr = cu.CUpointer_attribute
+        err, mtype = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
+        if err:
+            return f"{ptr:#x} is not memory the CUDA driver knows (host memory?)"
+        mtype = int(mtype)
+        kinds = cu.CUmemorytype
+        if mtype not in (int(kinds.CU_MEMORYTYPE_DEVICE), int(kinds.CU_MEMORYTYPE_UNIFIED)):
+            return f"{ptr:#x} is host memory (CUmemorytype {mtype}), not device memory"
+        err, ordinal = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+        if err:
+            return f"the device of {ptr:#x} is unknown ({err!r})"
+        if int(ordinal) != self.ordinal:
+            return f"{ptr:#x} is memory of cuda:{int(ordinal)}, not of this scope's cuda:{self.ordinal}"
+        return None
 
     # ------------------------------------------------------------------ completion
     def notify_submitted(self) -> None:
@@ -1310,6 +1775,10 @@ class CudaContext:
                 s.destroyed = True
                 cu.cuStreamDestroy(s.cu)
         self._streams.clear()
+        for ge in list(self._graph_execs):  # before the modules their kernel nodes use
+            ge.destroyed = True
+            cu.cuGraphExecDestroy(ge.handle)
+        self._graph_execs.clear()
         for fn in list(self._functions):
             fn.unloaded = True
             cu.cuModuleUnload(fn.module)
@@ -1337,6 +1806,7 @@ class CudaContext:
 
 
 _cuLaunchKernel: Any = cu.cuLaunchKernel if cu is not None else None
+_memmove = ctypes.memmove
 _cuStreamWriteValue32: Any = cu.cuStreamWriteValue32 if cu is not None else None
 
 

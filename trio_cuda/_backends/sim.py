@@ -55,10 +55,12 @@ from .._core._driver import (
 from .._core._errors import (
     CompletionUnknownError,
     CudaError,
+    GraphCaptureError,
     LaunchError,
     OutOfMemoryError,
     ScopeClosedError,
 )
+from .._core._kernel import check_cooperative_occupancy, modeled_blocks_per_sm
 from .._core._ops import Access
 
 if TYPE_CHECKING:
@@ -72,6 +74,8 @@ __all__ = [
     "SimDevice",
     "SimFunction",
     "SimGate",
+    "SimGraph",
+    "SimGraphExec",
     "SimMarker",
     "SimStatistics",
     "SimStream",
@@ -86,12 +90,17 @@ _FAULT_KINDS: tuple[str, ...] = ("launch_error", "out_of_memory", "kernel_fault"
 
 _BASE_ADDRESS = 0x7F00_0000_0000
 _MODULE_BASE = 0x7E00_0000_0000  # fake module handles: never inside device memory
+_STREAM_ADDRESS_BASE = 0x7D00_0000_0000  # fake stream handles for interop (stream_address)
+#: DLPack device type of simulated memory: kDLExtDev, which no real consumer accepts
+DLPACK_SIM_DEVICE = 12
+_sim_device_ids = iter(range(1 << 30))
+_GRAPH_BASE = 0x7D00_0000_0000  # fake executable-graph handles
 _ALIGN = 256
 _RED_ZONE = 256
 _POISON = 0xDB
 _EMPTY = np.empty(0, dtype=np.uint8)
 _EMPTY.setflags(write=False)
-_WORK_KINDS = frozenset({"launch", "h2d", "d2h", "d2d", "fill"})
+_WORK_KINDS = frozenset({"launch", "h2d", "d2h", "d2d", "fill", "graph", "peer"})
 
 perf_counter = time.perf_counter
 
@@ -217,6 +226,7 @@ class SimStream:
     """A simulated stream: a FIFO command queue. The core only uses ``index``."""
 
     __slots__ = (
+        "_capture",
         "_clock",
         "_context",
         "_destroyed",
@@ -244,6 +254,8 @@ class SimStream:
         self._waiters: dict[SimStream, None] = {}
         self._clock = 0.0
         self._destroyed = False
+        #: commands recorded instead of enqueued while a graph capture runs
+        self._capture: list[_Cmd] | None = None
 
     @property
     def device(self) -> SimDevice:
@@ -327,6 +339,16 @@ def _check_time(_inst: object, attr: attrs.Attribute[float], value: object) -> N
         raise ValueError(f"{attr.name}: expected a non-negative number of seconds, got {value!r}")
 
 
+def _check_cc(_inst: object, _attr: object, value: object) -> None:
+    if not (isinstance(value, tuple) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value)):
+        raise TypeError(f"compute_capability: expected a (major, minor) tuple of ints, got {value!r}")
+
+
+def _check_sms(_inst: object, _attr: object, value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"multiprocessor_count: expected a positive int, got {value!r}")
+
+
 def _check_trace_limit(_inst: object, _attr: object, value: object) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise ValueError(f"trace_limit: expected None or a non-negative int, got {value!r}")
@@ -361,6 +383,11 @@ class SimDevice:
     #: seconds an awaiting task polls its own marker before parking (see
     #: ``DeviceFuture.wait``); useful with ``kernel_time`` to model a GPU
     await_spin: float = attrs.field(default=0.0, kw_only=True, validator=_check_time)
+    #: what ``info.compute_capability`` reports; clusters and programmatic
+    #: dependent launch are refused below (9, 0), as on a real GPU
+    compute_capability: tuple[int, int] = attrs.field(default=(9, 0), kw_only=True, validator=_check_cc)
+    #: SMs of the occupancy model that bounds cooperative launches
+    multiprocessor_count: int = attrs.field(default=132, kw_only=True, validator=_check_sms)
 
     _held: bool = attrs.field(init=False, default=False)
     _next_ptr: int = attrs.field(init=False, default=_BASE_ADDRESS)
@@ -388,6 +415,15 @@ class SimDevice:
     _kernel_unloads: int = attrs.field(init=False, default=0)
     _alloc_count: int = attrs.field(init=False, default=0)
     _free_count: int = attrs.field(init=False, default=0)
+    #: interop: fake stream addresses, and this device's DLPack device id
+    _stream_addrs: dict[SimStream, int] = attrs.field(init=False, factory=dict)
+    _addr_streams: dict[int, SimStream] = attrs.field(init=False, factory=dict)
+    _dl_id: int = attrs.field(init=False, factory=lambda: next(_sim_device_ids))
+    _graphs_made: int = attrs.field(init=False, default=0)
+    _graphs_live: int = attrs.field(init=False, default=0)
+    _graph_launches: int = attrs.field(init=False, default=0)
+    #: the SimHost this device belongs to (see ``sim_multi``), or None
+    _host: Any = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self._info = DeviceInfo(
@@ -395,9 +431,13 @@ class SimDevice:
             name=self.name,
             ordinal=0,
             total_memory=self.memory,
-            compute_capability=(9, 0),
-            multiprocessor_count=132,
+            compute_capability=self.compute_capability,
+            multiprocessor_count=self.multiprocessor_count,
             max_shared_memory_per_block_optin=232448,
+            max_threads_per_multiprocessor=2048,
+            max_blocks_per_multiprocessor=32,
+            max_shared_memory_per_multiprocessor=233472,
+            reserved_shared_memory_per_block=1024,
         )
         self._trace = deque(maxlen=self.trace_limit)
 
@@ -442,6 +482,16 @@ class SimDevice:
     def live_allocations(self) -> list[SimAllocation]:
         """Allocations not yet freed, by address (a snapshot)."""
         return [SimAllocation(a.ptr, a.nbytes) for a in self._live.values()]
+
+    @property
+    def live_graphs(self) -> int:
+        """Executable graphs instantiated and not yet destroyed."""
+        return self._graphs_live
+
+    @property
+    def graph_launches(self) -> int:
+        """Graph replays executed so far (each runs all its captured commands)."""
+        return self._graph_launches
 
     @property
     def trace(self) -> list[TraceEvent]:
@@ -653,6 +703,15 @@ class SimDevice:
     # ------------------------------------------------------------------ engine
 
     def _enqueue(self, stream: SimStream, cmd: _Cmd) -> None:
+        capture = stream._capture
+        if capture is not None:
+            if not cmd.work:
+                raise GraphCaptureError(
+                    f"{cmd.label}: stream {stream.index} is capturing a graph; completion markers, "
+                    f"waits and gates cannot be captured"
+                )
+            capture.append(cmd)  # recorded, not executed
+            return
         q = stream._queue
         q.append(cmd)
         self._pending += 1
@@ -783,8 +842,15 @@ class SimDevice:
         s._extra_errors = 0
         s._done_seq = seq
         if s._waiters:
-            self._dirty.extend(s._waiters)
-            s._waiters.clear()
+            if self._host is None:
+                self._dirty.extend(s._waiters)
+                s._waiters.clear()
+            else:  # waiters may be streams of other devices of the host
+                from .sim_multi import wake_waiters
+
+                waiters = list(s._waiters)
+                s._waiters.clear()
+                wake_waiters(self, waiters)
 
     def _exec_work(self, s: SimStream, due: float | None) -> None:
         """Pop and execute the work command at ``s``'s head. ``due`` is its
@@ -851,8 +917,47 @@ class SimDevice:
                 pattern: bytes = cmd.data
                 unit = np.dtype(f"u{len(pattern)}")
                 dst.buf[off : off + cmd.nbytes].view(unit)[:] = np.frombuffer(pattern, dtype=unit)[0]
+        elif kind == "graph":
+            self._run_graph(s, cmd)
+        elif kind == "peer":
+            from .sim_multi import run_peer_copy
+
+            run_peer_copy(self, s, cmd)
         else:  # pragma: no cover - enqueue only makes the kinds above
             raise AssertionError(f"unknown command kind {kind!r}")
+
+    def _run_graph(self, s: SimStream, cmd: _Cmd) -> None:
+        """One replay: the captured commands, in capture order. Their device
+        addresses are resolved now, so memcheck covers every replay."""
+        graph_exec: SimGraphExec = cmd.data[0]
+        nodes: tuple[_Cmd, ...] = cmd.data[1]
+        self._graph_launches += 1
+        if graph_exec.destroyed:
+            self._violations.append(
+                Violation(
+                    "use_after_free",
+                    graph_exec.handle,
+                    0,
+                    "graph launch (its executable graph was destroyed)",
+                    s.index,
+                )
+            )
+            return
+        if cmd.fault == "completion_unknown":
+            s._unknown = True
+            return
+        if cmd.fault == "kernel_fault":
+            s._add_error(
+                LaunchError(
+                    719,
+                    "CUDA_ERROR_LAUNCH_FAILED",
+                    f"injected kernel_fault in graph {graph_exec.handle:#x}",
+                    call="cuGraphLaunch",
+                )
+            )
+            return
+        for node in nodes:
+            self._effect(s, node)
 
     def _run_launch(self, s: SimStream, cmd: _Cmd) -> None:
         launch: PreparedLaunch = cmd.data
@@ -920,6 +1025,43 @@ class SimDevice:
         return out if ok else None
 
 
+# --------------------------------------------------------------------------- graphs
+
+
+@final
+class SimGraph:
+    """A captured command list (what :meth:`SimContext.end_capture` returns)."""
+
+    __slots__ = ("consumed", "context", "nodes")
+
+    def __init__(self, context: SimContext, nodes: tuple[_Cmd, ...]) -> None:
+        self.context = context
+        self.nodes = nodes
+        self.consumed = False
+
+    def __repr__(self) -> str:
+        return f"<SimGraph of {len(self.nodes)} commands>"
+
+
+@final
+class SimGraphExec:
+    """An executable graph: its command list and a unique fake handle. A launch
+    of it that executes after :meth:`SimContext.destroy_graph` is a
+    ``use_after_free`` violation at that handle."""
+
+    __slots__ = ("context", "destroyed", "handle", "nodes")
+
+    def __init__(self, context: SimContext, nodes: tuple[_Cmd, ...], handle: int) -> None:
+        self.context = context
+        self.nodes = nodes
+        self.handle = handle
+        self.destroyed = False
+
+    def __repr__(self) -> str:
+        state = " destroyed" if self.destroyed else ""
+        return f"<SimGraphExec {self.handle:#x} of {len(self.nodes)} commands{state}>"
+
+
 # --------------------------------------------------------------------------- context
 
 
@@ -928,7 +1070,7 @@ class SimContext:
     """One scope's view of a :class:`SimDevice` (the DeviceContext protocol).
     Commands from every context of a device share the device's engine."""
 
-    __slots__ = ("_closed", "_device", "_streams", "info")
+    __slots__ = ("_capturing", "_closed", "_device", "_streams", "info")
 
     info: DeviceInfo
 
@@ -937,6 +1079,7 @@ class SimContext:
         self.info = device._info
         self._streams: dict[SimStream, None] = {}
         self._closed = False
+        self._capturing: SimStream | None = None
 
     @property
     def device(self) -> SimDevice:
@@ -978,8 +1121,11 @@ class SimContext:
     def _marker(self, marker: Marker) -> SimMarker:
         if not isinstance(marker, SimMarker):
             raise TypeError(f"marker: expected a SimMarker, got {type(marker).__name__}")
-        if marker.stream._context._device is not self._device:
-            raise ValueError(f"marker: {marker!r} was recorded on another simulated device")
+        dev = marker.stream._context._device
+        if dev is not self._device and (dev._host is None or dev._host is not self._device._host):
+            raise ValueError(
+                f"marker: {marker!r} was recorded on another simulated device, not of this one's SimHost"
+            )
         return marker
 
     # ------------------------------------------------------------------ streams
@@ -1004,6 +1150,11 @@ class SimContext:
 
     def alloc(self, nbytes: int, stream: StreamHandle) -> int:
         self._stream(stream)
+        if self._capturing is not None:
+            raise GraphCaptureError(
+                f"allocating {nbytes} bytes while stream {self._capturing.index} captures a graph "
+                f"(allocate before capturing)"
+            )
         return self._device._alloc(nbytes)
 
     def free(self, ptr: int, nbytes: int) -> None:
@@ -1023,6 +1174,10 @@ class SimContext:
         s = self._stream(stream)
         if not isinstance(dst, np.ndarray) or not dst.flags.c_contiguous or not dst.flags.writeable:
             raise ValueError(f"dst: expected a writeable C-contiguous numpy array, got {type(dst).__name__}")
+        if direct and s._capture is not None:
+            raise GraphCaptureError(
+                f"a synchronising device-to-host copy on stream {s.index} while it captures a graph"
+            )
         dev = self._device
         n = dst.nbytes
         dev._enqueue(s, _Cmd("d2h", dev._next_seq(), f"d2h {n} B", dev.copy_time, dst, src=src, nbytes=n))
@@ -1036,6 +1191,23 @@ class SimContext:
         dev._enqueue(
             s, _Cmd("d2d", dev._next_seq(), f"d2d {nbytes} B", dev.copy_time, dst=dst, src=src, nbytes=nbytes)
         )
+
+    def copy_peer(
+        self,
+        stream: StreamHandle,
+        dst: int,
+        dst_context: object,
+        src: int,
+        src_context: object,
+        nbytes: int,
+    ) -> object | None:
+        """Enqueue on ``stream`` a copy of ``nbytes`` from ``src`` (memory of
+        ``src_context``'s device) to ``dst`` (``dst_context``'s device): a
+        ``d2d`` on one device, else a peer copy between devices of one
+        :class:`~trio_cuda.testing.SimHost` (see ``sim_multi``)."""
+        from .sim_multi import copy_peer
+
+        return copy_peer(self, self._stream(stream), dst, dst_context, src, src_context, nbytes)
 
     def fill(self, stream: StreamHandle, dst: int, pattern: bytes, count: int) -> None:
         s = self._stream(stream)
@@ -1072,6 +1244,21 @@ class SimContext:
         function.unloaded = True
         dev._kernel_unloads += 1
 
+    def check_launch(self, function: object, launch: PreparedLaunch) -> None:
+        """The simulator's share of the up-front launch checks: a cooperative
+        grid must be co-resident under the occupancy model of
+        ``modeled_blocks_per_sm`` (the device's per-SM thread, block and shared
+        memory limits; registers and static shared memory are not modelled).
+        Raises ``KernelArgumentError``; enqueues nothing."""
+        if not isinstance(function, SimFunction):
+            raise TypeError(
+                f"function: expected a SimFunction from load_kernel, got {type(function).__name__}"
+            )
+        c = launch.config
+        if c.cooperative:
+            info = self.info
+            check_cooperative_occupancy(launch, info, modeled_blocks_per_sm(info, c.block, c.shared_mem))
+
     def launch(self, stream: StreamHandle, function: object, launch: PreparedLaunch) -> None:
         s = self._stream(stream)
         if not isinstance(function, SimFunction):
@@ -1102,7 +1289,7 @@ class SimContext:
             )
         dev = self._device
         fault: str | None = None
-        if dev._faults:
+        if dev._faults and s._capture is None:  # a capture runs nothing: faults wait for a replay
             if dev._take_fault("launch_error"):
                 raise LaunchError(
                     701,
@@ -1184,6 +1371,206 @@ class SimContext:
 
     def notify_submitted(self) -> None:
         """Nothing to do: enqueueing already wakes timed waiters."""
+
+    # ------------------------------------------------------------------ interop
+    # Foreign streams are streams of any context of the same SimDevice, named by
+    # the fake address stream_address() gives them (as a CUstream would be).
+
+    #: foreign_fence(None) never blocks here: it is device-side (markers)
+    foreign_fence_blocks = False
+
+    def stream_address(self, stream: StreamHandle) -> int:
+        """A fake handle naming ``stream`` to consumers (``__dlpack__(stream=)``)."""
+        s = self._stream(stream)
+        dev = self._device
+        addr = dev._stream_addrs.get(s)
+        if addr is None:
+            addr = _STREAM_ADDRESS_BASE + 64 * (len(dev._stream_addrs) + 1)
+            dev._stream_addrs[s] = addr
+            dev._addr_streams[addr] = s
+        return addr
+
+    def _foreign_stream(self, address: object) -> SimStream:
+        s = self._device._addr_streams.get(address) if isinstance(address, int) else None
+        if s is None or s._destroyed:
+            raise ValueError(
+                f"stream: expected the address of a live stream of simulated device "
+                f"{self._device.name!r} (from stream_address()), got {address!r}"
+            )
+        return s
+
+    def check_foreign_stream(self, address: int) -> None:
+        """Raise ``ValueError`` unless ``address`` names a live stream of this device."""
+        self._foreign_stream(address)
+
+    def _mark(self, s: SimStream) -> SimMarker:
+        dev = self._device
+        s._marker_seq += 1
+        marker = SimMarker(s, s._marker_seq)
+        dev._enqueue(s, _Cmd("marker", dev._next_seq(), f"marker {marker.seq}", 0.0, marker.seq))
+        return marker
+
+    def foreign_wait(self, foreign: int, stream: StreamHandle) -> None:
+        """Make the foreign stream wait, device-side, for the work enqueued so
+        far on ``stream``."""
+        s = self._stream(stream)
+        fs = self._foreign_stream(foreign)
+        marker = self._mark(s)
+        dev = self._device
+        label = f"wait stream {s.index} marker {marker.seq}"
+        dev._enqueue(fs, _Cmd("wait_marker", dev._next_seq(), label, 0.0, marker))
+
+    def foreign_fence(self, foreign: int | None) -> tuple[SimMarker, ...]:
+        """A point after the work enqueued so far on the foreign stream, or,
+        for None, on every stream of the device (any context)."""
+        self._check_open()
+        if foreign is None:
+            streams = list(self._device._busy)
+        else:
+            fs = self._device._addr_streams.get(foreign)
+            if fs is not None and fs._destroyed:
+                return ()  # a destroyed stream had no queued work left
+            streams = [self._foreign_stream(foreign)]
+        return tuple(self._mark(fs) for fs in streams if not fs._destroyed)
+
+    def wait_fence(self, stream: StreamHandle, fence: object) -> None:
+        """Make ``stream`` wait, device-side, for a fence of :meth:`foreign_fence`."""
+        s = self._stream(stream)
+        if not isinstance(fence, tuple):
+            raise TypeError(f"fence: expected what foreign_fence() returned, got {type(fence).__name__}")
+        dev = self._device
+        for m in fence:
+            label = f"wait stream {m.stream.index} marker {m.seq}"
+            dev._enqueue(s, _Cmd("wait_marker", dev._next_seq(), label, 0.0, m))
+
+    def drop_fence(self, fence: object) -> None:
+        """Nothing to free on the simulator."""
+
+    def dlpack_device(self) -> tuple[int, int]:
+        """``(kDLExtDev, n)``: simulated memory is no real device's; only
+        ``trio_cuda.borrow`` on the same SimDevice accepts it."""
+        return (DLPACK_SIM_DEVICE, self._device._dl_id)
+
+    def pointer_device(self, ptr: int, nbytes: int) -> str | None:
+        """None if ``[ptr, ptr + nbytes)`` is live memory of this device, else
+        what it is instead."""
+        dev = self._device
+        if nbytes == 0 or dev._find_live(ptr, nbytes) is not None:
+            return None
+        return f"no live allocation of simulated device {dev.name!r} holds {nbytes} bytes at {ptr:#x}"
+
+    # ------------------------------------------------------------------ graphs
+
+    def begin_capture(self, stream: StreamHandle) -> None:
+        """Record the work commands enqueued on ``stream`` instead of running
+        them. Until the capture ends, ``alloc`` raises GraphCaptureError, and so
+        do markers, waits, gates and synchronising copies on the stream.
+        Faults injected with ``inject_fault`` are not consumed by a capture:
+        they hit the next replay."""
+        s = self._stream(stream)
+        if self._capturing is not None:
+            raise GraphCaptureError(
+                f"begin_capture: stream {self._capturing.index} of this context is already capturing"
+            )
+        s._capture = []
+        self._capturing = s
+
+    def _end(self, stream: StreamHandle) -> list[_Cmd]:
+        s = self._stream(stream)
+        if s._capture is None:
+            raise GraphCaptureError(f"end_capture: stream {s.index} is not capturing")
+        nodes = s._capture
+        s._capture = None
+        self._capturing = None
+        return nodes
+
+    def end_capture(self, stream: StreamHandle) -> SimGraph:
+        return SimGraph(self, tuple(self._end(stream)))
+
+    def abort_capture(self, stream: StreamHandle) -> None:
+        s = self._stream(stream)
+        if s._capture is not None:
+            self._end(s)
+
+    def instantiate(self, graph: object) -> SimGraphExec:
+        g = self._graph(graph)
+        g.consumed = True
+        dev = self._device
+        dev._graphs_made += 1
+        dev._graphs_live += 1
+        return SimGraphExec(self, g.nodes, _GRAPH_BASE + dev._graphs_made * _ALIGN)
+
+    def graph_launch(self, stream: StreamHandle, graph_exec: object) -> None:
+        s = self._stream(stream)
+        ge = self._exec(graph_exec)
+        dev = self._device
+        fault: str | None = None
+        if dev._faults and s._capture is None:
+            if dev._take_fault("launch_error"):
+                raise LaunchError(
+                    701,
+                    "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+                    f"injected launch_error (graph {ge.handle:#x})",
+                    call="cuGraphLaunch",
+                )
+            if dev._take_fault("completion_unknown"):
+                fault = "completion_unknown"
+            elif dev._take_fault("kernel_fault"):
+                fault = "kernel_fault"
+        nodes = ge.nodes  # a snapshot: graph_update only affects later launches
+        duration = sum(n.duration for n in nodes)
+        label = f"graph {ge.handle:#x} ({len(nodes)} commands)"
+        dev._enqueue(s, _Cmd("graph", dev._next_seq(), label, duration, (ge, nodes), fault=fault))
+
+    def graph_update(self, graph_exec: object, graph: object) -> None:
+        """Take the parameters of ``graph``: it must have the same topology (the
+        same command kinds in the same order, fills of the same element size)."""
+        ge = self._exec(graph_exec)
+        g = self._graph(graph)
+        g.consumed = True
+        old, new = ge.nodes, g.nodes
+        if len(old) != len(new):
+            raise GraphCaptureError(
+                f"graph_update: the topology changed: {len(old)} commands were captured, the update has "
+                f"{len(new)}"
+            )
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            if a.kind != b.kind or (a.kind == "fill" and len(a.data) != len(b.data)):
+                raise GraphCaptureError(
+                    f"graph_update: the topology changed: command {i} was {a.label!r}, the update has "
+                    f"{b.label!r}"
+                )
+        ge.nodes = new
+
+    def destroy_graph(self, graph_exec: object) -> None:
+        """Destroy an executable graph. A launch of it that still executes later
+        is a ``use_after_free``; destroying it twice a ``double_free``."""
+        ge = self._exec(graph_exec, destroyed_ok=True)
+        dev = self._device
+        if ge.destroyed:
+            dev._violations.append(Violation("double_free", ge.handle, 0, "destroy_graph", None))
+            return
+        ge.destroyed = True
+        ge.nodes = ()  # drop the captured launches (and the arrays they name)
+        dev._graphs_live -= 1
+
+    def _graph(self, graph: object) -> SimGraph:
+        if not isinstance(graph, SimGraph) or graph.context is not self:
+            raise TypeError(f"graph: expected a SimGraph of this context from end_capture, got {graph!r}")
+        if graph.consumed:
+            raise ValueError(f"graph: {graph!r} was already instantiated or used for an update")
+        return graph
+
+    def _exec(self, graph_exec: object, *, destroyed_ok: bool = False) -> SimGraphExec:
+        if not isinstance(graph_exec, SimGraphExec) or graph_exec.context is not self:
+            raise TypeError(
+                f"graph_exec: expected a SimGraphExec of this context from instantiate, got {graph_exec!r}"
+            )
+        if graph_exec.destroyed and not destroyed_ok:
+            raise CudaError(
+                400, "CUDA_ERROR_INVALID_HANDLE", f"{graph_exec!r} was destroyed", call="cuGraphLaunch"
+            )
+        return graph_exec
 
     def close(self) -> None:
         """Close the context. Streams with queued commands stay in the device's

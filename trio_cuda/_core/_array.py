@@ -11,13 +11,29 @@ Invariants:
   the free is deferred to the retirement of the last use. Garbage collection
   never mutates runtime state directly: it queues the release for the scope's
   completion-handoff task.
+* Leases are per allocation: views, slices and read-only handles share their
+  allocation's lease table, so work through any of them is ordered against
+  work through all the others.
+* A handle is C- or F-contiguous (``order``); views that would not be are
+  refused. ``_offset`` is the handle's byte offset into its allocation.
+* A borrowed allocation (``borrowed``) is never freed: "freeing" it drops the
+  reference to the foreign object (``owner``) that keeps its memory alive.
+* When unclosed-array tracking is on (``-W error::ResourceWarning`` or any
+  other ``-W``/``PYTHONWARNINGS`` option naming ``ResourceWarning``, ``-X dev``,
+  or :data:`TRACK_UNCLOSED` set), an owning handle (from an allocating call)
+  that is garbage-collected while its scope is open emits a
+  ``ResourceWarning`` naming where it was created. Garbage collection stays a
+  correct way to drop a handle; the warning is a debugging aid.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+import sys
+import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Literal, final
 
 import numpy as np
 
@@ -44,9 +60,12 @@ class Allocation:
     __slots__ = (
         "__weakref__",
         "active",
+        "borrowed",
+        "exports",
         "handles",
         "last_writer",
         "nbytes",
+        "owner",
         "ptr",
         "readers",
         "scope",
@@ -64,24 +83,164 @@ class Allocation:
         #: in-flight work later accesses must order after
         self.last_writer: Submission | None = None
         self.readers: dict[Submission, None] = {}
+        #: exports a foreign consumer still holds (see ``_export``)
+        self.exports = 0
+        #: "" for own memory; "read" or "write" for another library's memory
+        #: (``trio_cuda.borrow``), which is never freed here
+        self.borrowed = ""
+        #: what keeps borrowed memory alive; dropped when the allocation is "freed"
+        self.owner: object = None
 
     def __repr__(self) -> str:
-        return f"<Allocation 0x{self.ptr:x} {self.nbytes} B {self.state.value}>"
+        kind = " borrowed" if self.borrowed else ""
+        return f"<Allocation 0x{self.ptr:x} {self.nbytes} B{kind} {self.state.value}>"
 
 
-def _release_handle_from_gc(alloc: Allocation) -> None:
-    alloc.scope._release_handle_later(alloc)
+@final
+class _GcInfo:
+    """What a handle's finalizer needs (it must not reference the handle)."""
+
+    __slots__ = ("export", "label", "site")
+
+    def __init__(self) -> None:
+        self.site: str | None = None
+        self.label = ""
+        self.export: Any = None
+
+
+def _release_handle_from_gc(alloc: Allocation, info: _GcInfo | None = None) -> None:
+    scope = alloc.scope
+    try:
+        if info is not None and info.export is not None:
+            info.export.release()
+        scope._release_handle_later(alloc)
+    finally:
+        unclosed = info is not None and info.site is not None
+        if unclosed and not scope._closed and alloc.state is AllocState.LIVE:
+            assert info is not None
+            warnings.warn(
+                ResourceWarning(
+                    f"unclosed {info.label}, created at {info.site}: it was garbage-collected while its "
+                    f"scope was open; close it (arr.close() or 'async with arr') to free its memory "
+                    f"deterministically"
+                ),
+                stacklevel=2,
+            )
+
+
+#: Track where owning arrays were created and warn when one is collected
+#: unclosed: None (default) decides from ``sys.warnoptions`` and ``-X dev``.
+TRACK_UNCLOSED: bool | None = None
+
+
+def _tracking_unclosed() -> bool:
+    if TRACK_UNCLOSED is not None:
+        return TRACK_UNCLOSED
+    if sys.flags.dev_mode:
+        return True
+    return any("ResourceWarning" in opt and not opt.startswith("ignore") for opt in sys.warnoptions)
+
+
+def _creation_site() -> str:
+    """``file:line in function`` of the first caller outside trio_cuda."""
+    f = sys._getframe(2)
+    while f.f_back is not None and str(f.f_globals.get("__name__", "")).startswith("trio_cuda"):
+        f = f.f_back
+    return f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
+
+
+Order = Literal["C", "F"]
+
+
+def _trivial(shape: tuple[int, ...]) -> bool:
+    """Both C- and F-contiguous: at most one dimension longer than 1 (or empty)."""
+    return sum(1 for d in shape if d != 1) <= 1 or 0 in shape
+
+
+def contiguous_strides(shape: tuple[int, ...], itemsize: int, order: str) -> tuple[int, ...]:
+    """Byte strides of a ``order``-contiguous layout."""
+    strides = [0] * len(shape)
+    step = itemsize
+    axes = range(len(shape) - 1, -1, -1) if order == "C" else range(len(shape))
+    for i in axes:
+        strides[i] = step
+        step *= max(shape[i], 1)
+    return tuple(strides)
+
+
+def normalize_order(order: object, label: str = "order") -> Order:
+    if order == "C" or order == "F":
+        return order
+    raise ValueError(f"{label}: expected 'C' or 'F', got {order!r}")
+
+
+def _basic_index(
+    shape: tuple[int, ...], itemsize: int, order: str, key: object
+) -> tuple[tuple[int, ...], int, Order]:
+    """Shape, byte offset and order of ``arr[key]`` for basic indexing; raises
+    unless the result is contiguous."""
+    items = key if isinstance(key, tuple) else (key,)
+    for k in items:
+        if k is None or k is Ellipsis or isinstance(k, slice):
+            continue
+        if isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
+            continue
+        raise TypeError(
+            f"index: expected ints, slices, None or Ellipsis (basic indexing; views must share memory), "
+            f"got {type(k).__name__} ({k!r})"
+        )
+    if not any(k is Ellipsis for k in items):
+        items = (*items, Ellipsis)  # always a view, never a scalar read
+    # A stand-in with the same layout over one element: indexing it computes the
+    # view's layout without touching memory.
+    base = np.zeros(1, dtype=np.dtype((np.void, itemsize)))
+    strides = contiguous_strides(shape, itemsize, order)
+    fake = np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides)
+    try:
+        view = fake[items]
+    except IndexError as exc:
+        raise IndexError(f"index: {exc} (shape {shape})") from None
+    offset = int(view.__array_interface__["data"][0]) - int(base.__array_interface__["data"][0])
+    vshape = tuple(int(d) for d in view.shape)
+    if view.flags.c_contiguous and (order == "C" or not view.flags.f_contiguous or _trivial(vshape)):
+        return vshape, offset, "C"
+    if view.flags.f_contiguous:
+        return vshape, offset, "F"
+    raise ValueError(
+        f"index: expected a contiguous view, got strides {view.strides} for shape {vshape} "
+        f"(key {key!r}); copy the data with a kernel or through the host instead"
+    )
 
 
 class DeviceArray:
-    """A typed, C-contiguous handle to device memory owned by a scope.
+    """A typed, contiguous (C or F order) handle to device memory owned by a scope.
 
-    Create one with ``scope.empty``, ``scope.zeros``, ``scope.full`` or
-    ``await scope.to_device``. ``close()`` (or ``async with arr``) drops the
-    handle; the memory is freed once no in-flight work uses it.
+    Create one with ``scope.empty``, ``scope.zeros``, ``scope.full``,
+    ``scope.empty_like`` or ``await scope.to_device``, or wrap another
+    library's memory with :func:`trio_cuda.borrow`. ``close()`` (or ``async
+    with arr``) drops the handle; the memory is freed once no other handle is
+    open and no in-flight work uses it.
+
+    Basic indexing (``arr[2:5]``, ``arr[i]``, ``arr[..., 0]`` on an F-order
+    array), :meth:`reshape` and :attr:`T` return views that share the
+    allocation and its leases; a view that would not be contiguous is refused.
+    The array exports the CUDA Array Interface (v3) and DLPack; see
+    :doc:`interop`.
     """
 
-    __slots__ = ("__weakref__", "_alloc", "_closed", "_dtype", "_finalizer", "_offset", "_readonly", "_shape")
+    __slots__ = (
+        "__weakref__",
+        "_alloc",
+        "_cai",
+        "_closed",
+        "_dtype",
+        "_finalizer",
+        "_info",
+        "_offset",
+        "_order",
+        "_readonly",
+        "_shape",
+    )
 
     _alloc: Allocation
     _shape: tuple[int, ...]
@@ -89,6 +248,9 @@ class DeviceArray:
     _readonly: bool
     _closed: bool
     _offset: int
+    _order: Order
+    _info: _GcInfo | None
+    _cai: dict[str, Any] | None
     _finalizer: weakref.finalize[Any, Any]
 
     def __init__(self) -> None:
@@ -96,19 +258,48 @@ class DeviceArray:
 
     @classmethod
     def _create(
-        cls, alloc: Allocation, shape: tuple[int, ...], dtype: np.dtype[Any], *, readonly: bool = False
+        cls,
+        alloc: Allocation,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        *,
+        readonly: bool = False,
+        order: Order = "C",
+        offset: int = 0,
+        track: bool = False,
     ) -> DeviceArray:
+        """A new handle. ``track=True`` (owning handles): remember where it was
+        created, for the ``ResourceWarning`` if it is collected unclosed."""
         self = object.__new__(cls)
         self._alloc = alloc
         self._shape = shape
         self._dtype = dtype
         self._readonly = readonly
         self._closed = False
-        self._offset = 0
+        self._offset = offset
+        self._order = "C" if order == "F" and _trivial(shape) else order
+        self._cai = None
         alloc.handles += 1
-        self._finalizer = weakref.finalize(self, _release_handle_from_gc, alloc)
+        if track and _tracking_unclosed():
+            info = self._info = _GcInfo()
+            info.site = _creation_site()
+            info.label = f"DeviceArray shape={shape} dtype={dtype}"
+            self._finalizer = weakref.finalize(self, _release_handle_from_gc, alloc, info)
+        else:
+            self._info = None
+            self._finalizer = weakref.finalize(self, _release_handle_from_gc, alloc)
         self._finalizer.atexit = False
         return self
+
+    def _gc_info(self) -> _GcInfo:
+        """This handle's finalizer info, created on demand (exports need it)."""
+        info = self._info
+        if info is None:
+            info = self._info = _GcInfo()
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _release_handle_from_gc, self._alloc, info)
+            self._finalizer.atexit = False
+        return info
 
     # ------------------------------------------------------------------ facts
     @property
@@ -150,6 +341,32 @@ class DeviceArray:
         return self._alloc.ptr + self._offset
 
     @property
+    def order(self) -> Order:
+        """``"C"`` (row-major) or ``"F"`` (column-major). An array that is both
+        (at most one dimension longer than 1) reports ``"C"``."""
+        return self._order
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Byte strides, as NumPy reports them."""
+        return contiguous_strides(self._shape, self._dtype.itemsize, self._order)
+
+    @property
+    def c_contiguous(self) -> bool:
+        """True if the elements are laid out in C (row-major) order."""
+        return self._order == "C" or _trivial(self._shape)
+
+    @property
+    def f_contiguous(self) -> bool:
+        """True if the elements are laid out in Fortran (column-major) order."""
+        return self._order == "F" or _trivial(self._shape)
+
+    @property
+    def borrowed(self) -> bool:
+        """True for memory of another library wrapped by :func:`trio_cuda.borrow`."""
+        return bool(self._alloc.borrowed)
+
+    @property
     def readonly(self) -> bool:
         """True for a handle from :meth:`as_readonly`."""
         return self._readonly
@@ -169,21 +386,134 @@ class DeviceArray:
         """The scope that owns the memory."""
         return self._alloc.scope
 
+    # ------------------------------------------------------------------ views
+    def _view(self, shape: tuple[int, ...], offset: int, order: Order) -> DeviceArray:
+        return DeviceArray._create(
+            self._alloc,
+            shape,
+            self._dtype,
+            readonly=self._readonly,
+            order=order,
+            offset=self._offset + offset,
+        )
+
+    def __getitem__(self, key: object) -> DeviceArray:
+        """A view of part of the array (basic indexing only: ints, slices,
+        ``None``, ``...``). It shares the allocation and its leases, and is
+        read-only if this handle is. Raises ``ValueError`` if the view would
+        not be contiguous (e.g. a step, or a column of a C-order matrix)."""
+        self._check_usable("index")
+        shape, offset, order = _basic_index(self._shape, self._dtype.itemsize, self._order, key)
+        return self._view(shape, offset, order)
+
+    def reshape(self, *shape: object, order: Literal["C", "F", "A"] = "A") -> DeviceArray:
+        """A view with another shape (one dimension may be -1). ``order`` is the
+        index order of the reshape: "A" (default) is this array's own order;
+        "C" needs a C-contiguous array and "F" an F-contiguous one."""
+        self._check_usable("reshape")
+        if order not in ("C", "F", "A"):
+            raise ValueError(f"order: expected 'C', 'F' or 'A', got {order!r}")
+        raw: object = shape[0] if len(shape) == 1 else shape
+        if isinstance(raw, (int, np.integer)) and not isinstance(raw, bool):
+            raw = (raw,)
+        if not isinstance(raw, tuple | list):
+            raise TypeError(f"shape: expected ints or a tuple of ints, got {raw!r}")
+        dims = list(raw)
+        unknown = [i for i, d in enumerate(dims) if isinstance(d, (int, np.integer)) and d == -1]
+        if len(unknown) > 1:
+            raise ValueError(f"shape: expected at most one -1, got {tuple(dims)}")
+        if unknown:
+            known = math.prod(int(d) for i, d in enumerate(dims) if i != unknown[0])
+            if known == 0 or self.size % known:
+                raise ValueError(f"shape: cannot reshape an array of size {self.size} into {tuple(dims)}")
+            dims[unknown[0]] = self.size // known
+        new = normalize_shape(tuple(dims))
+        if math.prod(new) != self.size:
+            raise ValueError(f"shape: cannot reshape an array of size {self.size} into {new}")
+        want: Order = self._order if order == "A" else order
+        if want == "C" and not self.c_contiguous:
+            raise ValueError("reshape: order='C' needs a C-contiguous array, got an F-order one")
+        if want == "F" and not self.f_contiguous:
+            raise ValueError("reshape: order='F' needs an F-contiguous array, got a C-order one")
+        return self._view(new, 0, want)
+
+    def ravel(self) -> DeviceArray:
+        """A one-dimensional view of the elements in memory order."""
+        return self.reshape(-1)
+
+    @property
+    def T(self) -> DeviceArray:
+        """The transposed view: reversed shape, the other order (no copy)."""
+        self._check_usable("T")
+        order: Order = "F" if self._order == "C" else "C"
+        return self._view(self._shape[::-1], 0, order)
+
+    def view(self, dtype: object) -> DeviceArray:
+        """The same bytes as another dtype of the same item size (no copy)."""
+        self._check_usable("view")
+        dt = normalize_dtype(dtype)
+        if dt.itemsize != self._dtype.itemsize:
+            raise ValueError(
+                f"dtype: expected a dtype of {self._dtype.itemsize} bytes (as {self._dtype}), "
+                f"got {dt} ({dt.itemsize} bytes)"
+            )
+        return DeviceArray._create(
+            self._alloc, self._shape, dt, readonly=self._readonly, order=self._order, offset=self._offset
+        )
+
     # ------------------------------------------------------------------ handles
     def as_readonly(self) -> DeviceArray:
         """A read-only handle to the same memory (no copy). Reads through it
-        take ordinary shared read leases."""
+        take ordinary shared read leases, so reads on several streams never
+        conflict; writing through it raises."""
         self._check_usable("as_readonly")
-        arr = DeviceArray._create(self._alloc, self._shape, self._dtype, readonly=True)
-        arr._offset = self._offset
+        return DeviceArray._create(
+            self._alloc, self._shape, self._dtype, readonly=True, order=self._order, offset=self._offset
+        )
+
+    def as_writable(self) -> DeviceArray:
+        """Turn this read-only handle back into a writable one. Allowed only
+        while it is the only open handle to its memory (no other handle, view
+        or export, and not borrowed with ``access="read"``): then nobody can
+        observe the memory change under them. This handle is closed and a
+        writable one is returned. A writable handle returns itself."""
+        self._check_usable("as_writable")
+        if not self._readonly:
+            return self
+        alloc = self._alloc
+        if alloc.borrowed == "read":
+            raise ValueError(
+                "as_writable: expected memory this scope may write, got memory borrowed with access='read'"
+            )
+        if alloc.handles != 1 or alloc.exports:
+            others = alloc.handles - 1
+            raise ValueError(
+                f"as_writable: expected the only open handle to this memory, got {others} other open "
+                f"handle(s) and {alloc.exports} export(s); close them first"
+            )
+        arr = DeviceArray._create(
+            alloc, self._shape, self._dtype, order=self._order, offset=self._offset, track=True
+        )
+        if arr._info is not None and self._info is not None and self._info.site is not None:
+            arr._info.site = self._info.site
+        self.close()
         return arr
 
     def close(self) -> None:
         """Drop this handle. Idempotent. The memory is freed once every other
-        handle is closed and no in-flight work holds a lease on it."""
+        handle is closed and no in-flight work holds a lease on it.
+
+        A handle exported through ``__cuda_array_interface__`` keeps its
+        export until it is garbage-collected (the consumer holds a reference
+        to it) or the scope exits, so that closing it never frees memory a
+        consumer can still reach."""
         if self._closed:
             return
         self._closed = True
+        info = self._info
+        if info is not None and info.export is not None:
+            info.site = None  # closed: no warning when it is collected later
+            return  # the handle (and its export) is released when it is collected
         self._finalizer.detach()
         self._alloc.scope._release_handle(self._alloc)
 
@@ -225,7 +555,49 @@ class DeviceArray:
     def __repr__(self) -> str:
         state = " closed" if self.closed else (" quarantined" if self.quarantined else "")
         ro = " readonly" if self._readonly else ""
-        return f"<DeviceArray shape={self._shape} dtype={self._dtype}{ro}{state} at 0x{self.ptr:x}>"
+        order = " order=F" if self._order == "F" else ""
+        kind = " borrowed" if self._alloc.borrowed else ""
+        flags = f"{order}{ro}{kind}{state}"
+        return f"<DeviceArray shape={self._shape} dtype={self._dtype}{flags} at 0x{self.ptr:x}>"
+
+    # ------------------------------------------------------------------ interop
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """The CUDA Array Interface (version 3) of this handle.
+
+        Reading it *exports* the handle: a read lease (read-only handle) or a
+        write lease (writable handle) is taken and held until this handle is
+        garbage-collected (consumers keep a reference to it) or the scope
+        exits. ``stream`` names a stream the consumer must synchronise with,
+        or is None when no work on the memory is in flight. Only on the
+        ``cuda`` backend: on the simulator this raises ``AttributeError``, so
+        ``hasattr`` is False. See :doc:`interop`."""
+        from ._export import cuda_array_interface
+
+        return cuda_array_interface(self)
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> object:
+        """Export as a DLPack capsule (no copy). ``stream`` is the consumer's
+        stream: it is made to wait, device-side, for in-flight work on the
+        memory. The export holds a read (read-only handle) or write lease until
+        the consumer deletes the tensor, or the scope exits. See :doc:`interop`."""
+        from ._export import dlpack_export
+
+        return dlpack_export(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(device_type, device_id)``: ``(2, ordinal)`` (kDLCUDA) on the cuda
+        backend; ``(12, n)`` (kDLExtDev) for the simulator."""
+        from ._export import dlpack_device
+
+        return dlpack_device(self)
 
 
 def normalize_shape(shape: object) -> tuple[int, ...]:
@@ -264,8 +636,8 @@ def check_copy(dst: object, src: object) -> None:
             else:
                 obj._check_usable("copy: src")
         elif isinstance(obj, np.ndarray):
-            if name == "dst" and not (obj.flags.c_contiguous and obj.flags.writeable):
-                raise ValueError("copy: dst: expected a writable C-contiguous NumPy array")
+            if name == "dst" and not obj.flags.writeable:
+                raise ValueError("copy: dst: expected a writable NumPy array, got a read-only one")
         else:
             raise TypeError(
                 f"copy: {name}: expected a DeviceArray or a NumPy array, got {type(obj).__name__}"
@@ -278,6 +650,26 @@ def check_copy(dst: object, src: object) -> None:
         raise ValueError(
             f"copy: expected dst and src of the same dtype, got {dst.dtype} and {src.dtype}"  # type: ignore[attr-defined]
         )
+    if isinstance(dst, DeviceArray) and isinstance(src, DeviceArray):
+        if dst._order != src._order and not _trivial(dst._shape):
+            raise ValueError(
+                f"copy: expected dst and src in the same memory order, got dst order {dst._order} and "
+                f"src order {src._order} (a device-side transpose needs a kernel)"
+            )
+        if dst._alloc is src._alloc and dst.nbytes:
+            lo, hi = dst._offset, dst._offset + dst.nbytes
+            if lo < src._offset + src.nbytes and src._offset < hi and dst._offset != src._offset:
+                raise ValueError(
+                    "copy: dst and src overlap (views of one allocation); copy through a temporary"
+                )
+
+
+def host_layout(arr: DeviceArray, host: np.ndarray[Any, Any]) -> np.ndarray[Any, Any] | None:
+    """A C-contiguous array whose bytes are ``host``'s elements in ``arr``'s
+    memory order, sharing ``host``'s memory; None if that needs a copy."""
+    if arr._order == "C" or _trivial(arr._shape):
+        return host if host.flags.c_contiguous else None
+    return host.T if host.flags.f_contiguous else None
 
 
 __all__ = ["Access", "AllocState", "Allocation", "DeviceArray"]

@@ -84,6 +84,13 @@ class DeviceInfo:
     max_shared_memory_per_block_optin: int = 48 * 1024
     max_grid_dim: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
     max_block_dim: tuple[int, int, int] = (1024, 1024, 64)
+    #: per-SM residency limits (what a cooperative launch can keep co-resident)
+    max_threads_per_multiprocessor: int = 2048
+    max_blocks_per_multiprocessor: int = 32
+    max_shared_memory_per_multiprocessor: int = 228 * 1024
+    reserved_shared_memory_per_block: int = 1024
+    #: whether the device supports cooperative launches
+    cooperative_launch: bool = True
 
 
 class DeviceContext(Protocol):
@@ -135,8 +142,58 @@ class DeviceContext(Protocol):
         submission that uses it is in flight."""
         ...
 
+    def check_launch(self, function: object, launch: PreparedLaunch) -> None:
+        """Check ``launch`` against what only the loaded ``function`` knows
+        (its own thread and shared-memory limits, the occupancy of a
+        cooperative launch, its parameter layout); raise
+        ``KernelArgumentError``. Enqueues nothing. The core calls it before
+        taking leases, once per launch and context."""
+        ...
+
     def launch(self, stream: StreamHandle, function: object, launch: PreparedLaunch) -> None:
         """Enqueue one kernel launch; raises ``LaunchError``/``CudaError``."""
+        ...
+
+    # graphs ---------------------------------------------------------------
+    def begin_capture(self, stream: StreamHandle) -> None:
+        """Start capturing the work enqueued on ``stream`` into a graph: it is
+        recorded, not executed. Until :meth:`end_capture` or
+        :meth:`abort_capture`, ``alloc`` raises ``GraphCaptureError``, and so
+        do calls that would synchronise with, or record completion on, the
+        stream. One capture at a time per context."""
+        ...
+
+    def end_capture(self, stream: StreamHandle) -> object:
+        """Stop capturing; return the captured graph (a template for
+        :meth:`instantiate` or :meth:`graph_update`). Raises
+        ``GraphCaptureError`` if the capture was invalidated; the stream has
+        left capture mode either way."""
+        ...
+
+    def abort_capture(self, stream: StreamHandle) -> None:
+        """Stop capturing and discard what was captured; the stream is usable
+        afterwards (also when the capture was invalidated)."""
+        ...
+
+    def instantiate(self, graph: object) -> object:
+        """An executable graph from an :meth:`end_capture` template. Consumes
+        the template (also when it raises)."""
+        ...
+
+    def graph_launch(self, stream: StreamHandle, graph_exec: object) -> None:
+        """Enqueue one replay of an executable graph on ``stream``."""
+        ...
+
+    def graph_update(self, graph_exec: object, graph: object) -> None:
+        """Give ``graph_exec`` the parameters of the template ``graph`` (same
+        topology). Launches already enqueued are not affected. Raises
+        ``GraphCaptureError`` when the topology differs (``graph_exec`` is
+        unchanged then). Consumes the template."""
+        ...
+
+    def destroy_graph(self, graph_exec: object) -> None:
+        """Destroy an executable graph; only called once no enqueued launch of
+        it can still run."""
         ...
 
     # ordering and completion ---------------------------------------------
@@ -164,3 +221,47 @@ class DeviceContext(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class InteropContext(Protocol):
+    """Optional :class:`DeviceContext` methods for DLPack / CUDA Array Interface
+    interop (``trio_cuda._core._export``, ``trio_cuda.interop``); the core
+    looks them up with ``getattr``. A *foreign stream* is an int naming another
+    library's stream (a CUstream handle; 1 and 2 are CUDA's legacy and
+    per-thread default streams). A *fence* is an opaque point in some streams'
+    order."""
+
+    #: ``foreign_fence(None)`` blocks the calling thread (run it in a worker)
+    foreign_fence_blocks: bool
+
+    def stream_address(self, stream: StreamHandle) -> int:
+        """The int that names ``stream`` to other libraries."""
+        ...
+
+    def foreign_wait(self, foreign: int, stream: StreamHandle) -> None:
+        """Make the foreign stream wait, device-side, for the work enqueued so far on ``stream``."""
+        ...
+
+    def foreign_fence(self, foreign: int | None) -> object:
+        """A fence after the work enqueued so far on the foreign stream; for
+        None, after all work on the device (CUDA: a context synchronisation,
+        returning None). May be called from a non-loop thread only where the
+        backend says ``foreign_fence_threadsafe``."""
+        ...
+
+    def wait_fence(self, stream: StreamHandle, fence: object) -> None:
+        """Make ``stream`` wait, device-side, for ``fence`` (reusable until dropped)."""
+        ...
+
+    def drop_fence(self, fence: object) -> None:
+        """Release a fence's resources."""
+        ...
+
+    def dlpack_device(self) -> tuple[int, int]:
+        """``(device_type, device_id)`` of this context's memory, as DLPack names it."""
+        ...
+
+    def pointer_device(self, ptr: int, nbytes: int) -> str | None:
+        """None if ``[ptr, ptr + nbytes)`` is memory of this context's device,
+        else a description of what it is instead."""
+        ...

@@ -11,10 +11,24 @@ Invariants:
   submission of the same launch.
 * :class:`LaunchBuilder` is inert: it is not a DeviceOp and cannot be scheduled
   until ``finalize_unchecked()`` turns it into a :class:`KernelLaunch`.
+* The arena follows the C ABI of kernel parameters: each slot starts at a
+  multiple of its alignment and takes ``sizeof`` bytes (a struct's size rounded
+  up to its alignment); padding is zero. A by-value parameter's dtype is a
+  native-order numeric, bool, complex (aligned like ``float2``/``double2``),
+  ``ml_dtypes`` scalar or a structured dtype whose fields sit at C offsets;
+  anything else is refused when the :class:`Scalar` is made.
+* Device limits are checked before anything is enqueued and before any lease
+  is taken: :func:`check_device_limits` (geometry, shared memory, clusters,
+  cooperative support) by the scope, then ``DeviceContext.check_launch`` (what
+  only the loaded kernel knows: its own thread limit, static shared memory,
+  parameter layout, cooperative occupancy).
 """
 
 from __future__ import annotations
 
+import cmath
+import importlib
+import math
 import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, final
@@ -27,6 +41,7 @@ from ._errors import KernelArgumentError
 from ._ops import Access, DeviceOp
 
 if TYPE_CHECKING:
+    from ._driver import DeviceInfo
     from ._submit import EnqueueContext
 
 Dim3 = tuple[int, int, int]
@@ -34,6 +49,12 @@ DTypeLike = Any
 AccessName = Literal["read", "write", "readwrite"]
 
 _POINTER = np.dtype(np.uint64)
+#: the most parameter bytes a kernel can receive (CUDA 12.1+, Volta and newer)
+MAX_PARAM_BYTES = 32764
+#: the largest thread-block cluster that every device with clusters can run
+PORTABLE_CLUSTER_SIZE = 8
+#: clusters (and programmatic dependent launch) need sm_90 or newer
+CLUSTER_MIN_CC = (9, 0)
 
 
 def _as_dtype(value: DTypeLike) -> np.dtype[Any]:
@@ -46,18 +67,105 @@ def _as_dtype(value: DTypeLike) -> np.dtype[Any]:
 # --------------------------------------------------------------------------- params
 
 
+def _is_ml_dtype(dtype: np.dtype[Any]) -> bool:
+    """A scalar type of the optional ``ml_dtypes`` package (bfloat16, float8_*, int4, ...)."""
+    return (
+        dtype.kind == "V"
+        and dtype.fields is None
+        and dtype.subdtype is None
+        and getattr(dtype.type, "__module__", "") == "ml_dtypes"
+    )
+
+
+def _param_dtype_problem(dtype: np.dtype[Any], *, field: bool = False) -> str | None:
+    """Why ``dtype`` cannot be a by-value kernel parameter (or a field of
+    one), or None when it can."""
+    if dtype.subdtype is not None:
+        if not field:
+            return "a fixed-size array is not a C parameter type (wrap it in a structured dtype)"
+        return _param_dtype_problem(dtype.subdtype[0], field=True)
+    if not dtype.isnative:
+        return "it is not in the native byte order"
+    if dtype.fields is not None:
+        for fname, spec in dtype.fields.items():
+            fdt: np.dtype[Any] = spec[0]
+            offset: int = spec[1]
+            problem = _param_dtype_problem(fdt, field=True)
+            if problem is not None:
+                return f"field {fname!r}: {problem}"
+            align = dtype_alignment(fdt)
+            if offset % align:
+                return (
+                    f"field {fname!r} ({fdt}) is at offset {offset}, not a multiple of its "
+                    f"alignment {align} as in C (build the dtype with align=True, or give C offsets)"
+                )
+        return None
+    kind = dtype.kind
+    if kind in "biu":
+        return None
+    if kind == "f" and dtype.itemsize in (2, 4, 8):
+        return None
+    if kind == "c" and dtype.itemsize in (8, 16):
+        return None
+    if kind in "fc":
+        return f"{dtype.name} (long double) has no CUDA equivalent"
+    if _is_ml_dtype(dtype):
+        return None
+    return f"{dtype.kind!r} dtypes are not kernel parameter types"
+
+
+def _scalar_dtype(value: DTypeLike) -> np.dtype[Any]:
+    dtype = _as_dtype(value)
+    problem = _param_dtype_problem(dtype)
+    if problem is not None:
+        raise TypeError(
+            f"dtype: expected a numeric, bool, complex or C-layout structured dtype, got {dtype}: {problem}"
+        )
+    return dtype
+
+
+def _check_align(inst: Scalar, _attr: object, value: int | None) -> None:
+    if value is None:
+        return
+    if type(value) is not int or value <= 0 or value & (value - 1):
+        raise ValueError(f"align: expected a power of two, got {value!r}")
+    natural = dtype_alignment(inst.dtype)
+    if value < natural:
+        raise ValueError(
+            f"align: expected a power of two >= {natural} (the alignment of {inst.dtype}), got {value}"
+        )
+
+
 @attrs.frozen
 class Scalar:
-    """A by-value parameter: a NumPy scalar type, or a structured dtype for a
-    C struct."""
+    """A by-value parameter: a NumPy scalar type (``"f2"``, ``"f4"``, ``"i8"``,
+    ``"c8"``, ``ml_dtypes.bfloat16``...), or a structured dtype for a C struct.
 
-    dtype: np.dtype[Any] = attrs.field(converter=_as_dtype)
+    ``align`` over-aligns the parameter, as ``__align__(n)``/``alignas(n)``
+    does in C (e.g. a struct holding a ``float4``); it must be a power of two
+    no smaller than the dtype's own alignment. ``dtype.metadata["align"]`` does
+    the same for a struct dtype."""
+
+    dtype: np.dtype[Any] = attrs.field(converter=_scalar_dtype)
     name: str | None = attrs.field(default=None, kw_only=True)
+    align: int | None = attrs.field(default=None, kw_only=True, validator=_check_align)
 
     @property
     def access(self) -> None:
         """Scalars take no lease."""
         return None
+
+    @property
+    def alignment(self) -> int:
+        """The parameter's alignment in the argument arena (C ``alignof``)."""
+        natural = dtype_alignment(self.dtype)
+        return natural if self.align is None else max(natural, self.align)
+
+    @property
+    def size(self) -> int:
+        """The parameter's size in the argument arena (C ``sizeof``: the
+        dtype's size rounded up to :attr:`alignment`)."""
+        return _align_up(self.dtype.itemsize, self.alignment)
 
 
 @attrs.frozen
@@ -98,6 +206,11 @@ def _access_from_name(value: Access | str) -> Access:
         raise ValueError(f"access: expected 'read', 'write' or 'readwrite', got {value!r}") from None
 
 
+def _check_len_dtype(_inst: object, _attr: object, value: np.dtype[Any]) -> None:
+    if value.kind not in "iu" or not value.isnative:
+        raise TypeError(f"len_dtype: expected a native integer dtype (e.g. 'u8' for size_t), got {value}")
+
+
 @attrs.frozen
 class Slice:
     """A device array passed as two parameters: a pointer and its length
@@ -105,7 +218,9 @@ class Slice:
 
     dtype: np.dtype[Any] = attrs.field(converter=_as_dtype)
     access: Access = attrs.field(default=Access.WRITE, converter=_access_from_name, kw_only=True)
-    len_dtype: np.dtype[Any] = attrs.field(default=np.dtype(np.uint64), converter=_as_dtype, kw_only=True)
+    len_dtype: np.dtype[Any] = attrs.field(
+        default=np.dtype(np.uint64), converter=_as_dtype, kw_only=True, validator=_check_len_dtype
+    )
     name: str | None = attrs.field(default=None, kw_only=True)
 
 
@@ -146,12 +261,14 @@ def dtype_alignment(dtype: np.dtype[Any]) -> int:
         natural = max(dtype_alignment(f[0]) for f in dtype.fields.values())
     elif dtype.subdtype is not None:
         natural = dtype_alignment(dtype.subdtype[0])
+    elif dtype.kind == "c":
+        natural = dtype.itemsize  # cuFloatComplex / cuDoubleComplex are float2 / double2
     else:
         natural = max(1, dtype.alignment)
     return max(natural, forced)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class ParamPlan:
     """Arena layout of a parameter list, built once per kernel (or builder)."""
 
@@ -169,12 +286,16 @@ class ParamPlan:
             offset = _align_up(offset, align)
             slots.append(Slot(offset, size, align))
             offset += size
+        if offset > MAX_PARAM_BYTES:
+            raise KernelArgumentError(
+                f"params: expected at most {MAX_PARAM_BYTES} bytes of kernel parameters, got {offset}"
+            )
         return cls(tuple(slots), offset)
 
 
 def _slots_for(param: Param) -> list[tuple[int, int]]:
     if isinstance(param, Scalar):
-        return [(param.dtype.itemsize, dtype_alignment(param.dtype))]
+        return [(param.size, param.alignment)]
     if isinstance(param, Slice):
         return [(8, 8), (param.len_dtype.itemsize, dtype_alignment(param.len_dtype))]
     return [(8, 8)]
@@ -286,6 +407,17 @@ def _views_of(params: Sequence[Param], values: Sequence[object]) -> tuple[ArgVie
     return tuple(out)
 
 
+def _scalar_bytes(dtype: np.dtype[Any], value: object) -> bytes:
+    """The bytes of one by-value argument; a struct's padding is zero (the
+    fields are assigned into a zeroed buffer, whatever the source's padding
+    held)."""
+    if dtype.fields is None:
+        return np.asarray(value, dtype=dtype).tobytes()
+    buf = np.zeros(1, dtype=dtype)
+    buf[0] = value
+    return buf.tobytes()
+
+
 def _pack(plan: ParamPlan, values: Sequence[bytes]) -> bytes:
     arena = bytearray(plan.size)
     for slot, raw in zip(plan.slots, values, strict=True):
@@ -319,14 +451,17 @@ def make_config(
     block: object,
     shared_mem: object = 0,
     cluster: object = None,
-    cooperative: bool = False,
-    pdl: bool = False,
+    cooperative: object = False,
+    pdl: object = False,
 ) -> LaunchConfig:
-    """Check the launch geometry that does not depend on the device."""
+    """Check the launch geometry and modes that do not depend on the device."""
     g = _dim3("grid", grid)
     b = _dim3("block", block)
     if isinstance(shared_mem, bool) or not isinstance(shared_mem, (int, np.integer)) or shared_mem < 0:
         raise KernelArgumentError(f"shared_mem: expected a non-negative int, got {shared_mem!r}")
+    for label, flag in (("cooperative", cooperative), ("pdl", pdl)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise KernelArgumentError(f"{label}: expected a bool, got {flag!r}")
     c = None
     if cluster is not None:
         c = _dim3("cluster", cluster)
@@ -352,11 +487,17 @@ def cached_config(
 ) -> LaunchConfig:
     """``make_config`` memoised on hashable arguments (the launch hot path)."""
     if not (
-        _plain(grid) and _plain(block) and type(shared_mem) is int and (cluster is None or _plain(cluster))
+        _plain(grid)
+        and _plain(block)
+        and type(shared_mem) is int
+        and (cluster is None or _plain(cluster))
+        and type(cooperative) is bool
+        and type(pdl) is bool
     ):
-        # floats and bools compare equal to ints: only exact ints may hit the cache
+        # floats and bools compare equal to ints: only exact ints (and exact
+        # bools for the modes) may hit the cache
         return make_config(grid, block, shared_mem, cluster, cooperative, pdl)
-    key = (grid, block, shared_mem, cluster, cooperative is True, pdl is True)
+    key = (grid, block, shared_mem, cluster, cooperative, pdl)
     try:
         return _CONFIG_CACHE[key]
     except KeyError:
@@ -367,6 +508,148 @@ def cached_config(
         return config
     except TypeError:  # unhashable (lists)
         return make_config(grid, block, shared_mem, cluster, cooperative, pdl)
+
+
+# --------------------------------------------------------------------------- device limits
+
+
+#: configurations that passed :func:`check_device_limits`, and for which device
+_LIMITS_OK: dict[LaunchConfig, DeviceInfo] = {}
+
+
+def check_device_limits(prepared: PreparedLaunch, info: DeviceInfo) -> None:
+    """Check a launch's configuration against the device's limits (those that
+    do not depend on the compiled kernel). Raises :class:`KernelArgumentError`
+    naming the offending setting; the scope calls it before enqueueing.
+    Memoised per configuration (typed launches of one geometry share one
+    cached :class:`LaunchConfig`)."""
+    c = prepared.config
+    if _LIMITS_OK.get(c) is info:
+        return
+    _check_device_limits(prepared, info)
+    if len(_LIMITS_OK) >= 4096:
+        _LIMITS_OK.clear()
+    _LIMITS_OK[c] = info
+
+
+def _check_device_limits(prepared: PreparedLaunch, info: DeviceInfo) -> None:
+    c = prepared.config
+    name = prepared.kernel.name
+    threads = c.block[0] * c.block[1] * c.block[2]
+    if threads > info.max_threads_per_block:
+        raise KernelArgumentError(
+            f"{name}: block: expected at most {info.max_threads_per_block} threads per block, "
+            f"got {c.block} = {threads}"
+        )
+    for axis, (b, mb) in enumerate(zip(c.block, info.max_block_dim, strict=True)):
+        if b > mb:
+            raise KernelArgumentError(f"{name}: block: dimension {axis} is {b}, the device allows {mb}")
+    for axis, (g, mg) in enumerate(zip(c.grid, info.max_grid_dim, strict=True)):
+        if g > mg:
+            raise KernelArgumentError(f"{name}: grid: dimension {axis} is {g}, the device allows {mg}")
+    if c.shared_mem > info.max_shared_memory_per_block_optin:
+        raise KernelArgumentError(
+            f"{name}: shared_mem: expected at most {info.max_shared_memory_per_block_optin} bytes, "
+            f"got {c.shared_mem}"
+        )
+    cc = tuple(info.compute_capability)
+    if c.cluster is not None:
+        if cc < CLUSTER_MIN_CC:
+            raise KernelArgumentError(
+                f"{name}: cluster: thread-block clusters need compute capability "
+                f"{CLUSTER_MIN_CC[0]}.{CLUSTER_MIN_CC[1]} or newer, the device ({info.name}) has "
+                f"{cc[0]}.{cc[1]}; got cluster={c.cluster}"
+            )
+        size = c.cluster[0] * c.cluster[1] * c.cluster[2]
+        if size > PORTABLE_CLUSTER_SIZE:
+            raise KernelArgumentError(
+                f"{name}: cluster: expected at most {PORTABLE_CLUSTER_SIZE} blocks per cluster, got {size}"
+            )
+    if c.pdl and cc < CLUSTER_MIN_CC:
+        raise KernelArgumentError(
+            f"{name}: pdl: programmatic dependent launch needs compute capability "
+            f"{CLUSTER_MIN_CC[0]}.{CLUSTER_MIN_CC[1]} or newer, the device ({info.name}) has {cc[0]}.{cc[1]}"
+        )
+    if c.cooperative and not info.cooperative_launch:
+        raise KernelArgumentError(
+            f"{name}: cooperative: the device ({info.name}) does not support cooperative launches"
+        )
+
+
+def modeled_blocks_per_sm(info: DeviceInfo, block: Dim3, shared_mem: int) -> int:
+    """How many blocks of ``block`` threads and ``shared_mem`` bytes of dynamic
+    shared memory one SM can hold, from the device's per-SM limits alone (the
+    simulator's occupancy model; registers and static shared memory are not
+    modelled)."""
+    threads = block[0] * block[1] * block[2]
+    warps = -(-threads // 32)
+    fit = min(info.max_blocks_per_multiprocessor, info.max_threads_per_multiprocessor // (warps * 32))
+    if shared_mem:
+        per_block = shared_mem + info.reserved_shared_memory_per_block
+        fit = min(fit, info.max_shared_memory_per_multiprocessor // per_block)
+    return max(0, fit)
+
+
+def check_cooperative_occupancy(prepared: PreparedLaunch, info: DeviceInfo, blocks_per_sm: int) -> None:
+    """Refuse a cooperative launch whose blocks cannot all be resident at once
+    (``blocks_per_sm`` of this kernel and configuration, times the SM count):
+    a grid-wide barrier in it would never complete."""
+    c = prepared.config
+    blocks = c.grid[0] * c.grid[1] * c.grid[2]
+    sms = info.multiprocessor_count
+    limit = blocks_per_sm * sms
+    if blocks > limit:
+        # (the limit is blocks_per_sm x SMs; a grid-stride loop fits any size)
+        raise KernelArgumentError(
+            f"{prepared.kernel.name}: cooperative launch of {blocks} blocks exceeds the "
+            f"co-resident limit {limit} ({sms} SMs)"
+        )
+
+
+_KIND_LABELS = {"array": "an array", "scalar": "a scalar", "raw": "boxed bytes", "slice": "a slice"}
+
+
+def slot_labels(prepared: PreparedLaunch) -> list[str]:
+    """A label for each slot of ``prepared.plan``: the argument it belongs to."""
+    kernel = prepared.kernel
+    if prepared.plan is kernel._plan:
+        labels = []
+        for i, p in enumerate(kernel.params):
+            label = _param_label(i, p)
+            if isinstance(p, Slice):
+                labels += [f"{label} pointer", f"{label} length"]
+            else:
+                labels.append(label)
+        return labels
+    out = []
+    for i, view in enumerate(prepared.arg_views()):
+        out.append(f"argument {i} ({_KIND_LABELS[view.kind]})")
+    return out
+
+
+def check_param_layout(prepared: PreparedLaunch, layout: Sequence[tuple[int, int]]) -> None:
+    """Compare the arena's slots with the compiled kernel's own parameter
+    layout, ``(offset, size)`` per parameter (as ``cuFuncGetParamInfo`` reports
+    it). Raises :class:`KernelArgumentError` naming the first argument that
+    differs."""
+    slots = prepared.plan.slots
+    name = prepared.kernel.name
+    if len(slots) == len(layout) and all(
+        s.offset == off and s.size == size for s, (off, size) in zip(slots, layout, strict=True)
+    ):
+        return
+    labels = slot_labels(prepared)
+    for i, (slot, (off, size)) in enumerate(zip(slots, layout, strict=False)):
+        if slot.offset != off or slot.size != size:
+            raise KernelArgumentError(
+                f"{name}: {labels[i]}: the compiled kernel's parameter {i} takes {size} bytes at offset "
+                f"{off}, the argument packs {slot.size} bytes at offset {slot.offset} "
+                f"(check the dtype, or the align of a struct or boxed argument)"
+            )
+    raise KernelArgumentError(
+        f"{name}: params: expected {len(layout)} kernel parameters (as compiled), "
+        f"the launch packs {len(slots)}"
+    )
 
 
 def _convert_scalar(label: str, dtype: np.dtype[Any], value: object) -> np.generic:
@@ -390,11 +673,14 @@ def _convert_scalar(label: str, dtype: np.dtype[Any], value: object) -> np.gener
         )
     if isinstance(value, np.generic):
         if value.dtype != dtype:
+            how = f"ml_dtypes.{dtype.name}(x)" if _is_ml_dtype(dtype) else f"np.{dtype.name}(x)"
             raise KernelArgumentError(
                 f"{label}: expected a {dtype.name} scalar, got {value.dtype.name} "
-                f"({value!r}); convert explicitly, e.g. np.{dtype.name}(x)"
+                f"({value!r}); convert explicitly, e.g. {how}"
             )
         return value
+    if _is_ml_dtype(dtype):
+        return _convert_ml(label, dtype, value)
     kind = dtype.kind
     if kind == "b":
         if isinstance(value, bool):
@@ -409,15 +695,55 @@ def _convert_scalar(label: str, dtype: np.dtype[Any], value: object) -> np.gener
             return dtype.type(value)  # type: ignore[no-any-return]
     elif kind == "f":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            with np.errstate(over="ignore"):
-                converted = dtype.type(value)
-            if np.isfinite(value) and not np.isfinite(converted):
-                raise KernelArgumentError(
-                    f"{label}: value {value!r} overflows {dtype.name} (max {np.finfo(dtype).max})"
-                )
-            return converted  # type: ignore[no-any-return]
+            return _convert_float(label, dtype, value, np.finfo(dtype).max)
     elif kind == "c" and isinstance(value, (int, float, complex)) and not isinstance(value, bool):
-        return dtype.type(value)  # type: ignore[no-any-return]
+        return _convert_float(label, dtype, value, np.finfo(dtype).max)
+    raise KernelArgumentError(
+        f"{label}: expected a {dtype.name} scalar, got {type(value).__name__} ({value!r})"
+    )
+
+
+def _finite(value: complex | float) -> bool:
+    try:
+        return cmath.isfinite(value) if isinstance(value, complex) else math.isfinite(value)
+    except OverflowError:  # an int too large for a double
+        return True
+
+
+def _convert_float(label: str, dtype: np.dtype[Any], value: complex | float, top: object) -> np.generic:
+    """``value`` as a ``dtype`` scalar; refuses a finite value that would
+    become infinite (or NaN, for float8 types without infinities)."""
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            converted: np.generic = dtype.type(value)
+        ok = _finite(complex(converted)) if dtype.kind == "c" else math.isfinite(float(converted))
+    except OverflowError:
+        ok = False
+        converted = dtype.type(0)
+    if _finite(value) and not ok:
+        raise KernelArgumentError(f"{label}: value {value!r} overflows {dtype.name} (max {top})")
+    return converted
+
+
+def _convert_ml(label: str, dtype: np.dtype[Any], value: object) -> np.generic:
+    """A Python number as a scalar of an ``ml_dtypes`` type (the package is
+    importable: ``dtype`` is one of its types)."""
+    ml_dtypes: Any = importlib.import_module("ml_dtypes")
+    try:
+        finfo: Any = ml_dtypes.finfo(dtype)
+    except (TypeError, ValueError, KeyError):
+        finfo = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if finfo is not None:
+            return _convert_float(label, dtype, value, finfo.max)
+        if isinstance(value, int):
+            info = ml_dtypes.iinfo(dtype)
+            if not int(info.min) <= value <= int(info.max):
+                raise KernelArgumentError(
+                    f"{label}: value {value} is out of range for {dtype.name} [{info.min}, {info.max}]"
+                )
+            made: np.generic = dtype.type(value)
+            return made
     raise KernelArgumentError(
         f"{label}: expected a {dtype.name} scalar, got {type(value).__name__} ({value!r})"
     )
@@ -577,7 +903,7 @@ class Kernel:
             label = f"{self.name}: {_param_label(i, param)}"
             if isinstance(param, Scalar):
                 scalar = _convert_scalar(label, param.dtype, value)
-                raws.append(np.asarray(scalar, dtype=param.dtype).tobytes())
+                raws.append(_scalar_bytes(param.dtype, scalar))
                 views.append(ArgView("scalar", dtype=param.dtype, value=scalar))
                 continue
             access = param.access
@@ -853,8 +1179,8 @@ class LaunchBuilder:
     _block: object
     _shared: int
     _cluster: object
-    _cooperative: bool
-    _pdl: bool
+    _cooperative: object
+    _pdl: object
     _args: list[tuple[bytes, ArgView, DeviceArray | None]]
     _layout: list[tuple[int, int]]
 
@@ -896,13 +1222,13 @@ class LaunchBuilder:
         return self
 
     def cooperative(self, enabled: bool = True) -> LaunchBuilder:
-        """Make it a cooperative launch."""
-        self._cooperative = bool(enabled)
+        """Make it a cooperative launch (checked at finalize: a bool)."""
+        self._cooperative = enabled
         return self
 
     def pdl(self, enabled: bool = True) -> LaunchBuilder:
-        """Allow programmatic dependent launch."""
-        self._pdl = bool(enabled)
+        """Allow programmatic dependent launch (checked at finalize: a bool)."""
+        self._pdl = enabled
         return self
 
     def arg(self, value: object, *, access: AccessName | None = None) -> LaunchBuilder:
@@ -924,9 +1250,16 @@ class LaunchBuilder:
             )
             self._layout.append((8, 8))
         elif isinstance(value, np.generic):
-            raw = np.asarray(value).tobytes()
+            problem = _param_dtype_problem(value.dtype)
+            if problem is not None:
+                raise KernelArgumentError(
+                    f"argument {index}: expected a numeric, bool, complex or C-layout struct scalar, "
+                    f"got {value.dtype}: {problem}"
+                )
+            raw = _scalar_bytes(value.dtype, value)
+            align = dtype_alignment(value.dtype)
             self._args.append((raw, ArgView("scalar", dtype=value.dtype, value=value), None))
-            self._layout.append((value.dtype.itemsize, dtype_alignment(value.dtype)))
+            self._layout.append((_align_up(value.dtype.itemsize, align), align))
         else:
             raise KernelArgumentError(
                 f"argument {index}: expected a DeviceArray or a NumPy scalar "
@@ -936,11 +1269,15 @@ class LaunchBuilder:
 
     def arg_boxed(self, raw: bytes | bytearray | memoryview, *, align: int) -> LaunchBuilder:
         """Append an opaque parameter of ``len(raw)`` bytes at alignment ``align``."""
-        data = bytes(raw)
         index = len(self._args)
+        if not isinstance(raw, (bytes, bytearray, memoryview)):
+            raise KernelArgumentError(
+                f"argument {index}: expected bytes, bytearray or memoryview, got {type(raw).__name__}"
+            )
+        data = raw.tobytes() if isinstance(raw, memoryview) else bytes(raw)
         if not data:
             raise KernelArgumentError(f"argument {index}: raw bytes must not be empty")
-        if align <= 0 or align & (align - 1):
+        if type(align) is not int or align <= 0 or align & (align - 1):
             raise KernelArgumentError(f"argument {index}: align must be a power of two, got {align}")
         self._args.append((data, ArgView("raw", value=data), None))
         self._layout.append((len(data), align))
@@ -949,7 +1286,12 @@ class LaunchBuilder:
     def finalize_unchecked(self) -> KernelLaunch:
         """Freeze into an immutable KernelLaunch. Only the geometry is checked."""
         config = make_config(
-            self._grid, self._block, self._shared, self._cluster, self._cooperative, self._pdl
+            self._grid,
+            self._block,
+            self._shared,
+            self._cluster,
+            self._cooperative,
+            self._pdl,
         )
         plan = ParamPlan.from_layout(self._layout)
         raws = [a[0] for a in self._args]

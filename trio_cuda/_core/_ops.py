@@ -222,6 +222,26 @@ class _Fill(DeviceOp[Any]):
         return f"ops.fill({self._arr!r})"
 
 
+@final
+class _ZeroBytes(DeviceOp[Any]):
+    """Set every byte of ``arr`` to zero (any dtype; used by ``scope.zeros``)."""
+
+    __slots__ = ("_arr",)
+
+    def __init__(self, arr: DeviceArray) -> None:
+        self._arr = arr
+
+    def _enqueue(self, ctx: EnqueueContext) -> DeviceArray:
+        arr = self._arr
+        ctx.use([(arr, Access.WRITE)], what="zeros")
+        ctx.driver.fill(ctx.stream.handle, arr.ptr, b"\x00", arr.nbytes)
+        ctx._enqueued()
+        return arr
+
+    def __repr__(self) -> str:
+        return f"zeros({self._arr!r})"
+
+
 def fill(arr: DeviceArray, x: object) -> DeviceOp[DeviceArray]:
     """Set every element of ``arr`` to ``x`` (cast to ``arr.dtype``). The
     element size must be 1, 2, 4 or 8 bytes."""

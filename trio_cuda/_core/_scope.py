@@ -33,16 +33,19 @@ import attrs
 import numpy as np
 import trio
 
-from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_shape
+from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_order, normalize_shape
 from ._driver import DeviceContext, DeviceInfo, MarkerState, Poll, StreamHandle
-from ._errors import CompletionUnknownError, KernelArgumentError, ScopeClosedError
-from ._kernel import Kernel, KernelLaunch
-from ._ops import Access, DeviceOp, _Copy, _Fill, resolve_output
+from ._errors import CompletionUnknownError, ScopeClosedError
+from ._export import end_exports
+from ._kernel import Kernel, KernelLaunch, check_device_limits
+from ._multi import abandon_foreign, foreign_lease_count, release_foreign, wait_foreign
+from ._ops import Access, DeviceOp, _Copy, _Fill, _ZeroBytes, resolve_output
 from ._submit import TERMINAL, EnqueueContext, HostStep, Submission, SubState, take_leases
 
 if TYPE_CHECKING:
     from types import TracebackType
 
+    from ._graph import CudaGraph
     from ._kernel import PreparedLaunch
 
 T = TypeVar("T")
@@ -94,6 +97,9 @@ class ScopeStatistics:
     live_bytes: int
     pending_errors: int  #: errors nobody has observed yet; raised at exit
     host_closures_pending: int
+    #: leases that other scopes' in-flight work (cross-device copies) holds on
+    #: this scope's allocations; exit waits for them (see :doc:`multigpu`)
+    foreign_leases: int = 0
 
 
 @attrs.frozen
@@ -504,6 +510,7 @@ class ResourceScope:
             live_bytes=sum(a.nbytes for a in live),
             pending_errors=len(self._unobserved) + len(self._orphan_errors),
             host_closures_pending=self._host_steps,
+            foreign_leases=foreign_lease_count(self),
         )
 
     def __repr__(self) -> str:
@@ -527,19 +534,26 @@ class ResourceScope:
         return stream
 
     def empty(
-        self, shape: object, dtype: object = np.float64, *, stream: Stream | None = None
+        self,
+        shape: object,
+        dtype: object = np.float64,
+        *,
+        order: Literal["C", "F"] = "C",
+        stream: Stream | None = None,
     ) -> DeviceArray:
         """A new uninitialised device array, allocated in stream order and
-        owned by this scope."""
+        owned by this scope. ``order`` is "C" (row-major) or "F"
+        (column-major); ``dtype`` may be a structured NumPy dtype."""
         self._check_open("empty")
         shp = normalize_shape(shape)
         dt = normalize_dtype(dtype)
+        layout = normalize_order(order)
         nbytes = math.prod(shp) * dt.itemsize
         s = self._pick(_ALLOC_OP, stream)
         ptr = self._driver.alloc(nbytes, s.handle)
         alloc = Allocation(self, ptr, nbytes)
         self._allocs[alloc] = None
-        arr = DeviceArray._create(alloc, shp, dt)
+        arr = DeviceArray._create(alloc, shp, dt, order=layout, track=True)
         # Publish the allocation as written by `s`: other streams order after it.
         sub = self._new_submission(s, _ALLOC_OP)
         take_leases(self, s, sub, ((arr, Access.WRITE),), "empty")
@@ -547,19 +561,37 @@ class ResourceScope:
         return arr
 
     def zeros(
-        self, shape: object, dtype: object = np.float64, *, stream: Stream | None = None
+        self,
+        shape: object,
+        dtype: object = np.float64,
+        *,
+        order: Literal["C", "F"] = "C",
+        stream: Stream | None = None,
     ) -> DeviceArray:
-        """A new device array filled with zeros (the fill is enqueued)."""
-        return self.full(shape, 0, dtype, stream=stream)
+        """A new device array of zero bytes (the fill is enqueued); any dtype,
+        structured ones included."""
+        arr = self.empty(shape, dtype, order=order, stream=stream)
+        try:
+            self.submit(_ZeroBytes(arr), stream=stream)
+        except BaseException:
+            arr.close()
+            raise
+        return arr
 
     def full(
-        self, shape: object, fill_value: object, dtype: object = np.float64, *, stream: Stream | None = None
+        self,
+        shape: object,
+        fill_value: object,
+        dtype: object = np.float64,
+        *,
+        order: Literal["C", "F"] = "C",
+        stream: Stream | None = None,
     ) -> DeviceArray:
         """A new device array filled with ``fill_value`` (the fill is enqueued)."""
         from ._ops import fill_pattern
 
         pattern = fill_pattern(normalize_dtype(dtype), fill_value)  # checked before allocating
-        arr = self.empty(shape, dtype, stream=stream)
+        arr = self.empty(shape, dtype, order=order, stream=stream)
         try:
             self.submit(_Fill(arr, pattern), stream=stream)
         except BaseException:
@@ -567,18 +599,23 @@ class ResourceScope:
             raise
         return arr
 
-    async def to_device(self, host: object, *, stream: Stream | None = None) -> DeviceArray:
+    async def to_device(
+        self, host: object, *, order: Literal["C", "F", "K"] = "K", stream: Stream | None = None
+    ) -> DeviceArray:
         """Copy a NumPy array to a new device array; returns once the copy
-        completed. If cancelled, the new array is closed (and freed once the
-        copy retired)."""
+        completed. ``order`` is the device layout: "K" (default) keeps an
+        F-contiguous host array in F order, anything else becomes C. If
+        cancelled, the new array is closed (and freed once the copy retired)."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if not isinstance(host, np.ndarray):
             if isinstance(host, DeviceArray):
                 raise TypeError("to_device: host: expected a NumPy array, got a DeviceArray")
             host = np.asarray(host)
         assert isinstance(host, np.ndarray)
+        if order == "K":
+            order = "F" if host.flags.f_contiguous and not host.flags.c_contiguous else "C"
         s = self._pick(_ALLOC_OP, stream)
-        arr = self.empty(host.shape, host.dtype, stream=s)
+        arr = self.empty(host.shape, host.dtype, order=order, stream=s)
         try:
             fut: DeviceFuture[DeviceArray] = self.submit(_Copy(arr, host), stream=s)
             await fut.wait()
@@ -590,18 +627,54 @@ class ResourceScope:
     async def to_host(
         self, arr: DeviceArray, *, out: np.ndarray[Any, Any] | None = None, stream: Stream | None = None
     ) -> np.ndarray[Any, Any]:
-        """Copy a device array to a new (or the given) NumPy array; returns once
-        the copy completed."""
+        """Copy a device array to a new NumPy array (in the array's order) or
+        into ``out`` (any writable array of the same shape and dtype); returns
+        once the copy completed. The copy lands in pinned staging memory and
+        is copied out when the GPU finished it, so it never blocks a stream."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if not isinstance(arr, DeviceArray):
             raise TypeError(f"to_host: arr: expected a DeviceArray, got {type(arr).__name__}")
         if out is None:
-            out = np.empty(arr.shape, arr.dtype)
+            out = np.empty(arr.shape, arr.dtype, order=arr.order)
         from ._ops import copy
 
         op = copy(out, arr)
         fut: DeviceFuture[np.ndarray[Any, Any]] = self.submit(op, stream=stream)
         return await fut.wait()
+
+    def empty_like(
+        self,
+        a: object,
+        dtype: object = None,
+        *,
+        order: Literal["C", "F", "K"] = "K",
+        shape: object = None,
+        stream: Stream | None = None,
+    ) -> DeviceArray:
+        """A new uninitialised device array with the shape, dtype and order of
+        ``a`` (a DeviceArray, a NumPy array or anything with ``shape`` and
+        ``dtype``), unless ``dtype``, ``order`` or ``shape`` say otherwise."""
+        a_shape = getattr(a, "shape", None)
+        a_dtype = getattr(a, "dtype", None)
+        if a_shape is None or a_dtype is None:
+            raise TypeError(
+                f"empty_like: a: expected an array (with shape and dtype), got {type(a).__name__}"
+            )
+        if order not in ("C", "F", "K"):
+            raise ValueError(f"empty_like: order: expected 'C', 'F' or 'K', got {order!r}")
+        if order == "K":
+            if isinstance(a, DeviceArray):
+                order = a.order
+            else:
+                flags = getattr(a, "flags", None)
+                f_only = flags is not None and flags.f_contiguous and not flags.c_contiguous
+                order = "F" if f_only else "C"
+        return self.empty(
+            a_shape if shape is None else shape,
+            a_dtype if dtype is None else dtype,
+            order=order,
+            stream=stream,
+        )
 
     # ------------------------------------------------------------------ submission
     def _new_submission(self, stream: Stream, op: object) -> Submission:
@@ -726,6 +799,26 @@ class ResourceScope:
         fut = self.submit(op, stream=stream)
         return await fut.wait()
 
+    # ------------------------------------------------------------------ graphs
+    async def capture(self, op: DeviceOp[Any], *, stream: Stream | None = None) -> CudaGraph:
+        """Capture ``op`` into a :class:`~trio_cuda.CudaGraph` without running
+        it: ``graph.output`` is the op's output, and ``await
+        gpu.run(graph.launch())`` replays the work. The graph keeps what it
+        captured alive until it is closed and its replays completed.
+
+        Capturing runs the op's ``then``/``map`` closures once, now. An
+        allocation, a host closure, a copy to host memory or a synchronising
+        call during the capture raises :class:`~trio_cuda.GraphCaptureError`
+        and leaves nothing captured. Captures never overlap (each runs between
+        two checkpoints); nested captures are refused.
+        """
+        from ._graph import capture_graph
+
+        await trio.lowlevel.checkpoint_if_cancelled()
+        graph = capture_graph(self, op, stream)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return graph
+
     # ------------------------------------------------------------------ kernels
     async def load(self, *kernels: Kernel) -> None:
         """Compile and load ``kernels`` for this scope now, without blocking
@@ -758,44 +851,15 @@ class ResourceScope:
         return fn
 
     def _check_launch_config(self, prepared: PreparedLaunch) -> None:
+        """Check a launch against this scope's device before anything is
+        enqueued: the device's limits (``check_device_limits``), then what only
+        the loaded kernel knows (``driver.check_launch``)."""
         cache = prepared.cache
         info = self._info
         if cache.get("checked") is info:
             return
-        c = prepared.config
-        name = prepared.kernel.name
-        threads = c.block[0] * c.block[1] * c.block[2]
-        if threads > info.max_threads_per_block:
-            raise KernelArgumentError(
-                f"{name}: block: expected at most {info.max_threads_per_block} threads per block, "
-                f"got {c.block} = {threads}"
-            )
-        for axis, (b, mb) in enumerate(zip(c.block, info.max_block_dim, strict=True)):
-            if b > mb:
-                raise KernelArgumentError(f"{name}: block: dimension {axis} is {b}, the device allows {mb}")
-        for axis, (g, mg) in enumerate(zip(c.grid, info.max_grid_dim, strict=True)):
-            if g > mg:
-                raise KernelArgumentError(f"{name}: grid: dimension {axis} is {g}, the device allows {mg}")
-        if c.shared_mem > info.max_shared_memory_per_block_optin:
-            raise KernelArgumentError(
-                f"{name}: shared_mem: expected at most {info.max_shared_memory_per_block_optin} bytes, "
-                f"got {c.shared_mem}"
-            )
-        if c.cluster is not None:
-            size = c.cluster[0] * c.cluster[1] * c.cluster[2]
-            if size > 8:
-                raise KernelArgumentError(
-                    f"{name}: cluster: expected at most 8 blocks per cluster, got {size}"
-                )
-        if c.cooperative:
-            blocks = c.grid[0] * c.grid[1] * c.grid[2]
-            per_sm = max(1, 2048 // max(threads, 1))
-            limit = info.multiprocessor_count * min(per_sm, 32)
-            if blocks > limit:
-                raise KernelArgumentError(
-                    f"{name}: cooperative launch of {blocks} blocks exceeds the co-resident limit "
-                    f"{limit} ({info.multiprocessor_count} SMs)"
-                )
+        check_device_limits(prepared, info)
+        self._driver.check_launch(self._function(prepared.kernel), prepared)
         cache["checked"] = info
 
     # ------------------------------------------------------------------ handles
@@ -824,6 +888,11 @@ class ResourceScope:
             self._free(alloc)
 
     def _free(self, alloc: Allocation) -> None:
+        if alloc.borrowed:  # another library's memory: only let go of it
+            alloc.state = AllocState.FREED
+            alloc.owner = None
+            self._allocs.pop(alloc, None)
+            return
         try:
             self._driver.free(alloc.ptr, alloc.nbytes)
         except Exception as exc:
@@ -927,7 +996,10 @@ class ResourceScope:
             if alloc.last_writer is sub:
                 alloc.last_writer = None
             alloc.readers.pop(sub, None)
-            self._maybe_free(alloc)
+            if alloc.scope is self:
+                self._maybe_free(alloc)
+            else:  # a cross-scope copy's lease on another scope's memory
+                release_foreign(alloc)
         sub.owners.clear()
         sub.finishers.clear()
         sub.leases.clear()
@@ -971,17 +1043,22 @@ class ResourceScope:
         for alloc in sub.leases:
             if alloc.state is AllocState.LIVE:
                 alloc.state = AllocState.QUARANTINED
-        self._quarantined_leases += len(sub.leases)
+            owner = alloc.scope  # counted where the memory lives
+            owner._quarantined_leases += 1
+            if owner is not self:
+                release_foreign(alloc)  # leaked with it: its owner stops waiting for it
         self._quarantine.append(sub)
         self._settle(sub, SubState.QUARANTINED)
 
     # ------------------------------------------------------------------ exit
     async def _drain(self, timeout: float | None) -> None:
+        await end_exports(self)  # exports end at exit; their leases retire below
         with trio.move_on_after(math.inf if timeout is None else timeout):
             while self._in_flight or any(s._pending or s._unmarked for s in self._streams):
                 self._drain_event = trio.Event()
                 self._wake()
                 await self._drain_event.wait()
+            await wait_foreign(self)  # other scopes' copies still reading or writing our memory
         self._drain_event = None
 
     def _abandon_in_flight(self, timeout: float | None) -> None:
@@ -1021,6 +1098,9 @@ class ResourceScope:
     def _release_everything(self) -> None:
         """After the drain: free memory, unload modules, destroy streams."""
         driver = self._driver
+        from ._graph import close_scope_graphs
+
+        close_scope_graphs(self)  # graphs still open: release them first
         while self._gc_releases:
             self._gc_releases.popleft()
         kept_owners = {id(o) for sub in self._quarantine for o in sub.owners}
@@ -1101,6 +1181,7 @@ class _ScopeManager:
                 await scope._drain(timeout)
                 if scope._in_flight or any(s._pending or s._unmarked for s in scope._streams):
                     scope._abandon_in_flight(timeout)
+                abandon_foreign(scope, timeout)
                 scope._release_everything()
         finally:
             scope._closed = True

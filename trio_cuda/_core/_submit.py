@@ -18,13 +18,14 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
 import trio
 
-from ._array import Allocation, AllocState, DeviceArray
+from ._array import Allocation, AllocState, DeviceArray, host_layout
 from ._driver import Finisher, Gate, Marker, MarkerState
 from ._errors import AccessConflictError, KernelArgumentError
 from ._ops import Access, HostResult
@@ -40,6 +41,9 @@ class SubState(enum.Enum):
     DONE = "done"
     FAILED = "failed"
     QUARANTINED = "quarantined"
+    #: holds an export lease for a foreign consumer (see ``_export``); put in
+    #: flight when the consumer releases it
+    EXPORTED = "exported"
 
 
 TERMINAL = frozenset({SubState.DONE, SubState.FAILED, SubState.QUARANTINED})
@@ -182,7 +186,7 @@ class EnqueueContext:
             raise CompletionUnknownError(f"shared op: completion of {other.label} is unknown")
         if other.state is SubState.IN_FLIGHT and other.stream is not self.stream:
             if other.marker is None:
-                self.scope._flush(other.stream)
+                other.scope._flush(other.stream)
                 if other.marker is None:  # quarantined
                     return
             self.driver.wait_marker(self.stream.handle, other.marker)
@@ -209,6 +213,11 @@ class EnqueueContext:
         d = self.driver
         h = self.stream.handle
         if isinstance(dst, DeviceArray) and isinstance(src, DeviceArray):
+            if dst._alloc.scope is not self.scope or src._alloc.scope is not self.scope:
+                from ._multi import cross_scope_copy
+
+                cross_scope_copy(self, dst, src)  # another scope's memory: see _multi
+                return
             if src._alloc is dst._alloc:
                 self.use([(dst, Access.WRITE)], what="copy")
             else:
@@ -216,7 +225,10 @@ class EnqueueContext:
             d.copy_d2d(h, dst.ptr, src.ptr, dst.nbytes)
         elif isinstance(dst, DeviceArray):
             assert isinstance(src, np.ndarray)
-            host = np.ascontiguousarray(src)
+            host = host_layout(dst, src)
+            if host is None:  # another layout: stage it in the device's order
+                host = host_layout(dst, np.array(src, order=dst._order))
+                assert host is not None
             self.use([(dst, Access.WRITE)], what="copy: dst")
             token = d.copy_h2d(h, dst.ptr, host)
             if token is not None:
@@ -224,11 +236,24 @@ class EnqueueContext:
         else:
             assert isinstance(dst, np.ndarray)
             assert isinstance(src, DeviceArray)
+            target = host_layout(src, dst)
+            tmp: np.ndarray[Any, Any] | None = None
+            if target is None:
+                if self.unsafe:
+                    raise ValueError(
+                        f"copy: dst: the unsafe path needs a host array contiguous in the device "
+                        f"array's order ({src._order}), got strides {dst.strides}"
+                    )
+                tmp = np.empty(src.shape, src.dtype, order=src._order)
+                target = host_layout(src, tmp)
+                assert target is not None
             self.use([(src, Access.READ)], what="copy: src")
             self.retain(dst)
-            fin = d.copy_d2h(h, dst, src.ptr, direct=self.unsafe)
+            fin = d.copy_d2h(h, target, src.ptr, direct=self.unsafe)
             if fin is not None:
                 self.on_retire(fin)
+            if tmp is not None:
+                self.on_retire(functools.partial(np.copyto, dst, tmp))
         self._enqueued()
 
     def fill(self, arr: DeviceArray, pattern: bytes) -> None:
@@ -265,15 +290,20 @@ def take_leases(
     sub: Submission | None,
     accesses: Sequence[tuple[DeviceArray, Access]],
     what: str,
+    *,
+    foreign: bool = False,
 ) -> None:
     """Check, order and record leases for one piece of work on ``stream``,
     atomically: if this raises, no lease was taken and nothing enqueued.
-    ``sub`` None (the unsafe path) only checks."""
+    ``sub`` None (the unsafe path) only checks. ``foreign=True`` (cross-scope
+    copies, see ``_multi``) accepts live arrays of other scopes; their leases
+    are recorded on their allocations as any other, and conflicts with the
+    other scope's in-flight work become device-side waits on its markers."""
     waits: dict[int, Submission] | None = None
     write = Access.WRITE
     for arr, access in accesses:
         alloc = arr._alloc
-        if arr._closed or alloc.state is not AllocState.LIVE or alloc.scope is not scope:
+        if arr._closed or alloc.state is not AllocState.LIVE or (alloc.scope is not scope and not foreign):
             arr._check_usable(what)
             raise KernelArgumentError(
                 f"{what}: expected an array of this scope, got one of another scope ({arr!r})"
@@ -327,14 +357,21 @@ def _conflict(
 ) -> dict[int, Submission] | None:
     """``other`` (in-flight, another stream) conflicts with this access:
     note a device-side wait, or raise under ``conflicts="error"``."""
+    if other.state is SubState.EXPORTED:
+        from ._export import conflict
+
+        other = conflict(scope, other, arr, access, what)  # raises unless released
+        if other.stream is stream:
+            return waits
     if other.state is not SubState.IN_FLIGHT or (waits is not None and other.id in waits):
         return waits
     marker = other.marker
+    owner = other.scope  # another scope's work, for cross-scope copies (``_multi``)
     if marker is None:
-        scope._flush(other.stream)
+        owner._flush(other.stream)
         if other.marker is None:  # recording the marker failed: quarantined
             return waits
-    elif scope._driver.poll_marker(marker).state is not MarkerState.PENDING:
+    elif owner._driver.poll_marker(marker).state is not MarkerState.PENDING:
         return waits  # completed; the handoff task retires it soon
     if scope._conflicts == "error":
         raise AccessConflictError(

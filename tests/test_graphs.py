@@ -1,0 +1,607 @@
+"""CUDA graphs on the simulated device (DESIGN.md rule 8).
+
+``gpu.capture(op)`` records what the op enqueues without running it; each
+``graph.launch()`` replays the recording as one device command. Work is put
+really in flight with ``sim.hold()``; every test ends with the ``sim``
+fixture's ``sim.violations == []`` check (memcheck runs at every replay).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import trio
+from _kernels import ADD, add, copy, saxpy
+from trio.testing import assert_checkpoints
+
+import trio_cuda
+from trio_cuda import GraphCaptureError, ops, unsafe
+from trio_cuda.testing import SimDevice
+
+F4 = np.float32
+N = 64
+
+
+def host(value: float | None = None, n: int = N) -> np.ndarray:
+    if value is None:
+        return np.arange(n, dtype=F4)
+    return np.full(n, value, dtype=F4)
+
+
+def live(sim: SimDevice) -> set[int]:
+    return {a.ptr for a in sim.live_allocations}
+
+
+async def settle(gpu: trio_cuda.ResourceScope) -> None:
+    with trio.fail_after(5):
+        while gpu.statistics().in_flight:  # noqa: ASYNC110 - polling public statistics
+            await trio.sleep(0.001)
+
+
+@contextlib.asynccontextmanager
+async def releasing(sim: SimDevice) -> AsyncIterator[None]:
+    """Release a held device on the way out, so that a failing assertion
+    fails the test instead of hanging the scope's exit drain."""
+    try:
+        yield
+    finally:
+        if sim.held:
+            sim.release()
+
+
+async def until(predicate) -> None:
+    with trio.fail_after(5):
+        while not predicate():  # noqa: ASYNC110 - polling public state
+            await trio.sleep(0.001)
+
+
+# --------------------------------------------------------------------------- capture and replay
+
+
+async def test_capture_records_without_running_and_replays_match_the_reference(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = await gpu.to_device(host())
+        y = await gpu.to_device(host(1.0))
+        launches = sim.statistics().launches
+        op = saxpy(2.0, x, y).then(lambda y: add(y, 0.5))
+        graph = await gpu.capture(op)
+        assert isinstance(graph, trio_cuda.CudaGraph)
+        assert graph.output is y
+        # capturing ran nothing, and holds no lease
+        assert sim.statistics().launches == launches
+        np.testing.assert_array_equal(await gpu.to_host(y), host(1.0))
+        assert gpu.statistics().leases_held == 0
+        st = graph.statistics()
+        assert (st.operations, st.kernels, st.replays, st.in_flight) == (2, 2, 0, 0)
+        assert (st.retained_allocations, st.retained_bytes) == (2, 2 * N * 4)
+
+        expected = host(1.0)
+        for _ in range(3):
+            out = await gpu.run(graph.launch())
+            assert out is y
+            expected = 2.0 * host() + expected + 0.5  # the kernels' reference, in NumPy
+        np.testing.assert_allclose(await gpu.to_host(y), expected)
+        assert sim.graph_launches == 3
+        assert sim.statistics().launches == launches + 6
+        assert graph.statistics().replays == 3
+        graph.close()
+
+
+async def test_replay_through_submit_and_async_on(sim):
+    async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
+        x = gpu.zeros(N, F4)
+        async with await gpu.capture(add(x, 1.0)) as graph:
+            futs = [gpu.submit(graph.launch()) for _ in range(4)]
+            assert [await f.wait() for f in futs] == [x] * 4
+            s = gpu.streams[0]
+            await gpu.run(ops.value(None), stream=s)
+            assert unsafe.async_on(graph.launch(), s) is x
+            assert graph.statistics().in_flight == 0  # async_on retains nothing
+            await gpu.run(ops.value(None), stream=s)  # stream order: after the unsafe replay
+            np.testing.assert_array_equal(await gpu.to_host(x, stream=s), host(5.0))
+        assert graph.closed
+
+
+async def test_capture_of_host_to_device_copies_replays_the_captured_bytes(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(N, F4)
+        y = gpu.zeros(N, F4)
+        data = host()
+        graph = await gpu.capture(ops.copy(x, data).then(lambda x: copy(x, y)).then(lambda y: add(y, 1.0)))
+        data[:] = -1  # the bytes were staged at capture
+        assert await gpu.run(graph.launch()) is y
+        np.testing.assert_array_equal(await gpu.to_host(y), host() + 1)
+        np.testing.assert_array_equal(await gpu.to_host(x), host())
+        await gpu.run(ops.fill(x, 7.0))
+        await gpu.run(graph.launch())  # the copy runs again: x is overwritten
+        np.testing.assert_array_equal(await gpu.to_host(x), host())
+        graph.close()
+
+
+async def test_fill_and_zip_are_captured(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        a = gpu.empty(N, F4)
+        b = gpu.empty(N, np.int32)
+        graph = await gpu.capture(trio_cuda.zip(ops.fill(a, 3.0), ops.fill(b, -2)).map(lambda t: t[::-1]))
+        assert graph.output == (b, a)
+        assert await gpu.run(graph.launch()) == (b, a)
+        np.testing.assert_array_equal(await gpu.to_host(a), host(3.0))
+        np.testing.assert_array_equal(await gpu.to_host(b), np.full(N, -2, np.int32))
+        graph.close()
+
+
+async def test_a_100_kernel_graph(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        xs = [gpu.zeros(N, F4) for _ in range(4)]
+        await gpu.load(ADD)
+        op: trio_cuda.DeviceOp = ops.value(None)
+        for i in range(100):
+            op = op.then(lambda _, i=i: add(xs[i % 4], float(i)))
+        graph = await gpu.capture(op)
+        st = graph.statistics()
+        assert (st.operations, st.kernels, st.retained_allocations) == (100, 100, 4)
+        before = sim.statistics().launches
+        for _ in range(2):
+            await gpu.run(graph.launch())
+        assert sim.statistics().launches == before + 200
+        for j, x in enumerate(xs):
+            want = 2 * sum(float(i) for i in range(100) if i % 4 == j)
+            np.testing.assert_array_equal(await gpu.to_host(x), host(want))
+        graph.close()
+
+
+async def test_replays_order_against_other_streams_through_leases():
+    sim = SimDevice(kernel_time=0.005)
+    async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
+        s0, s1 = gpu.streams
+        x = await gpu.to_device(host(), stream=s0)
+        y = gpu.zeros(N, F4, stream=s0)
+        graph = await gpu.capture(copy(x, y), stream=s1)  # reads x, writes y
+        await settle(gpu)
+        sim.clear_trace()
+        gpu.submit(add(x, 100.0), stream=s0)  # a writer of x in flight on s0
+        await gpu.run(graph.launch(), stream=s1)  # RAW on x: waits device-side
+        waits = [e for e in sim.trace if e.kind == "wait_marker" and e.stream == 1]
+        assert waits, "the replay must wait for the writer on the other stream"
+        np.testing.assert_array_equal(await gpu.to_host(y), host() + 100)
+        # and the other way round: a later writer of y waits for the replay (WAW)
+        sim.clear_trace()
+        fut = gpu.submit(graph.launch(), stream=s1)
+        await gpu.run(ops.fill(y, 1.0), stream=s0)
+        await fut.wait()
+        assert [e for e in sim.trace if e.kind == "wait_marker" and e.stream == 0]
+        np.testing.assert_array_equal(await gpu.to_host(y), host(1.0))
+        graph.close()
+    assert sim.violations == []
+
+
+async def test_capture_and_update_are_checkpoints(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(N, F4)
+        with assert_checkpoints():
+            graph = await gpu.capture(add(x, 1.0))
+        with assert_checkpoints():
+            await graph.update(add(x, 2.0))
+        with assert_checkpoints():
+            async with graph:
+                pass
+
+
+async def test_pre_cancelled_capture_captures_nothing(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(N, F4)
+        with trio.CancelScope() as cs:
+            cs.cancel()
+            await gpu.capture(add(x, 1.0))
+        assert cs.cancelled_caught
+        assert sim.live_graphs == 0
+
+
+# --------------------------------------------------------------------------- lifetimes
+
+
+async def test_cancellation_while_a_replay_is_in_flight(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu, releasing(sim):
+        x = await gpu.to_device(host())
+        y = gpu.zeros(N, F4)
+        graph = await gpu.capture(saxpy(1.0, x, y))
+        await settle(gpu)
+        sim.hold()
+        t0 = time.perf_counter()
+        with trio.move_on_after(0.05) as cs:
+            await gpu.run(graph.launch())
+        assert cs.cancelled_caught
+        assert time.perf_counter() - t0 < 1.0, "Cancelled must be raised promptly"
+        # the scope kept the replay: its leases and the graph's retention hold
+        st = gpu.statistics()
+        assert (st.in_flight, st.leases_held, st.retained_bytes) == (1, 2, 2 * N * 4)
+        assert graph.statistics().in_flight == 1
+        ptrs = {x.ptr, y.ptr}
+        graph.close()
+        x.close()
+        assert ptrs <= live(sim)
+        assert sim.live_graphs == 1
+        sim.release()
+        await settle(gpu)
+        st = gpu.statistics()
+        assert (st.in_flight, st.leases_held) == (0, 0)
+        assert graph.statistics().destroyed
+        assert sim.live_graphs == 0
+        assert x_freed(sim, ptrs, keep=y)
+        np.testing.assert_array_equal(await gpu.to_host(y), host())
+    assert sim.violations == []
+    assert sim.live_allocations == []
+
+
+def x_freed(sim: SimDevice, ptrs: set[int], keep: trio_cuda.DeviceArray) -> bool:
+    """Only ``keep`` (still open) of ``ptrs`` is alive."""
+    return ptrs & live(sim) == {keep.ptr}
+
+
+async def test_closing_a_graph_with_replays_in_flight_defers_the_release(sim):
+    async with trio_cuda.open_scope(device=sim, streams=2) as gpu, releasing(sim):
+        x = await gpu.to_device(host())
+        y = gpu.zeros(N, F4)
+        graph = await gpu.capture(copy(x, y).then(lambda y: add(y, 1.0)))
+        await settle(gpu)
+        ptrs = {x.ptr, y.ptr}
+        sim.hold()
+        futs = [gpu.submit(graph.launch()) for _ in range(2)]
+        x.close()
+        y.close()
+        graph.close()
+        graph.close()  # idempotent
+        assert graph.closed
+        with pytest.raises(trio_cuda.ScopeClosedError, match="graph is closed"):
+            graph.launch()
+        st = graph.statistics()
+        assert (st.in_flight, st.destroyed, st.retained_allocations) == (2, False, 2)
+        gc.collect()
+        assert ptrs <= live(sim)
+        assert sim.live_graphs == 1
+        assert sim.complete_next()  # the first replay ran
+        await trio.sleep(0.01)
+        assert ptrs <= live(sim), "the second replay still uses the memory"
+        assert sim.live_graphs == 1
+        sim.release()
+        for f in futs:
+            await f.wait()
+        await settle(gpu)
+        assert graph.statistics().destroyed
+        assert sim.live_graphs == 0
+        assert not (ptrs & live(sim))
+    assert sim.violations == []
+
+
+async def test_replay_after_the_input_handles_were_dropped(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = await gpu.to_device(host())
+        y = gpu.zeros(N, F4)
+        graph = await gpu.capture(saxpy(3.0, x, y))
+        x_ptr = x.ptr
+        x.close()
+        del x
+        gc.collect()
+        await settle(gpu)
+        assert x_ptr in live(sim)  # the graph's own handle keeps it
+        for _ in range(2):
+            await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(y), 6.0 * host())
+        graph.close()
+        gc.collect()
+        await until(lambda: x_ptr not in live(sim))  # the dropped handle's release is queued
+        assert y.ptr in live(sim)
+    assert sim.violations == []
+
+
+async def test_scope_exit_closes_open_graphs(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(N, F4)
+        graph = await gpu.capture(add(x, 1.0))
+        sim.hold()
+        gpu.submit(graph.launch())
+        trio.lowlevel.current_task().parent_nursery.start_soon(_release_later, sim)
+    assert graph.closed
+    assert graph.statistics().destroyed
+    assert sim.live_graphs == 0
+    assert sim.live_allocations == []
+    assert sim.statistics().kernel_unloads == sim.statistics().kernel_loads
+
+
+async def _release_later(sim: SimDevice) -> None:
+    await trio.sleep(0.02)
+    sim.release()
+
+
+async def test_drain_timeout_leaks_a_graph_with_a_replay_in_flight(sim):
+    with pytest.warns(ResourceWarning, match="drain_timeout"):
+        async with trio_cuda.open_scope(device=sim, drain_timeout=0.02) as gpu:
+            x = gpu.zeros(N, F4)
+            await settle(gpu)
+            graph = await gpu.capture(add(x, 1.0))
+            sim.hold()
+            gpu.submit(graph.launch())
+    assert graph.closed
+    assert not graph.statistics().destroyed  # quarantined with its replay: never destroyed
+    assert sim.live_graphs == 1
+    assert len(sim.live_allocations) == 1
+    sim.release()  # the replay runs on memory that was never freed
+    assert sim.violations == []
+
+
+async def test_quarantined_arrays_fail_the_replay(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(N, F4)
+        y = gpu.zeros(N, F4)
+        graph = await gpu.capture(copy(x, y))
+        sim.inject_fault("completion_unknown")
+        with pytest.raises(trio_cuda.CompletionUnknownError):
+            await gpu.run(add(y, 1.0))
+        graph_launches = sim.graph_launches
+        with pytest.raises(trio_cuda.CompletionUnknownError, match="quarantined"):
+            await gpu.run(graph.launch())
+        assert sim.graph_launches == graph_launches
+        assert gpu.statistics().quarantined == 1
+        graph.close()
+        assert graph.statistics().destroyed
+
+
+async def test_a_replay_whose_completion_is_unknown_quarantines_its_leases(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(N, F4)
+        graph = await gpu.capture(add(x, 1.0))
+        sim.inject_fault("completion_unknown")
+        with pytest.raises(trio_cuda.CompletionUnknownError):
+            await gpu.run(graph.launch())
+        assert x.quarantined
+        with pytest.raises(trio_cuda.CompletionUnknownError):
+            await gpu.run(graph.launch())
+        graph.close()
+        assert not graph.statistics().destroyed  # the quarantined replay keeps it
+        assert sim.live_graphs == 1
+
+
+async def test_faults_hit_the_replay_not_the_capture(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(N, F4)
+        sim.inject_fault("kernel_fault")
+        graph = await gpu.capture(add(x, 1.0))  # a capture runs nothing: the fault waits
+        with pytest.raises(trio_cuda.LaunchError, match="kernel_fault"):
+            await gpu.run(graph.launch())
+        await gpu.run(graph.launch())  # not sticky
+        np.testing.assert_array_equal(await gpu.to_host(x), host(1.0))
+        sim.inject_fault("launch_error")
+        with pytest.raises(trio_cuda.LaunchError, match="launch_error"):
+            await gpu.run(graph.launch())
+        await settle(gpu)
+        assert gpu.statistics().leases_held == 0
+        assert graph.statistics().in_flight == 0
+        graph.close()
+        assert sim.live_graphs == 0
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+async def _assert_nothing_captured(sim: SimDevice, gpu: trio_cuda.ResourceScope) -> None:
+    await settle(gpu)
+    assert sim.live_graphs == 0
+    st = gpu.statistics()
+    assert (st.in_flight, st.leases_held) == (0, 0)
+    for s in gpu.streams:
+        assert s.handle._capture is None  # the simulated capture was ended
+
+
+async def test_allocation_during_capture_raises_and_leaves_nothing(sim):
+    async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
+        x = gpu.zeros(N, F4)
+        allocs = sim.statistics().allocations
+        op = add(x, 1.0).then(lambda x: copy(x, gpu.empty(N, F4)))
+        with pytest.raises(GraphCaptureError, match="allocat") as info:
+            await gpu.capture(op)
+        assert "add_f4" in str(info.value)  # names the op
+        assert sim.statistics().allocations == allocs
+        await _assert_nothing_captured(sim, gpu)
+        # every stream is usable, and x was not kept by the failed capture
+        for s in gpu.streams:
+            await gpu.run(add(x, 1.0), stream=s)
+        np.testing.assert_array_equal(await gpu.to_host(x), host(2.0))
+        ptr = x.ptr
+        x.close()
+        await settle(gpu)
+        assert ptr not in live(sim)
+        # zeros/full allocate too
+        with pytest.raises(GraphCaptureError):
+            await gpu.capture(ops.value(None).then(lambda _: ops.fill(gpu.zeros(4, F4), 1.0)))
+        await _assert_nothing_captured(sim, gpu)
+
+
+async def test_synchronising_call_during_capture_raises(sim):
+    async with trio_cuda.open_scope(device=sim, streams=1) as gpu:
+        x = gpu.zeros(N, F4)
+        out = np.empty(N, F4)
+        s = gpu.streams[0]
+
+        def sync_copy(x):
+            unsafe.async_on(ops.copy(out, x), s)  # a synchronising copy on the capturing stream
+            return add(x, 1.0)
+
+        with pytest.raises(GraphCaptureError, match="synchronising"):
+            await gpu.capture(add(x, 1.0).then(sync_copy), stream=s)
+        await _assert_nothing_captured(sim, gpu)
+        await gpu.run(add(x, 1.0), stream=s)
+        np.testing.assert_array_equal(await gpu.to_host(x), host(1.0))
+
+
+@pytest.mark.parametrize("what", ["host_closure", "to_host_copy", "unexecuted_shared", "submit"])
+async def test_work_that_cannot_be_captured_is_refused(sim, what):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(N, F4)
+        if what == "host_closure":
+            op = add(x, 1.0).then(lambda _: ops.host_closure(print))
+            err, match = GraphCaptureError, "host_closure"
+        elif what == "to_host_copy":
+            op = add(x, 1.0).then(lambda x: ops.copy(np.empty(N, F4), x))
+            err, match = GraphCaptureError, "host array"
+        elif what == "unexecuted_shared":
+            op = add(x, 1.0).shared()
+            err, match = GraphCaptureError, "shared"
+        else:
+            op = add(x, 1.0).then(lambda x: gpu.submit(add(x, 1.0)) and add(x, 1.0))
+            err, match = RuntimeError, "cannot submit"
+        with pytest.raises(err, match=match):
+            await gpu.capture(op)
+        await _assert_nothing_captured(sim, gpu)
+        np.testing.assert_array_equal(await gpu.to_host(x), host(0.0))
+
+
+async def test_executed_shared_op_is_captured_as_an_ordering_dependency(sim):
+    async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
+        s0, s1 = gpu.streams
+        x = gpu.zeros(N, F4, stream=s0)
+        y = gpu.zeros(N, F4, stream=s0)
+        shared = add(x, 5.0).shared()
+        await gpu.run(shared, stream=s0)
+        graph = await gpu.capture(shared.then(lambda x: copy(x, y)), stream=s1)
+        await gpu.run(graph.launch(), stream=s1)
+        np.testing.assert_array_equal(await gpu.to_host(y), host(5.0))  # the shared op ran once
+        graph.close()
+
+
+async def test_nested_graphs_are_refused_and_captures_from_two_tasks_serialize(sim):
+    async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
+        x = gpu.zeros(N, F4)
+        y = gpu.zeros(N, F4)
+        inner = await gpu.capture(add(x, 1.0))
+        with pytest.raises(GraphCaptureError, match="nested"):
+            await gpu.capture(add(y, 1.0).then(lambda _: inner.launch()))
+        assert sim.live_graphs == 1
+        graphs: dict[str, trio_cuda.CudaGraph] = {}
+
+        async def capture(name, op):
+            graphs[name] = await gpu.capture(op)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(capture, "x", add(x, 10.0))
+            nursery.start_soon(capture, "y", add(y, 20.0))
+        await gpu.run(trio_cuda.zip(graphs["x"].launch(), graphs["y"].launch()))
+        np.testing.assert_array_equal(await gpu.to_host(x), host(10.0))
+        np.testing.assert_array_equal(await gpu.to_host(y), host(20.0))
+        for g in (inner, *graphs.values()):
+            g.close()
+        assert sim.live_graphs == 0
+
+
+async def test_bad_inputs(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu, trio_cuda.open_scope(device=sim) as other:
+        x = gpu.zeros(N, F4)
+        with pytest.raises(TypeError, match="op: expected a DeviceOp, got int"):
+            await gpu.capture(3)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="finalize_unchecked"):
+            await gpu.capture(ADD.builder().grid(1).block(1).arg(x).arg(F4(1)).arg(np.int32(N)))
+        with pytest.raises(trio_cuda.KernelArgumentError, match="another scope"):
+            await other.capture(add(x, 1.0))
+        with pytest.raises(TypeError, match="no public constructor"):
+            trio_cuda.CudaGraph()
+        graph = await gpu.capture(add(x, 1.0))
+        with pytest.raises(ValueError, match="scope that captured the graph"):
+            await other.run(graph.launch())
+        with pytest.raises(TypeError, match="update: op: expected a DeviceOp"):
+            await graph.update("nope")  # type: ignore[arg-type]
+        graph.close()
+        with pytest.raises(trio_cuda.ScopeClosedError, match="graph is closed"):
+            await graph.update(add(x, 1.0))
+        assert sim.live_graphs == 0
+    with pytest.raises(trio_cuda.ScopeClosedError, match="capture"):
+        await gpu.capture(ops.value(None))
+
+
+# --------------------------------------------------------------------------- update
+
+
+async def test_update_copies_new_inputs_and_kernel_parameters(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(N, F4)
+        y = gpu.zeros(N, F4)
+
+        def step(data, a):
+            return ops.copy(x, data).then(lambda x: ops.fill(y, 0.0)).then(lambda _: saxpy(a, x, y))
+
+        graph = await gpu.capture(step(host(), 2.0))
+        await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(y), 2.0 * host())
+        await graph.update(step(host(10.0), 3.0))
+        assert graph.statistics().updates == 1
+        await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(y), host(30.0))
+        # the topology must match: the graph is unchanged when it does not
+        with pytest.raises(GraphCaptureError, match="topology") as info:
+            await graph.update(ops.copy(x, host(1.0)).then(lambda x: saxpy(1.0, x, y)))
+        assert "ops.copy" in str(info.value)  # names the op
+        with pytest.raises(GraphCaptureError, match="topology"):
+            await graph.update(step(host(), 1.0).then(lambda y: add(y, 1.0)))
+        await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(y), host(30.0))
+        assert graph.statistics().updates == 1
+        graph.close()
+
+
+async def test_update_while_a_replay_is_in_flight(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu, releasing(sim):
+        a = await gpu.to_device(host())
+        b = await gpu.to_device(host(100.0))
+        y = gpu.zeros(N, F4)
+        graph = await gpu.capture(copy(a, y))
+        await settle(gpu)
+        sim.hold()
+        first = gpu.submit(graph.launch())
+        await graph.update(copy(b, y))  # the replay in flight still copies a
+        a_ptr = a.ptr
+        a.close()
+        st = graph.statistics()
+        assert (st.in_flight, st.retained_allocations) == (1, 3)  # a (old) + b, y (new)
+        assert a_ptr in live(sim)
+        second = gpu.submit(graph.launch())
+        assert sim.complete_next()
+        await first.wait()
+        np.testing.assert_array_equal(np.frombuffer(sim.peek(y.ptr, y.nbytes), F4), host())
+        sim.release()
+        await second.wait()
+        await settle(gpu)
+        assert a_ptr not in live(sim)  # the old generation went with its last replay
+        assert graph.statistics().retained_allocations == 2
+        np.testing.assert_array_equal(await gpu.to_host(y), host(100.0))
+        graph.close()
+    assert sim.violations == []
+
+
+async def test_update_with_an_allocation_is_refused_and_keeps_the_graph(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(N, F4)
+        graph = await gpu.capture(add(x, 1.0))
+        with pytest.raises(GraphCaptureError, match="allocat"):
+            await graph.update(ops.value(None).then(lambda _: add(gpu.zeros(N, F4), 1.0)))
+        await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(x), host(1.0))
+        assert sim.live_graphs == 1
+        graph.close()
+
+
+async def test_graph_kernels_stay_loaded_until_the_graph_is_released(sim):
+    k = trio_cuda.Kernel.from_source(
+        "// any", "tmp", params=[trio_cuda.InOut("f4")], reference=lambda x: None
+    )
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        y = gpu.zeros(4, F4)
+        graph = await gpu.capture(k.launch(y, grid=1, block=4))
+        del k
+        gc.collect()
+        await gpu.run(graph.launch())
+    # unloaded at exit only after the graph was closed (a later replay would be a violation)
+    assert sim.statistics().kernel_unloads == sim.statistics().kernel_loads
+    assert sim.violations == []

@@ -1,0 +1,365 @@
+"""Interop: DLPack and CUDA Array Interface exports, and trio_cuda.borrow.
+
+The simulator tests run everywhere: a DeviceArray of one scope is exported with
+DLPack and borrowed by another scope on the same SimDevice. The ``gpu`` tests
+need a CUDA device, and CuPy or PyTorch for their round trips (each skips
+cleanly without them). Under compute-sanitizer set ``TRIO_CUDA_SANITIZER=1``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+import trio
+
+import trio_cuda
+from trio_cuda import AccessConflictError, In, Kernel, Out, Scalar, ops
+from trio_cuda._backends import probe_cuda
+from trio_cuda._core import _dlpack
+
+F4 = np.float32
+
+
+async def settle() -> None:
+    """Let released exports reach the loop and the handoff task retire them."""
+    await trio.testing.wait_all_tasks_blocked()
+
+
+async def eventually(predicate, timeout: float = 60.0) -> None:
+    """Wait (on a real GPU, where retirement is asynchronous) until ``predicate()``."""
+    for _ in range(int(timeout / 0.005)):
+        if predicate():
+            return
+        await trio.sleep(0.005)
+    assert predicate()
+
+
+# --------------------------------------------------------------------------- simulator
+
+
+async def test_cuda_array_interface_is_absent_on_the_simulator(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = await gpu.to_device(np.zeros(4, F4))
+        await settle()
+        assert not hasattr(x, "__cuda_array_interface__")
+        with pytest.raises(
+            AttributeError, match=r"expected an array on the cuda backend, got one on the 'sim'"
+        ):
+            x.__cuda_array_interface__  # noqa: B018
+        assert x.__dlpack_device__() == (_dlpack.kDLExtDev, sim._dl_id)
+        assert gpu.statistics().leases_held == 0  # no export was taken
+
+
+async def test_dlpack_round_trip_between_scopes_with_leases(sim):
+    async with trio_cuda.open_scope(device=sim) as a, trio_cuda.open_scope(device=sim) as b:
+        x = await a.to_device(np.arange(6, dtype=F4))
+        y = trio_cuda.borrow(x, "write", scope=b)
+        assert (y.borrowed, y.readonly, y.ptr, y.shape) == (True, False, x.ptr, (6,))
+        assert _dlpack.live_exports() == 1
+        await b.run(ops.fill(y[3:], 7.0))
+        np.testing.assert_array_equal(await b.to_host(y), [0, 1, 2, 7, 7, 7])
+        # while the consumer holds the export, the producer cannot order after it
+        with pytest.raises(
+            AccessConflictError, match="conflicts with a DLPack export that holds a write lease"
+        ):
+            a.submit(ops.fill(x, 0.0))
+        with pytest.raises(AccessConflictError):
+            await a.to_host(x)  # a read conflicts with a write export too
+        y.close()
+        # the release reaches the loop, and the next access orders after the consumer
+        np.testing.assert_array_equal(await a.to_host(x), [0, 1, 2, 7, 7, 7])
+        await settle()
+        assert _dlpack.live_exports() == 0
+        assert a.statistics().leases_held == 0
+        await a.run(ops.fill(x, 1.0))
+    assert sim.live_allocations == []
+
+
+async def test_read_only_export_shares_reads_and_refuses_writes(sim):
+    async with trio_cuda.open_scope(device=sim) as a, trio_cuda.open_scope(device=sim) as b:
+        x = await a.to_device(np.arange(4, dtype=np.int32))
+        ro = x.as_readonly()
+        y = trio_cuda.borrow(ro, "read", scope=b)
+        assert y.readonly
+        np.testing.assert_array_equal(await a.to_host(x), [0, 1, 2, 3])  # reads never conflict
+        with pytest.raises(AccessConflictError, match="holds a read lease"):
+            a.submit(ops.fill(x, 0))
+        with pytest.raises(
+            ValueError, match=r"^borrow: access: expected 'read' for memory its producer exported"
+        ):
+            trio_cuda.borrow(ro, "write", scope=b)
+        with pytest.raises(ValueError, match=r"as_writable: expected memory this scope may write"):
+            y.as_writable()
+        with pytest.raises(
+            BufferError, match=r"read-only array can only be exported to consumers of DLPack 1.0"
+        ):
+            ro.__dlpack__()
+        y.close()
+        await settle()
+        await a.run(ops.fill(x, 5))
+        np.testing.assert_array_equal(await a.to_host(x), [5, 5, 5, 5])
+    assert _dlpack.live_exports() == 0
+
+
+async def test_export_makes_the_consumer_stream_wait_for_in_flight_writes(sim):
+    async with trio_cuda.open_scope(device=sim) as a, trio_cuda.open_scope(device=sim, streams=1) as b:
+        x = await a.to_device(np.zeros(1024, F4))
+        sim.hold()
+        a.submit(ops.fill(x, 3.0))  # in flight
+        y = trio_cuda.borrow(x, "read", scope=b)
+        consumer = b.streams[0].handle
+        assert consumer.queued >= 1  # the device-side wait sits on the consumer's stream
+        out = np.zeros(1024, F4)
+        fut = b.submit(ops.copy(out, y))
+        sim.release()
+        await fut.wait()
+        np.testing.assert_array_equal(out, np.full(1024, 3.0, F4))
+        y.close()
+
+
+async def test_an_unconsumed_capsule_releases_its_lease(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = await gpu.to_device(np.ones(4, F4))
+        capsule = x.__dlpack__(max_version=(1, 0))
+        assert gpu.statistics().leases_held == 1
+        del capsule
+        await settle()
+        assert gpu.statistics().leases_held == 0
+        assert _dlpack.live_exports() == 0
+        await gpu.run(ops.fill(x, 2.0))
+
+
+async def test_scope_exit_ends_exports_still_held(sim):
+    async with trio_cuda.open_scope(device=sim) as a, trio_cuda.open_scope(device=sim) as b:
+        x = await a.to_device(np.ones(4, F4))
+        capsule = x.__dlpack__(stream=None, max_version=(1, 0))
+        assert a.statistics().leases_held == 1
+        held = b  # the consumer scope stays open while `a` exits below
+    del held
+    assert sim.violations == []
+    assert sim.live_allocations == []
+    del capsule  # after the scope: releasing it again is harmless
+    gc.collect()
+    assert _dlpack.live_exports() == 0
+
+
+async def test_dlpack_export_bad_input(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        s = gpu.zeros(3, [("a", "<i4"), ("b", "<f4")])
+        with pytest.raises(
+            BufferError, match=r"^__dlpack__: expected a dtype DLPack can carry .* got \[\('a'"
+        ):
+            s.__dlpack__(max_version=(1, 0))
+        be = gpu.zeros(3, ">f4")
+        with pytest.raises(BufferError, match="native byte order"):
+            be.__dlpack__(max_version=(1, 0))
+        x = gpu.zeros(3, F4)
+        with pytest.raises(BufferError, match=r"^__dlpack__: dl_device: expected \(12, "):
+            x.__dlpack__(dl_device=(2, 0))
+        with pytest.raises(BufferError, match=r"^__dlpack__: copy: expected None or False"):
+            x.__dlpack__(copy=True)
+        with pytest.raises(TypeError, match=r"^__dlpack__: stream: expected None or an int"):
+            x.__dlpack__(stream="s")
+        with pytest.raises(ValueError, match=r"^stream: expected the address of a live stream"):
+            x.__dlpack__(stream=12345)
+        await settle()
+        assert _dlpack.live_exports() == 0
+        assert gpu.statistics().leases_held == 0
+
+
+class _FakeCAI:
+    def __init__(self, ptr: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (ptr, False), "version": 3}
+
+
+async def test_borrow_bad_input(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        with pytest.raises(
+            ValueError, match=r"^borrow: obj: expected device memory, got a host array \(ndarray"
+        ):
+            trio_cuda.borrow(np.zeros(3))
+        with pytest.raises(TypeError, match=r"^borrow: obj: expected an object with __dlpack__ or "):
+            trio_cuda.borrow([1, 2, 3])
+        with pytest.raises(ValueError, match=r"^borrow: access: expected 'read' or 'write', got 'rw'$"):
+            trio_cuda.borrow(np.zeros(3), "rw")  # type: ignore[arg-type]
+        with pytest.raises(
+            ValueError, match=r"CUDA memory \(_FakeCAI, CUDA Array Interface\) in a scope on the 'sim'"
+        ):
+            trio_cuda.borrow(_FakeCAI(0x1000))
+        other = trio_cuda.testing.SimDevice(name="other")
+        async with trio_cuda.open_scope(device=other) as elsewhere:
+            z = elsewhere.zeros(2, F4)
+            with pytest.raises(ValueError, match=r"expected memory of this scope's device \(kDLExtDev, id"):
+                trio_cuda.borrow(z, scope=gpu)
+            await settle()
+            assert elsewhere.statistics().leases_held == 0
+        assert gpu.statistics().live_allocations == 0
+    assert _dlpack.live_exports() == 0
+
+
+async def test_borrowed_memory_is_never_freed_by_the_borrower(sim):
+    async with trio_cuda.open_scope(device=sim) as a:
+        x = await a.to_device(np.arange(4, dtype=F4))
+        async with trio_cuda.open_scope(device=sim) as b:
+            y = trio_cuda.borrow(x, "write", scope=b)
+            await b.run(ops.fill(y, 1.0))
+        # b exited: it let go of the memory without freeing it
+        assert x.ptr in {al.ptr for al in sim.live_allocations}
+        await settle()
+        np.testing.assert_array_equal(await a.to_host(x), np.ones(4, F4))
+
+
+# --------------------------------------------------------------------------- GPU
+
+_PROBE = probe_cuda()
+SANITIZER = os.environ.get("TRIO_CUDA_SANITIZER") == "1"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not _PROBE.available, reason=f"no CUDA device: {_PROBE.reason}")
+
+SPIN_SRC = r"""
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// spin for `ns`, then y[i] = x[i] + add for all i < n (reads x after the spin)
+extern "C" __global__ void spin_add(unsigned long long ns, const float* x, float* y, float add, int n) {
+    unsigned long long t0 = now_ns();
+    while (now_ns() - t0 < ns) { }
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) y[i] = x[i] + add;
+}
+"""
+SPIN_ADD = Kernel.from_source(
+    SPIN_SRC, "spin_add", params=[Scalar("u8"), In("f4"), Out("f4"), Scalar("f4"), Scalar("i4")]
+)
+N = 1 << 16
+
+
+def spin_add(ms: float, x, y, add: float):
+    return SPIN_ADD.launch(np.uint64(int(ms * 1e6)), x, y, np.float32(add), N, grid=64, block=256)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TRIO_CUDA_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "nvrtc-cache"))
+
+
+@gpu
+@needs_cuda
+async def test_torch_round_trip_through_different_streams():
+    torch = pytest.importorskip("torch")
+    async with trio_cuda.open_scope(device="cuda") as g:
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(s1):
+            t = torch.zeros(N, device="cuda")
+            torch.cuda._sleep(50_000_000)  # keep s1 busy: the write below lands late
+            t.fill_(2.0)
+            x = trio_cuda.borrow(t, "read")  # our stream waits for s1
+        y = g.empty(N, F4)
+        await g.run(spin_add(20, x, y, 1.0))  # y = t + 1 on a trio_cuda stream
+        with torch.cuda.stream(s2):
+            u = torch.from_dlpack(y)  # s2 waits for our write
+            v = u * 10  # torch reads on s2
+        assert float(v.sum().item()) == pytest.approx(30.0 * N)
+        # while torch holds the export, trio_cuda cannot write y
+        with pytest.raises(AccessConflictError):
+            g.submit(ops.fill(y, 0.0))
+        del u, v
+        x.close()
+        await g.run(ops.fill(y, 5.0))  # ordered after torch's reads on s2
+        np.testing.assert_array_equal(await g.to_host(y), np.full(N, 5.0, F4))
+        torch.cuda.synchronize()
+
+
+@gpu
+@needs_cuda
+async def test_cupy_round_trip_through_different_streams():
+    cupy = pytest.importorskip("cupy")
+    async with trio_cuda.open_scope(device="cuda") as g:
+        x = await g.to_device(np.full(N, 3.0, F4))
+        y = g.empty(N, F4)
+        g.submit(spin_add(100, x, y, 4.0))  # writes y after 100 ms
+        with cupy.cuda.Stream(non_blocking=True):
+            c = cupy.from_dlpack(y)  # the cupy stream waits device-side
+            total = float((c * 2).sum())
+        assert total == pytest.approx(14.0 * N)
+        del c
+        gc.collect()
+        # and back: cupy writes, trio_cuda reads through another stream
+        with cupy.cuda.Stream(non_blocking=True):
+            a = cupy.arange(N, dtype=cupy.float32)
+            b = trio_cuda.borrow(a, "read")
+        z = g.empty(N, F4)
+        await g.run(spin_add(1, b, z, 0.5))
+        np.testing.assert_allclose(await g.to_host(z), np.arange(N, dtype=F4) + 0.5)
+        b.close()
+
+
+@gpu
+@needs_cuda
+async def test_cuda_array_interface_export_and_import():
+    cupy = pytest.importorskip("cupy")
+    async with trio_cuda.open_scope(device="cuda") as g:
+        x = await g.to_device(np.full(N, 1.0, F4))
+        y = g.empty((N // 256, 256), F4, order="F")
+        g.submit(spin_add(100, x, y, 6.0))
+        cai = y.__cuda_array_interface__
+        assert cai["version"] == 3
+        assert cai["stream"] is not None
+        assert cai["strides"] == (4, 4 * (N // 256))
+        c = cupy.asarray(y)  # honours the CAI stream: sees the kernel's write
+        assert float(c.sum()) == pytest.approx(7.0 * N)
+        with pytest.raises(AccessConflictError):
+            g.submit(ops.fill(y, 0.0))
+
+        # import through the CUDA Array Interface (a CAI-only wrapper)
+        class OnlyCAI:
+            def __init__(self, a):
+                self.__cuda_array_interface__ = a.__cuda_array_interface__
+                self.keep = a
+
+        src = cupy.full(N, 9.0, dtype=cupy.float32)
+        b = trio_cuda.borrow(OnlyCAI(src), "read")
+        np.testing.assert_array_equal(await g.to_host(b), np.full(N, 9.0, F4))
+        b.close()
+        del c, y
+        gc.collect()  # releases the CAI export (the consumer dropped it)
+        await eventually(lambda: g.statistics().leases_held == 0)
+        with pytest.raises(ValueError, match=r"^borrow: obj: expected device memory, got a host array"):
+            trio_cuda.borrow(np.zeros(4, F4))
+        torch = pytest.importorskip("torch")
+        with pytest.raises(ValueError, match=r"got a host array \(Tensor on kDLCPU\)"):
+            trio_cuda.borrow(torch.zeros(4))
+
+
+@gpu
+@needs_cuda
+async def test_dropping_every_handle_while_a_long_kernel_runs_frees_nothing_early():
+    async with trio_cuda.open_scope(device="cuda", streams=2) as g:
+        x = await g.to_device(np.full(N, 41.0, F4))
+        y = g.empty(N, F4)
+        z = g.empty(N, F4)
+        s = g.streams[0]
+        g.submit(spin_add(300 if not SANITIZER else 1000, x, y, 1.0), stream=s)  # reads x late
+        g.submit(ops.copy(z, y), stream=s)
+        before = g.statistics().live_allocations
+        del x, y
+        gc.collect()
+        await trio.sleep(0.05)
+        assert g.statistics().live_allocations == before  # still leased by the kernel
+        # try to get the memory reused with other values while the kernel spins
+        junk = [g.full(N, 999.0, F4) for _ in range(4)]
+        got = await g.to_host(z)
+        np.testing.assert_array_equal(got, np.full(N, 42.0, F4))
+        for j in junk:
+            j.close()
+        z.close()
+        # (run compute-sanitizer with --show-backtrace device: host backtraces
+        # keep the launching frames, and the arrays in them, alive)
+        with trio.move_on_after(60):
+            while g.statistics().live_allocations:  # noqa: ASYNC110 - polling the GPU's retirement
+                await trio.sleep(0.01)
+        assert g.statistics().live_allocations == 0, (g.statistics(), list(g._allocs))

@@ -1,0 +1,92 @@
+"""Copies between CUDA devices of one process (``CudaContext.copy_peer``).
+
+Invariants:
+
+* A copy between memory of two devices is one ``cuMemcpyPeerAsync`` on the
+  stream of the context that enqueues it, made current first. Between devices
+  that can access each other (``cuDeviceCanAccessPeer``), peer access is
+  enabled once per ordered pair for the life of the process (both primary
+  contexts are kept retained by the backend, so it never has to be undone):
+  the copy then goes over the peer link (NVLink or PCIe). Without peer
+  access the driver stages the same call through pinned host memory; the
+  result and the stream ordering are the same, only slower.
+* Memory of one device (two scopes on one device share its primary context)
+  is copied with ``cuMemcpyDtoDAsync``.
+* Nothing here blocks the host or waits for the device.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import cuda as _cuda
+
+if TYPE_CHECKING:
+    from .cuda import CudaContext, CudaStream
+
+#: (accessing ordinal, peer ordinal) -> whether peer access is enabled
+_peer: dict[tuple[int, int], bool] = {}
+_ALREADY_ENABLED = 704  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+
+
+def peer_access(a: CudaContext, b: CudaContext) -> bool:
+    """Enable, once, peer access between the devices of ``a`` and ``b`` (both
+    ways) where the hardware allows it; True if copies between them go
+    directly."""
+    key = (a.ordinal, b.ordinal)
+    known = _peer.get(key)
+    if known is not None:
+        return known
+    cu = _cuda.cu
+    ok = True
+    with _cuda._ctx_lock:
+        for x, y in ((a, b), (b, a)):
+            err, can = cu.cuDeviceCanAccessPeer(x._dev, y._dev)
+            if err or not can:
+                ok = False
+                continue
+            (err,) = cu.cuCtxSetCurrent(x._ctx)
+            if err:
+                raise _cuda.cuda_error(err, "cuCtxSetCurrent")
+            (err,) = cu.cuCtxEnablePeerAccess(y._ctx, 0)
+            if err and int(err) != _ALREADY_ENABLED:
+                ok = False
+        _peer[(a.ordinal, b.ordinal)] = ok
+        _peer[(b.ordinal, a.ordinal)] = ok
+    return ok
+
+
+def copy_peer(
+    ctx: CudaContext,
+    s: CudaStream,
+    dst: int,
+    dst_context: object,
+    src: int,
+    src_context: object,
+    nbytes: int,
+) -> Any:
+    """Enqueue on ``s`` (a stream of ``ctx``) a copy of ``nbytes`` from
+    ``src`` (memory of ``src_context``) to ``dst`` (memory of ``dst_context``)."""
+    cu = _cuda.cu
+    for label, c in (("dst_context", dst_context), ("src_context", src_context)):
+        if not isinstance(c, _cuda.CudaContext):
+            raise TypeError(f"{label}: expected a CudaContext, got {type(c).__name__}")
+    assert isinstance(dst_context, _cuda.CudaContext) and isinstance(src_context, _cuda.CudaContext)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes: expected a non-negative int, got {nbytes!r}")
+    if nbytes == 0:
+        return None
+    if src_context.ordinal == dst_context.ordinal:
+        ctx._make_current_if_needed()
+        (err,) = cu.cuMemcpyDtoDAsync(dst, src, nbytes, s.cu)
+        if err:
+            ctx._fail(err, "cuMemcpyDtoDAsync")
+        return None
+    peer_access(src_context, dst_context)
+    (err,) = cu.cuCtxSetCurrent(ctx._ctx)
+    if err:
+        raise _cuda.cuda_error(err, "cuCtxSetCurrent")
+    (err,) = cu.cuMemcpyPeerAsync(dst, dst_context._ctx, src, src_context._ctx, nbytes, s.cu)
+    if err:
+        ctx._fail(err, "cuMemcpyPeerAsync")
+    return None

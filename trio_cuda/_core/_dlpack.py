@@ -1,0 +1,337 @@
+"""DLPack structures and capsules, with ctypes only (no ``cuda`` import).
+
+Invariants:
+
+* A capsule made by :func:`make_capsule` owns one ``DLManagedTensor`` (legacy,
+  capsule name ``"dltensor"``) or ``DLManagedTensorVersioned`` (``"dltensor_versioned"``)
+  and the Python objects behind it (kept in ``_HOLDERS`` under the struct's
+  address). Its ``release`` callback runs exactly once: when the consumer calls
+  the tensor's deleter, or, if no consumer ever took the capsule, when the
+  capsule is destroyed (the DLPack rule: the capsule destructor calls the
+  deleter only while the capsule still has its original name).
+* The deleter may run on any thread; ``release`` callbacks must only hand work
+  to the Trio loop, never touch runtime state themselves.
+* :func:`consume_capsule` takes a foreign capsule over (renames it to
+  ``"used_..."``); the returned :class:`ImportedTensor` calls the producer's
+  deleter exactly once, on :meth:`ImportedTensor.close` or when collected.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any, Final, final
+
+import numpy as np
+
+# --------------------------------------------------------------------------- constants
+
+kDLCPU: Final = 1
+kDLCUDA: Final = 2
+kDLCUDAHost: Final = 3
+kDLExtDev: Final = 12  #: the simulated device exports as DLPack's test/extension device
+kDLCUDAManaged: Final = 13
+
+DEVICE_NAMES: Final = {
+    1: "kDLCPU",
+    2: "kDLCUDA",
+    3: "kDLCUDAHost",
+    4: "kDLOpenCL",
+    7: "kDLVulkan",
+    8: "kDLMetal",
+    9: "kDLVPI",
+    10: "kDLROCM",
+    11: "kDLROCMHost",
+    12: "kDLExtDev",
+    13: "kDLCUDAManaged",
+    14: "kDLOneAPI",
+}
+
+_kDLInt, _kDLUInt, _kDLFloat, _kDLBfloat, _kDLComplex, _kDLBool = 0, 1, 2, 4, 5, 6
+_KIND_CODES: Final = {"i": _kDLInt, "u": _kDLUInt, "f": _kDLFloat, "c": _kDLComplex, "b": _kDLBool}
+_CODE_KINDS: Final = {v: k for k, v in _KIND_CODES.items()}
+
+FLAG_READ_ONLY: Final = 1
+FLAG_IS_COPIED: Final = 2
+VERSION: Final = (1, 1)
+
+
+def device_name(device_type: int) -> str:
+    return DEVICE_NAMES.get(device_type, f"device type {device_type}")
+
+
+# --------------------------------------------------------------------------- structures
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+_Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter)]
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [
+        ("version", DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", _Deleter),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", DLTensor),
+    ]
+
+
+# The Python C-API, called without releasing the GIL. Private function objects,
+# so that argtypes set elsewhere on ctypes.pythonapi cannot interfere.
+_api = ctypes.pythonapi
+_PyCapsule_New = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", _api)
+)
+_PyCapsule_IsValid_raw = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", _api)
+)
+_PyCapsule_GetPointer_raw = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", _api)
+)
+_PyCapsule_IsValid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", _api)
+)
+_PyCapsule_GetPointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", _api)
+)
+_PyCapsule_SetName = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_SetName", _api)
+)
+
+# Capsule names must outlive every capsule: ctypes string buffers kept forever.
+_NAMES: Final = {
+    name: ctypes.create_string_buffer(name)
+    for name in (b"dltensor", b"dltensor_versioned", b"used_dltensor", b"used_dltensor_versioned")
+}
+
+
+def _name(name: bytes) -> Any:
+    return ctypes.cast(_NAMES[name], ctypes.c_char_p)
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def dl_dtype(dtype: np.dtype[Any]) -> tuple[int, int] | None:
+    """``(code, bits)`` of a NumPy dtype, or None if DLPack cannot carry it."""
+    if dtype.fields is not None or dtype.subdtype is not None:
+        return None
+    code = _KIND_CODES.get(dtype.kind)
+    if code is None or dtype.byteorder == ">" or (dtype.byteorder == "=" and not np.little_endian):
+        return None
+    return code, dtype.itemsize * 8
+
+
+def np_dtype(code: int, bits: int, lanes: int) -> np.dtype[Any] | None:
+    """The NumPy dtype of a DLPack dtype, or None if NumPy has none."""
+    kind = _CODE_KINDS.get(code)
+    if kind is None or lanes != 1 or bits % 8:
+        return None
+    if kind == "b":
+        return np.dtype(np.bool_) if bits == 8 else None
+    try:
+        return np.dtype(f"{kind}{bits // 8}")
+    except TypeError:
+        return None
+
+
+# --------------------------------------------------------------------------- export
+
+
+@final
+class _Holder:
+    """Everything a capsule's struct points into, plus the release callback."""
+
+    __slots__ = ("lock", "release", "shape", "strides", "struct")
+
+    def __init__(
+        self, struct: ctypes.Structure, shape: Any, strides: Any, release: Callable[[], None]
+    ) -> None:
+        self.struct = struct
+        self.shape = shape
+        self.strides = strides
+        self.release: Callable[[], None] | None = release
+        self.lock = threading.Lock()
+
+
+_HOLDERS: dict[int, _Holder] = {}
+
+
+def _run_release(addr: int) -> None:
+    holder = _HOLDERS.pop(addr, None)
+    if holder is None:
+        return
+    with holder.lock:
+        release, holder.release = holder.release, None
+    if release is not None:
+        release()
+
+
+def _on_delete(addr: int | None) -> None:
+    if addr:
+        _run_release(addr)
+
+
+def _on_capsule_destroyed(capsule: int | None) -> None:
+    # The capsule is being destroyed: it must not be touched as a Python object.
+    if not capsule:
+        return
+    for name in (b"dltensor_versioned", b"dltensor"):
+        if _PyCapsule_IsValid_raw(capsule, _name(name)):
+            addr = _PyCapsule_GetPointer_raw(capsule, _name(name))
+            _on_delete(addr)
+            return
+
+
+_DELETER: Final = _Deleter(_on_delete)
+_CAPSULE_DESTRUCTOR: Final = _Deleter(_on_capsule_destroyed)
+_CAPSULE_DESTRUCTOR_PTR: Final = ctypes.cast(_CAPSULE_DESTRUCTOR, ctypes.c_void_p)
+
+
+def make_capsule(
+    *,
+    ptr: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: tuple[int, int],
+    device: tuple[int, int],
+    versioned: bool,
+    read_only: bool,
+    release: Callable[[], None],
+) -> object:
+    """A DLPack capsule for ``ptr``. ``strides`` are in elements. ``release``
+    runs once, when the consumer (or the capsule's destruction) deletes it."""
+    ndim = len(shape)
+    c_shape = (ctypes.c_int64 * max(ndim, 1))(*shape)
+    c_strides = (ctypes.c_int64 * max(ndim, 1))(*strides)
+    struct: DLManagedTensor | DLManagedTensorVersioned
+    if versioned:
+        struct = DLManagedTensorVersioned()
+        struct.version.major, struct.version.minor = VERSION
+        struct.flags = FLAG_READ_ONLY if read_only else 0
+        name = b"dltensor_versioned"
+    else:
+        struct = DLManagedTensor()
+        name = b"dltensor"
+    t = struct.dl_tensor
+    t.data = ptr or None
+    t.device.device_type, t.device.device_id = device
+    t.ndim = ndim
+    t.dtype.code, t.dtype.bits = dtype
+    t.dtype.lanes = 1
+    t.shape = ctypes.cast(c_shape, ctypes.POINTER(ctypes.c_int64))
+    t.strides = ctypes.cast(c_strides, ctypes.POINTER(ctypes.c_int64))
+    t.byte_offset = 0
+    struct.manager_ctx = None
+    struct.deleter = _DELETER
+    addr = ctypes.addressof(struct)
+    _HOLDERS[addr] = _Holder(struct, c_shape, c_strides, release)
+    try:
+        return _PyCapsule_New(addr, _name(name), _CAPSULE_DESTRUCTOR_PTR)
+    except BaseException:
+        _HOLDERS.pop(addr, None)
+        raise
+
+
+def live_exports() -> int:
+    """Capsules made here whose deleter has not run yet (for tests)."""
+    return len(_HOLDERS)
+
+
+# --------------------------------------------------------------------------- import
+
+
+@final
+class ImportedTensor:
+    """A consumed foreign DLPack tensor. Closing it (or collecting it) calls
+    the producer's deleter, once."""
+
+    __slots__ = (
+        "__weakref__",
+        "_addr",
+        "_deleter",
+        "_lock",
+        "device",
+        "dtype",
+        "ptr",
+        "read_only",
+        "shape",
+        "strides",
+    )
+
+    def __init__(self, capsule: object) -> None:
+        versioned = bool(_PyCapsule_IsValid(capsule, _name(b"dltensor_versioned")))
+        if not versioned and not _PyCapsule_IsValid(capsule, _name(b"dltensor")):
+            raise BufferError(
+                "__dlpack__ returned a capsule that is not named 'dltensor' or 'dltensor_versioned' "
+                "(already consumed, or not a DLPack capsule)"
+            )
+        name = b"dltensor_versioned" if versioned else b"dltensor"
+        addr = _PyCapsule_GetPointer(capsule, _name(name))
+        if not addr:
+            raise BufferError("__dlpack__ returned a capsule with a NULL tensor")
+        flags = 0
+        mt: DLManagedTensor | DLManagedTensorVersioned
+        if versioned:
+            mt = DLManagedTensorVersioned.from_address(addr)
+            if mt.version.major != 1:
+                raise BufferError(
+                    f"DLPack: expected a version 1.x tensor, got {mt.version.major}.{mt.version.minor}"
+                )
+            flags = int(mt.flags)
+        else:
+            mt = DLManagedTensor.from_address(addr)
+        t = mt.dl_tensor
+        ndim = int(t.ndim)
+        self.shape = tuple(int(t.shape[i]) for i in range(ndim))
+        self.strides = None if not t.strides else tuple(int(t.strides[i]) for i in range(ndim))
+        self.device = (int(t.device.device_type), int(t.device.device_id))
+        self.dtype = (int(t.dtype.code), int(t.dtype.bits), int(t.dtype.lanes))
+        self.ptr = int(t.data or 0) + int(t.byte_offset)
+        self.read_only = bool(flags & FLAG_READ_ONLY)
+        # Take the capsule over: from now on its destruction does not delete.
+        _PyCapsule_SetName(capsule, _name(b"used_dltensor_versioned" if versioned else b"used_dltensor"))
+        self._addr = addr
+        fn = ctypes.cast(mt.deleter, ctypes.c_void_p).value
+        self._deleter: Any = _Deleter(fn) if fn else None
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Call the producer's deleter (once)."""
+        with self._lock:
+            deleter, self._deleter = self._deleter, None
+        if deleter is not None:
+            deleter(self._addr)
+
+    def __del__(self) -> None:
+        if hasattr(self, "_lock"):  # not when __init__ failed
+            self.close()

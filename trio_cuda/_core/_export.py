@@ -1,0 +1,491 @@
+"""Exports: leases held on behalf of foreign consumers (DLPack, CUDA Array Interface).
+
+An export is a lease in the allocation's ordinary lease table, taken by a
+submission that stays in the ``EXPORTED`` state while a foreign consumer may
+use the memory, and is put in flight, behind a fence on the consumer's work,
+when the consumer releases it.
+
+Invariants:
+
+* Opening an export takes a read lease (read-only handle) or a write lease
+  (writable handle) exactly as a submission would: earlier conflicting work on
+  other streams becomes a device-side wait on the export's stream, and the
+  consumer's stream is made to wait, device-side, for that stream (DLPack), or
+  the exported ``stream`` names it (CAI). Nothing blocks the host.
+* While an export is live, trio_cuda work that conflicts with its lease raises
+  :class:`~trio_cuda.AccessConflictError` (under either ``conflicts`` mode):
+  work the consumer has not enqueued yet cannot be waited for. Reads under a
+  read export never conflict.
+* A release may be requested from any thread (a DLPack deleter); it only
+  takes a fence and hands the export to the Trio loop. The fence is an event
+  on the consumer's stream where that stream surely still exists (the
+  simulator's streams, CUDA's legacy and per-thread default streams), and
+  otherwise a device-wide one, which on CUDA is a context synchronisation run
+  in a worker thread (never on the loop, except when a conflicting access
+  needs the release at once). The export's stream waits for the fence; then
+  the submission goes in flight and retires like any other. Its lease, and
+  the memory, are released only at that retirement.
+* Scope exit ends every export still live: one device-wide fence (in a worker
+  thread where it blocks), then the leases retire before memory is freed.
+  Consumers must not use an export after its scope exited.
+* An export whose consumer's work cannot be fenced keeps its lease forever:
+  its memory is quarantined, never freed.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, final
+
+import trio
+
+from ._errors import AccessConflictError, CompletionUnknownError
+from ._ops import Access, DeviceOp
+from ._submit import TERMINAL, Submission, SubState, take_leases
+
+if TYPE_CHECKING:
+    from ._array import DeviceArray
+    from ._scope import ResourceScope, Stream
+
+
+class ExportState(enum.Enum):
+    LIVE = "live"
+    RELEASING = "releasing"  #: the consumer released it; the loop has not fenced it yet
+    RELEASED = "released"
+
+
+#: ``consumer`` value of an export whose consumer stream is unknown (CAI)
+UNKNOWN_STREAM = None
+
+
+@final
+class _ExportOp(DeviceOp[None]):
+    __slots__ = ("_export",)
+
+    def __init__(self, export: Export) -> None:
+        self._export = export
+
+    def __repr__(self) -> str:
+        e = self._export
+        return f"{e.kind} export ({e.access.value}) of {e.label}"
+
+
+@final
+class _Registry:
+    """The live exports of one scope, and its placeholder for foreign streams."""
+
+    __slots__ = ("exports", "foreign")
+
+    def __init__(self, foreign: Stream) -> None:
+        self.exports: dict[Export, None] = {}
+        self.foreign = foreign
+
+
+_REGISTRIES: weakref.WeakKeyDictionary[ResourceScope, _Registry] = weakref.WeakKeyDictionary()
+
+
+def _registry(scope: ResourceScope) -> _Registry:
+    reg = _REGISTRIES.get(scope)
+    if reg is None:
+        from ._scope import Stream
+
+        # Never a stream of the pool: every access conflicts-checks against it.
+        foreign = Stream._create(scope, -1, None)  # type: ignore[arg-type]
+        reg = _REGISTRIES[scope] = _Registry(foreign)
+    return reg
+
+
+def live_exports(scope: ResourceScope) -> int:
+    """How many exports of ``scope`` a consumer still holds."""
+    reg = _REGISTRIES.get(scope)
+    return 0 if reg is None else sum(1 for e in reg.exports if e.state is ExportState.LIVE)
+
+
+@final
+class Export:
+    """A lease held for a foreign consumer until it releases the memory."""
+
+    __slots__ = (
+        "__weakref__",
+        "_fence",
+        "_lock",
+        "_loop_thread",
+        "access",
+        "alloc",
+        "consumer",
+        "kind",
+        "label",
+        "scope",
+        "state",
+        "stream",
+        "sub",
+    )
+
+    def __init__(
+        self, arr: DeviceArray, access: Access, kind: str, consumer: int | None, stream: Stream
+    ) -> None:
+        self.alloc = arr._alloc
+        self.scope: ResourceScope = arr._alloc.scope
+        self.access = access
+        self.kind = kind
+        self.consumer = consumer
+        self.label = repr(arr)
+        self.stream = stream
+        self.state = ExportState.LIVE
+        self.sub: Submission | None = None
+        self._lock = threading.Lock()
+        self._loop_thread = threading.get_ident()
+        #: (fence, error) taken when the consumer released it, or None
+        self._fence: tuple[object, BaseException | None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<Export {self.kind} {self.access.value} of {self.label}: {self.state.value}>"
+
+    # ------------------------------------------------------------------ release
+    def release(self) -> None:
+        """The consumer is done (any thread). Idempotent."""
+        with self._lock:
+            if self.state is not ExportState.LIVE:
+                return
+            self.state = ExportState.RELEASING
+        scope = self.scope
+        driver: Any = scope._driver
+        blocks = getattr(driver, "foreign_fence_blocks", False)
+        if blocks and self.consumer not in (1, 2):
+            # A consumer's own stream may have been destroyed by now (its
+            # handle would dangle): fence the whole device instead. Only the
+            # legacy and per-thread default streams always exist.
+            self.consumer = None
+        if (
+            self.consumer is not None
+            and not scope._closed
+            and (
+                threading.get_ident() == self._loop_thread
+                or getattr(driver, "foreign_fence_threadsafe", False)
+            )
+        ):
+            # Fence the consumer's stream now, while it surely exists.
+            try:
+                self._fence = (driver.foreign_fence(self.consumer), None)
+            except Exception as exc:
+                self._fence = (None, exc)
+        try:
+            scope._token.run_sync_soon(self._start_finish)
+        except trio.RunFinishedError:  # pragma: no cover - the run is over; nothing to order
+            pass
+
+    def _start_finish(self) -> None:
+        """On the loop, soon after a release: finish now, or, when the fence is
+        a blocking device-wide synchronisation, take it in a worker thread."""
+        if self.state is not ExportState.RELEASING or self.scope._closed:
+            return
+        driver: Any = self.scope._driver
+        if self._fence is None and self.consumer is None and getattr(driver, "foreign_fence_blocks", False):
+            trio.lowlevel.spawn_system_task(self._finish_in_thread, name="trio_cuda export release")
+        else:
+            self.finish()
+
+    async def _finish_in_thread(self) -> None:
+        driver: Any = self.scope._driver
+        try:
+            fence = await trio.to_thread.run_sync(driver.foreign_fence, None)
+        except Exception:  # a system task must not raise: finish() retries inline
+            if self.state is ExportState.RELEASING and not self.scope._closed:
+                self.finish()
+            return
+        if self.state is ExportState.RELEASING and not self.scope._closed:
+            self.finish(fence, own_fence=False)
+
+    def finish(self, fence: object = None, *, own_fence: bool = True) -> None:
+        """On the loop: fence the consumer's work and put the lease in flight.
+        With ``own_fence=False``, ``fence`` (a device-wide fence taken by the
+        caller, or None for one already waited for) replaces the consumer's."""
+        with self._lock:
+            if self.state is not ExportState.RELEASING:
+                return
+            self.state = ExportState.RELEASED
+        scope = self.scope
+        reg = _REGISTRIES.get(scope)
+        if reg is not None:
+            reg.exports.pop(self, None)
+        self.alloc.exports -= 1
+        sub = self.sub
+        if sub is None or scope._closed:
+            return
+        s = self.stream
+        sub.stream = s
+        sub.state = SubState.ENQUEUING
+        driver: Any = scope._driver
+        taken, self._fence = self._fence, None
+        try:
+            if own_fence:
+                if taken is None:
+                    fence = driver.foreign_fence(self.consumer)
+                else:
+                    fence, error = taken
+                    if error is not None:
+                        raise error
+            elif taken is not None and taken[0] is not None:
+                driver.drop_fence(taken[0])  # the caller's fence covers it
+            if fence is not None:
+                driver.wait_fence(s.handle, fence)
+        except Exception as exc:
+            # The consumer's work cannot be ordered: never free the memory.
+            err = CompletionUnknownError(
+                f"{self.kind} export of {self.label}: the consumer's work could not be fenced ({exc})"
+            )
+            err.__cause__ = exc
+            sub.unknown = err
+        finally:
+            if own_fence and fence is not None:
+                driver.drop_fence(fence)
+        sub.dirty = True
+        scope._finish_submission(sub, None)
+
+
+# --------------------------------------------------------------------------- open
+
+
+def in_flight_conflicts(arr: DeviceArray, access: Access) -> bool:
+    """True if in-flight work a consumer with ``access`` must wait for exists."""
+    alloc = arr._alloc
+    w = alloc.last_writer
+    if w is not None and w.state not in TERMINAL:
+        return True
+    if access is Access.WRITE:
+        return any(r.state not in TERMINAL for r in alloc.readers)
+    return False
+
+
+def open_export(
+    arr: DeviceArray, access: Access, kind: str, consumer: int | None, what: str
+) -> tuple[Export, Stream, bool]:
+    """Take an export lease on ``arr``'s allocation. Returns the export, the
+    stream the consumer must order after, and whether anything is in flight
+    that it must wait for. Raises before anything was taken or enqueued."""
+    arr._check_usable(what)
+    if access is Access.WRITE and arr._readonly:
+        raise ValueError(f"{what}: expected a writable array for a write export, got a read-only one")
+    alloc = arr._alloc
+    scope = alloc.scope
+    scope._check_open(what)
+    if scope._enqueuing:
+        raise RuntimeError(f"{what}: cannot export from inside a then/map closure of a submission")
+    reg = _registry(scope)
+    w = alloc.last_writer
+    stream = w.stream if w is not None and w.state is SubState.IN_FLIGHT else scope._streams[0]
+    pending = in_flight_conflicts(arr, access)
+    export = Export(arr, access, kind, consumer, stream)
+    scope._next_id += 1
+    sub = Submission(scope, stream, scope._next_id, _ExportOp(export))
+    take_leases(scope, stream, sub, ((arr, access),), what)  # may raise: nothing taken
+    export.sub = sub
+    sub.state = SubState.EXPORTED
+    sub.stream = reg.foreign
+    alloc.exports += 1
+    reg.exports[export] = None
+    if sub.dirty:
+        pending = True  # waits were enqueued on the stream: the consumer orders after them
+    return export, stream, pending
+
+
+def sync_consumer(export: Export, stream: Stream, consumer: int) -> None:
+    """Make the consumer's stream wait, device-side, for ``stream``. On
+    failure the export is released again (its lease retires normally)."""
+    driver: Any = export.scope._driver
+    try:
+        driver.foreign_wait(consumer, stream.handle)
+    except BaseException:
+        export.consumer = None
+        with export._lock:
+            export.state = ExportState.RELEASING
+        export.finish(None, own_fence=False)  # the consumer never got the memory
+        raise
+
+
+# --------------------------------------------------------------------------- conflicts
+
+
+def conflict(
+    scope: ResourceScope, other: Submission, arr: DeviceArray, access: Access, what: str
+) -> Submission:
+    """``other`` is an export's submission that a new access conflicts with.
+    A released export is finished now (and returned, in flight); a live one
+    raises :class:`AccessConflictError`."""
+    op = other.op
+    export = op._export if isinstance(op, _ExportOp) else None
+    if export is not None and export.state is ExportState.RELEASING:
+        export.finish()
+        return other
+    held = "write" if export is None or export.access is Access.WRITE else "read"
+    kind = "an export" if export is None else f"a {export.kind} export"
+    raise AccessConflictError(
+        f"{what}: {access.value} access to {arr!r} conflicts with {kind} that holds a {held} lease "
+        f"for a foreign consumer; trio_cuda cannot order after work the consumer has not enqueued "
+        f"yet. Release the export first (drop the consumer's tensor, or close the exported "
+        f"handle for the CUDA Array Interface), or export a read-only handle (arr.as_readonly())"
+    )
+
+
+# --------------------------------------------------------------------------- scope exit
+
+
+async def end_exports(scope: ResourceScope) -> None:
+    """At scope exit: end every export still held by a consumer, behind one
+    device-wide fence, so that their leases retire before memory is freed."""
+    reg = _REGISTRIES.get(scope)
+    if reg is None or not reg.exports:
+        return
+    exports = list(reg.exports)
+    for e in exports:
+        with e._lock:
+            if e.state is ExportState.LIVE:
+                e.state = ExportState.RELEASING
+    driver: Any = scope._driver
+    fence: object = None
+    try:
+        if getattr(driver, "foreign_fence_blocks", False):
+            fence = await trio.to_thread.run_sync(driver.foreign_fence, None)
+        else:
+            fence = driver.foreign_fence(None)
+    except Exception:
+        for e in exports:
+            e.finish()  # each tries its own fence; what cannot be fenced is quarantined
+        return
+    try:
+        for e in exports:
+            e.finish(fence, own_fence=False)
+    finally:
+        if fence is not None:
+            driver.drop_fence(fence)
+
+
+# --------------------------------------------------------------------------- protocols
+
+
+def _driver_of(arr: DeviceArray, what: str, method: str) -> Any:
+    driver = arr._alloc.scope._driver
+    if getattr(driver, method, None) is None:
+        raise BufferError(f"{what}: the {arr._alloc.scope._info.backend!r} backend cannot export memory")
+    return driver
+
+
+def dlpack_device(arr: DeviceArray) -> tuple[int, int]:
+    """``__dlpack_device__`` of ``arr``."""
+    driver = _driver_of(arr, "__dlpack_device__", "dlpack_device")
+    device: tuple[int, int] = driver.dlpack_device()
+    return device
+
+
+def cuda_array_interface(arr: DeviceArray) -> dict[str, Any]:
+    """``__cuda_array_interface__`` of ``arr``: exports the handle (once)."""
+    scope = arr._alloc.scope
+    if scope._info.backend != "cuda":
+        raise AttributeError(
+            "__cuda_array_interface__: expected an array on the cuda backend, got one on the "
+            f"{scope._info.backend!r} backend, whose memory has no CUDA address; use DLPack "
+            "(trio_cuda.borrow) between scopes of one simulated device"
+        )
+    info = arr._info
+    cached = arr._cai
+    export = None if info is None else info.export
+    if cached is not None and export is not None and export.state is ExportState.LIVE:
+        return dict(cached)
+    access = Access.READ if arr._readonly else Access.WRITE
+    export, stream, pending = open_export(
+        arr, access, "CUDA Array Interface", UNKNOWN_STREAM, "__cuda_array_interface__"
+    )
+    info = arr._gc_info()
+    info.export = export
+    dt = arr._dtype
+    cai: dict[str, Any] = {
+        "shape": arr._shape,
+        "typestr": dt.str,
+        "data": (arr.ptr, arr._readonly),
+        "version": 3,
+        "strides": None if arr.c_contiguous else arr.strides,
+        "stream": scope._driver.stream_address(stream.handle) if pending else None,  # type: ignore[attr-defined]
+    }
+    if dt.fields is not None:
+        cai["descr"] = dt.descr
+    arr._cai = cai
+    return dict(cai)
+
+
+def dlpack_export(
+    arr: DeviceArray,
+    *,
+    stream: object,
+    max_version: object,
+    dl_device: object,
+    copy: object,
+) -> object:
+    """``__dlpack__`` of ``arr``."""
+    from ._dlpack import dl_dtype, make_capsule
+
+    what = "__dlpack__"
+    arr._check_usable(what)
+    device = dlpack_device(arr)
+    if copy is True:
+        raise BufferError(
+            f"{what}: copy: expected None or False (trio_cuda exports without copying), got True"
+        )
+    if copy not in (None, False):
+        raise TypeError(f"{what}: copy: expected None, False or True, got {copy!r}")
+    if dl_device is not None and tuple(dl_device) != device:  # type: ignore[arg-type]
+        raise BufferError(
+            f"{what}: dl_device: expected {device} (the array's own device), got {dl_device!r}; "
+            f"copying to another device is not supported"
+        )
+    versioned = False
+    if max_version is not None:
+        if not (isinstance(max_version, tuple) and len(max_version) == 2):
+            raise TypeError(f"{what}: max_version: expected a (major, minor) tuple, got {max_version!r}")
+        versioned = max_version[0] >= 1
+    dt = dl_dtype(arr._dtype)
+    if dt is None:
+        raise BufferError(
+            f"{what}: expected a dtype DLPack can carry (bool, signed/unsigned int, float or complex, "
+            f"native byte order), got {arr._dtype}"
+        )
+    if arr._readonly and not versioned:
+        raise BufferError(
+            f"{what}: a read-only array can only be exported to consumers of DLPack 1.0 or later "
+            f"(max_version=(1, 0)), which can mark it read-only; got max_version={max_version!r}"
+        )
+    if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
+        raise TypeError(f"{what}: stream: expected None or an int stream handle, got {stream!r}")
+    consumer: int | None
+    if arr._alloc.scope._info.backend == "cuda":
+        if stream == 0:
+            raise ValueError(
+                f"{what}: stream: expected None, -1, 1 (legacy default), 2 (per-thread default) or a "
+                f"stream handle; 0 is ambiguous and DLPack disallows it"
+            )
+        consumer = 1 if stream is None else (None if stream == -1 else stream)
+    else:
+        consumer = None if stream is None or stream == -1 else stream
+    check = getattr(arr._alloc.scope._driver, "check_foreign_stream", None)
+    if consumer is not None and check is not None:
+        check(consumer)  # a bad stream fails here, not when the export is released
+    access = Access.READ if arr._readonly else Access.WRITE
+    export, s, pending = open_export(arr, access, "DLPack", consumer, what)
+    try:
+        if pending and consumer is not None:
+            sync_consumer(export, s, consumer)
+        itemsize = arr._dtype.itemsize
+        return make_capsule(
+            ptr=arr.ptr,
+            shape=arr._shape,
+            strides=tuple(b // itemsize for b in arr.strides),
+            dtype=dt,
+            device=device,
+            versioned=versioned,
+            read_only=arr._readonly,
+            release=export.release,
+        )
+    except BaseException:
+        export.release()
+        raise

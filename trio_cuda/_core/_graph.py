@@ -1,0 +1,607 @@
+"""CUDA graphs: capture a DeviceOp once, replay it many times (rule 8).
+
+``graph = await gpu.capture(op)`` runs ``op._enqueue`` once against a
+*recorder* instead of a submission: the work goes through the driver's
+capture (stream capture on the GPU, a command recording on the simulator)
+and nothing executes. ``graph.launch()`` is a DeviceOp that replays it.
+
+Invariants:
+
+* Capture is synchronous between two checkpoints: no other task of the loop
+  runs while a capture is in progress, so captures from several tasks are
+  serialized, never interleaved. A capture started while another capture or
+  submission is being enqueued (from a ``then``/``map`` closure) is refused,
+  and so is capturing a ``graph.launch()`` into another graph.
+* A failed capture leaves nothing behind: the driver's capture is ended and
+  discarded (the stream is usable), and every handle and owner the recorder
+  took is released before the error is raised.
+* A graph owns a *generation* of resources: one internal handle per captured
+  allocation (so closing or dropping the user's arrays never frees them), the
+  kernels' prepared launches and modules, and the captured argument storage
+  (staging buffers of host-to-device copies). A generation is released only
+  once it is no longer current (``close()``, ``update()``) *and* every replay
+  that used it retired. The driver's executable graph is destroyed only once
+  the graph is closed and no replay is in flight.
+* Every replay is a normal submission: it takes the leases of the current
+  generation again (cross-stream conflicts become device-side waits; a
+  quarantined allocation fails it with ``CompletionUnknownError``) and
+  retains a replay token; the token's release, when the handoff task retires
+  the replay, is what lets a superseded generation or a closed graph go. A
+  replay whose completion is unknown keeps its token, so its generation and
+  the executable graph are leaked on purpose, like any quarantined owner.
+* Only work whose effect is fixed at capture can be captured: kernel
+  launches, device-to-device and host-to-device copies (the host data is
+  staged at capture and copied again by every replay), and fills. Host
+  closures, copies to host memory, allocations and synchronising calls are
+  refused with :class:`~trio_cuda.GraphCaptureError`.
+* Graphs still open when their scope exits are closed by the scope after its
+  drain, before it frees memory and unloads modules.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, cast, final
+
+import attrs
+import numpy as np
+import trio
+
+from ._array import Allocation, DeviceArray
+from ._errors import CudaError, GraphCaptureError, ScopeClosedError
+from ._ops import Access, DeviceOp
+from ._submit import EnqueueContext, take_leases
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from ._driver import DeviceContext
+    from ._kernel import PreparedLaunch
+    from ._scope import ResourceScope, Stream
+    from ._submit import Submission
+
+__all__ = ["CudaGraph", "GraphStatistics", "capture_graph", "close_scope_graphs"]
+
+#: open graphs per scope; the scope closes them at exit (see close_scope_graphs)
+_OPEN: weakref.WeakKeyDictionary[ResourceScope, dict[CudaGraph, None]] = weakref.WeakKeyDictionary()
+
+
+@attrs.frozen
+class GraphStatistics:
+    """A snapshot of one graph (``graph.statistics()``)."""
+
+    operations: int  #: captured work items: kernel launches, copies and fills
+    kernels: int  #: captured kernel launches
+    replays: int  #: replays submitted so far
+    in_flight: int  #: replays submitted and not retired yet
+    updates: int  #: successful ``update()`` calls
+    retained_allocations: int  #: allocations the graph keeps alive (all generations)
+    retained_bytes: int
+    closed: bool
+    destroyed: bool  #: the driver's executable graph was destroyed
+
+
+def _label(op: object) -> str:
+    text = repr(op)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@final
+class _Generation:
+    """What one capture retains, and how many replays still use it."""
+
+    __slots__ = (
+        "accesses",
+        "after",
+        "handles",
+        "in_flight",
+        "kernels",
+        "leases",
+        "operations",
+        "output",
+        "owners",
+        "released",
+        "scope",
+    )
+
+    def __init__(self, scope: ResourceScope) -> None:
+        self.scope = scope
+        #: one internal handle and the strongest access per captured allocation
+        self.leases: dict[Allocation, tuple[DeviceArray, Access]] = {}
+        self.accesses: tuple[tuple[DeviceArray, Access], ...] = ()
+        self.handles: list[DeviceArray] = []
+        self.owners: list[object] = []
+        #: submissions (of shared ops) every replay must order after
+        self.after: list[Submission] = []
+        self.output: object = None
+        self.operations = 0
+        self.kernels = 0
+        self.in_flight = 0
+        self.released = False
+
+    def record(self, accesses: Sequence[tuple[DeviceArray, Access]]) -> None:
+        leases = self.leases
+        for arr, access in accesses:
+            alloc = arr._alloc
+            held = leases.get(alloc)
+            if held is None:
+                handle = DeviceArray._create(alloc, arr.shape, arr.dtype, offset=arr._offset)
+                self.handles.append(handle)
+                leases[alloc] = (handle, access)
+            elif access is Access.WRITE and held[1] is not Access.WRITE:
+                leases[alloc] = (held[0], access)
+
+    def seal(self, output: object) -> None:
+        self.output = output
+        self.accesses = tuple(self.leases.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.leases)
+
+    def release(self) -> None:
+        """Drop everything (idempotent). The allocations are freed once no
+        other handle and no in-flight lease holds them."""
+        if self.released:
+            return
+        self.released = True
+        handles, self.handles = self.handles, []
+        self.leases = {}
+        self.accesses = ()
+        self.owners = []
+        self.after = []
+        self.output = None
+        for h in handles:
+            h.close()
+
+
+# --------------------------------------------------------------------------- recorder
+
+
+@final
+class _Recorder:
+    """The context an op's ``_enqueue`` sees while it is captured. It mirrors
+    :class:`EnqueueContext` but takes no lease and records no marker: it
+    checks the arrays, records the accesses and the owners into the
+    generation, and sends the work to the driver's capture."""
+
+    __slots__ = ("driver", "gen", "label", "scope", "stream")
+
+    unsafe = False
+
+    def __init__(self, scope: ResourceScope, stream: Stream, gen: _Generation, label: str) -> None:
+        self.scope = scope
+        self.stream = stream
+        self.gen = gen
+        self.label = label
+        self.driver: DeviceContext = scope._driver
+
+    def _refuse(self, what: str) -> NoReturn:
+        raise GraphCaptureError(f"{what} cannot be captured into a graph")
+
+    @property
+    def submission(self) -> NoReturn:
+        # Only a shared() op that has not executed yet asks for its submission.
+        self._refuse(
+            "a shared() op that has not executed yet (a graph would run it at every replay; "
+            "run it once before capturing, or capture the op without .shared())"
+        )
+
+    def __getattr__(self, name: str) -> NoReturn:
+        self._refuse(f"work that needs the enqueue context's {name!r}")
+
+    # ------------------------------------------------------------------ retention
+    def retain(self, obj: object) -> None:
+        self.gen.owners.append(obj)
+
+    def on_retire(self, fn: object) -> None:
+        self._refuse("work that runs a host step at retirement")
+
+    def _enqueued(self) -> None:
+        pass
+
+    def use(self, accesses: Sequence[tuple[DeviceArray, Access]], *, what: str = "argument") -> None:
+        take_leases(self.scope, self.stream, None, accesses, what)  # checks only
+        self.gen.record(accesses)
+
+    def after(self, other: Submission | None) -> None:
+        if other is not None and other not in self.gen.after:
+            self.gen.after.append(other)
+
+    # ------------------------------------------------------------------ work
+    def launch(self, prepared: PreparedLaunch, accesses: Sequence[tuple[DeviceArray, Access]]) -> None:
+        scope = self.scope
+        if prepared.cache.get("checked") is not scope._info:
+            scope._check_launch_config(prepared)
+        function = scope._function(prepared.kernel)
+        self.use(accesses, what=prepared.kernel.name)
+        self.gen.owners += (prepared, function)
+        self.driver.launch(self.stream.handle, function, prepared)
+        self.gen.operations += 1
+        self.gen.kernels += 1
+
+    def copy(self, dst: object, src: object) -> None:
+        d = self.driver
+        h = self.stream.handle
+        if isinstance(dst, DeviceArray) and isinstance(src, DeviceArray):
+            if src._alloc is dst._alloc:
+                self.use([(dst, Access.WRITE)], what="copy")
+            else:
+                self.use([(src, Access.READ), (dst, Access.WRITE)], what="copy")
+            d.copy_d2d(h, dst.ptr, src.ptr, dst.nbytes)
+        elif isinstance(dst, DeviceArray):
+            assert isinstance(src, np.ndarray)
+            host = np.ascontiguousarray(src)
+            self.use([(dst, Access.WRITE)], what="copy: dst")
+            token = d.copy_h2d(h, dst.ptr, host)
+            if token is not None:
+                self.gen.owners.append(token)  # the captured argument storage
+        else:
+            self._refuse(
+                "ops.copy to a host array (a replay's host copy would race with the next replay; "
+                "copy results out with gpu.to_host after the replay)"
+            )
+        self.gen.operations += 1
+
+    def fill(self, arr: DeviceArray, pattern: bytes) -> None:
+        self.use([(arr, Access.WRITE)], what="fill")
+        self.driver.fill(self.stream.handle, arr.ptr, pattern, arr.size)
+        self.gen.operations += 1
+
+    def host_step(self, fn: object, args: tuple[Any, ...]) -> NoReturn:
+        self._refuse("ops.host_closure (it needs the scope's completion handoff at every replay)")
+
+
+def _is_capture_error(exc: BaseException) -> bool:
+    """A refusal of the capture itself (by the core or the driver)."""
+    if isinstance(exc, GraphCaptureError):
+        return True
+    return isinstance(exc, CudaError) and "CAPTURE" in exc.name
+
+
+def _record(scope: ResourceScope, op: object, stream: Stream | None, what: str) -> tuple[_Generation, object]:
+    """Capture ``op`` into a new generation and a driver graph template.
+    On any error, nothing is left behind (see the module invariants)."""
+    if not isinstance(op, DeviceOp):
+        from ._kernel import LaunchBuilder
+
+        if isinstance(op, LaunchBuilder):
+            raise TypeError(
+                f"{what}: op: a LaunchBuilder is inert and cannot be captured; "
+                f"call .finalize_unchecked() first"
+            )
+        raise TypeError(f"{what}: op: expected a DeviceOp, got {type(op).__name__}")
+    scope._check_open(what)
+    label = _label(op)
+    if scope._enqueuing:
+        raise GraphCaptureError(
+            f"{what}: op {label}: cannot capture while another capture or submission is being "
+            f"enqueued (nested captures are not supported)"
+        )
+    s = scope._pick(op, stream)
+    scope._flush(s)  # the markers of earlier work on s must not end up in the graph
+    driver = scope._driver
+    gen = _Generation(scope)
+    recorder = _Recorder(scope, s, gen, label)
+    driver.begin_capture(s.handle)
+    scope._enqueuing = True
+    capturing = True
+    try:
+        out = op._enqueue(cast(EnqueueContext, recorder))
+        capturing = False
+        template = driver.end_capture(s.handle)
+    except BaseException as exc:
+        if capturing:
+            try:
+                driver.abort_capture(s.handle)
+            except Exception as abort_exc:  # pragma: no cover - best effort
+                exc.add_note(f"ending the capture failed too: {abort_exc!r}")
+        gen.release()
+        if _is_capture_error(exc):
+            raise GraphCaptureError(f"{what}: op {label}: {exc}") from exc
+        raise
+    finally:
+        scope._enqueuing = False
+    gen.seal(out)
+    return gen, template
+
+
+# --------------------------------------------------------------------------- replay
+
+
+@final
+class _Replay:
+    """Retained by each replay submission; released when the handoff task
+    retires it (never, if its completion is unknown)."""
+
+    __slots__ = ("gen", "graph")
+
+    def __init__(self, graph: CudaGraph, gen: _Generation) -> None:
+        self.graph = graph
+        self.gen = gen
+        gen.in_flight += 1
+        graph._in_flight += 1
+
+    def __del__(self) -> None:
+        graph = self.graph
+        try:
+            if threading.get_ident() == graph._thread:
+                graph._replay_done(self.gen)
+            else:  # a garbage collection on another thread: hand it to the loop
+                graph._scope._token.run_sync_soon(graph._replay_done, self.gen)
+        except Exception:  # pragma: no cover - interpreter shutdown, loop gone
+            pass
+
+
+@final
+class _GraphLaunch(DeviceOp[Any]):
+    __slots__ = ("_graph",)
+
+    def __init__(self, graph: CudaGraph) -> None:
+        self._graph = graph
+
+    def _enqueue(self, ctx: EnqueueContext) -> object:
+        g = self._graph
+        if type(ctx) is not EnqueueContext and isinstance(ctx, _Recorder):
+            raise GraphCaptureError(
+                f"{g!r}.launch(): a graph launch cannot be captured into another graph "
+                f"(nested graphs are not supported)"
+            )
+        if g._closed:
+            raise ScopeClosedError(f"graph.launch(): the graph is closed ({g!r})")
+        if ctx.scope is not g._scope:
+            raise ValueError(
+                f"graph.launch(): expected a submission on the scope that captured the graph, "
+                f"got one on {ctx.scope!r}"
+            )
+        gen = g._gen
+        ctx.use(gen.accesses, what=f"graph.launch() of {g._label}")
+        for other in gen.after:
+            ctx.after(other)
+        if ctx.submission is not None:
+            ctx.retain(_Replay(g, gen))
+        ctx.driver.graph_launch(ctx.stream.handle, g._exec)
+        ctx._enqueued()
+        g._replays += 1
+        return gen.output
+
+    def __repr__(self) -> str:
+        return f"{self._graph._label}.launch()"
+
+
+# --------------------------------------------------------------------------- graph
+
+
+@final
+class CudaGraph:
+    """A captured DeviceOp that can be replayed cheaply.
+
+    Create one with ``graph = await gpu.capture(op)``. ``graph.output`` is
+    the captured op's output; ``await gpu.run(graph.launch())`` replays the
+    work and returns it. Each replay takes the leases of everything the graph
+    touches again, so it is ordered against other work like any submission.
+
+    The graph keeps every resource it captured (arrays, kernels and their
+    modules, argument storage) alive until :meth:`close` and until every
+    replay in flight has completed; closing the user's array handles does
+    not free them. ``async with graph`` closes it on the way out; a graph
+    still open when its scope exits is closed then.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_closed",
+        "_destroyed",
+        "_exec",
+        "_gen",
+        "_in_flight",
+        "_label",
+        "_launch",
+        "_old",
+        "_replays",
+        "_scope",
+        "_thread",
+        "_updates",
+    )
+
+    _scope: ResourceScope
+    _exec: object
+    _gen: _Generation
+    _old: list[_Generation]
+    _label: str
+    _launch: _GraphLaunch
+    _closed: bool
+    _destroyed: bool
+    _in_flight: int
+    _replays: int
+    _updates: int
+    _thread: int
+
+    def __init__(self) -> None:
+        raise TypeError("CudaGraph has no public constructor; use 'await scope.capture(op)'")
+
+    @classmethod
+    def _create(cls, scope: ResourceScope, graph_exec: object, gen: _Generation, label: str) -> CudaGraph:
+        self = object.__new__(cls)
+        self._scope = scope
+        self._exec = graph_exec
+        self._gen = gen
+        self._old = []
+        self._label = label
+        self._launch = _GraphLaunch(self)
+        self._closed = False
+        self._destroyed = False
+        self._in_flight = 0
+        self._replays = 0
+        self._updates = 0
+        self._thread = threading.get_ident()
+        _OPEN.setdefault(scope, {})[self] = None
+        return self
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def output(self) -> Any:
+        """The output of the captured op (of the last :meth:`update`): what
+        ``await gpu.run(graph.launch())`` returns."""
+        return self._gen.output
+
+    @property
+    def scope(self) -> ResourceScope:
+        """The scope the graph was captured in (replays must run there)."""
+        return self._scope
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called (or the scope exited)."""
+        return self._closed
+
+    def statistics(self) -> GraphStatistics:
+        """A snapshot of the graph's counters and retention."""
+        gens = [g for g in (self._gen, *self._old) if not g.released]
+        return GraphStatistics(
+            operations=self._gen.operations,
+            kernels=self._gen.kernels,
+            replays=self._replays,
+            in_flight=self._in_flight,
+            updates=self._updates,
+            retained_allocations=len({a for g in gens for a in g.leases}),
+            retained_bytes=sum(a.nbytes for a in {a for g in gens for a in g.leases}),
+            closed=self._closed,
+            destroyed=self._destroyed,
+        )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        ops = self._gen.operations
+        return f"<CudaGraph of {self._label} ({ops} ops, {state}, {self._in_flight} in flight)>"
+
+    # ------------------------------------------------------------------ replay
+    def launch(self) -> DeviceOp[Any]:
+        """A DeviceOp that replays the graph: submit it with ``gpu.run``,
+        ``gpu.submit`` or ``unsafe.async_on`` (then the caller keeps the
+        graph open until the replay completed). Its output is
+        :attr:`output`."""
+        if self._closed:
+            raise ScopeClosedError(f"graph.launch(): the graph is closed ({self!r})")
+        return self._launch
+
+    async def update(self, op: DeviceOp[Any], *, stream: Stream | None = None) -> None:
+        """Capture ``op`` and make later replays run its work instead.
+
+        ``op`` must have the same topology as the captured work (the same
+        sequence of kernel launches, copies and fills); its parameters may
+        differ: kernel arguments, the arrays used, the host data of
+        host-to-device copies (e.g. new inputs copied into the captured
+        buffers before the kernels run). On the GPU this is
+        ``cuGraphExecUpdate``. If the topology differs,
+        :class:`~trio_cuda.GraphCaptureError` is raised and the graph is
+        unchanged. Replays already submitted run the old work; its resources
+        are released once they retired.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._closed:
+            raise ScopeClosedError(f"update: the graph is closed ({self!r})")
+        scope = self._scope
+        gen, template = _record(scope, op, stream, "update")
+        try:
+            scope._driver.graph_update(self._exec, template)
+        except BaseException as exc:
+            gen.release()
+            if _is_capture_error(exc):
+                raise GraphCaptureError(f"update: op {_label(op)}: cannot update {self!r}: {exc}") from exc
+            raise
+        old = self._gen
+        self._gen = gen
+        self._updates += 1
+        if old.in_flight:
+            self._old.append(old)
+        else:
+            old.release()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def _replay_done(self, gen: _Generation) -> None:
+        """A replay of ``gen`` retired (its token was released)."""
+        gen.in_flight -= 1
+        self._in_flight -= 1
+        scope = self._scope
+        if scope._closed:
+            return  # the scope released (or leaked) everything already
+        try:
+            if not gen.in_flight and (gen is not self._gen or self._closed):
+                gen.release()
+                if gen in self._old:
+                    self._old.remove(gen)
+            if self._closed and not self._in_flight:
+                self._destroy()
+        except Exception as exc:
+            scope._orphan_errors.append(exc)
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Close the graph (idempotent). Its resources are released, and the
+        driver's executable graph destroyed, once every replay in flight has
+        completed; later ``launch()`` calls raise ``ScopeClosedError``."""
+        if self._closed:
+            return
+        self._closed = True
+        graphs = _OPEN.get(self._scope)
+        if graphs is not None:
+            graphs.pop(self, None)
+        for gen in (self._gen, *self._old):
+            if not gen.in_flight:
+                gen.release()
+        self._old = [g for g in self._old if not g.released]
+        if not self._in_flight:
+            self._destroy()
+
+    def _destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        graph_exec, self._exec = self._exec, None
+        self._scope._driver.destroy_graph(graph_exec)
+
+    async def __aenter__(self) -> CudaGraph:
+        await trio.lowlevel.checkpoint()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+
+# --------------------------------------------------------------------------- scope side
+
+
+def capture_graph(scope: ResourceScope, op: DeviceOp[Any], stream: Stream | None) -> CudaGraph:
+    """The synchronous part of ``scope.capture``."""
+    gen, template = _record(scope, op, stream, "capture")
+    try:
+        graph_exec = scope._driver.instantiate(template)
+    except BaseException:
+        gen.release()
+        raise
+    return CudaGraph._create(scope, graph_exec, gen, _label(op))
+
+
+def close_scope_graphs(scope: ResourceScope) -> None:
+    """At scope exit, after the drain: close every graph still open. Errors
+    are kept for the exit's exception group."""
+    graphs = _OPEN.pop(scope, None)
+    if not graphs:
+        return
+    for graph in list(graphs):
+        try:
+            graph.close()
+        except Exception as exc:
+            scope._orphan_errors.append(exc)

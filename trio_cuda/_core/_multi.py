@@ -1,0 +1,520 @@
+"""Several devices: cross-scope copies, their leases, and device pools.
+
+One :class:`~trio_cuda.ResourceScope` runs on one device. Several scopes (one
+per device, or several on one device) may be open at once in one Trio run;
+:func:`open_device_pool` opens one per device and spreads work over them.
+
+Invariants:
+
+* A cross-scope copy (``ops.copy(dst, src)`` where ``dst`` and ``src`` are
+  owned by different scopes) runs on one stream of the scope it is submitted
+  to, which must own ``dst`` or ``src``. It takes a write lease on ``dst`` and
+  a read lease on ``src`` *on their own allocations*, whichever scope owns
+  them, before anything is enqueued, exactly as a same-scope copy does.
+* A conflict with another scope's in-flight work (its writer of ``src``, or
+  its readers and writer of ``dst``) becomes a device-side wait of the copy's
+  stream on that work's completion marker (``driver.wait_marker``: across
+  devices within one process), never a host block; under
+  ``conflicts="error"`` it raises ``AccessConflictError`` as on one device.
+  Later work of the other scope orders after the copy the same way.
+* Leases are released by the handoff task of the scope that *submitted* the
+  work, in its completion order. Releasing a lease on another scope's memory
+  hands the free decision back to the owning scope (``release_foreign``): no
+  memory is freed while any scope's in-flight work holds a lease on it, also
+  when the owner's handles were closed or garbage-collected meanwhile.
+* Scope exit waits, shielded and without blocking the loop, first for its own
+  work and then for the *foreign leases* on its allocations (other scopes'
+  in-flight copies), within ``drain_timeout``. Whatever foreign work still
+  holds a lease then is not waited for: the memory it uses is quarantined
+  (never freed) and the scope's driver state (context, streams, modules) is
+  leaked with a ``ResourceWarning``, as for its own work after a timeout.
+  A scope that is exiting refuses new cross-scope copies of its memory
+  (``ScopeClosedError``), so the wait ends.
+* A foreign lease that is quarantined (completion of the copy unknown) is
+  counted as quarantined where the memory lives, and its owner stops waiting
+  for it; the memory is never freed.
+* A cross-scope copy fails (at retirement) if the other scope's work that
+  wrote ``src`` failed or has unknown completion: the data it copied cannot be
+  trusted, and that must not pass silently into the other device's work.
+* Everything runs on the one Trio loop thread; scopes that share memory must
+  belong to the same Trio run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, final
+
+import attrs
+import trio
+
+from ._array import Allocation, AllocState, DeviceArray
+from ._driver import MarkerState
+from ._errors import CompletionUnknownError, KernelArgumentError, ScopeClosedError, TrioCudaError
+from ._ops import Access, DeviceOp
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from ._scope import DeviceFuture, ResourceScope, SchedulingPolicy, ScopeStatistics, Stream
+    from ._submit import EnqueueContext, Submission
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- foreign leases
+
+
+@final
+class _Foreign:
+    """Leases that other scopes' in-flight work holds on one scope's memory."""
+
+    __slots__ = ("count", "event")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.event: trio.Event | None = None
+
+
+#: owner scope -> its foreign leases; an entry exists only while count > 0
+_FOREIGN: dict[ResourceScope, _Foreign] = {}
+
+
+def _add_foreign(owner: ResourceScope) -> None:
+    st = _FOREIGN.get(owner)
+    if st is None:
+        st = _FOREIGN[owner] = _Foreign()
+    st.count += 1
+
+
+def release_foreign(alloc: Allocation) -> None:
+    """A lease of another scope's work on ``alloc`` was released (retired) or
+    leaked (quarantined): let the owner free the memory if nothing else uses
+    it, and wake its exit if it waits for this."""
+    owner = alloc.scope
+    if not owner._closed:
+        owner._maybe_free(alloc)  # only frees LIVE memory without handles and leases
+    st = _FOREIGN.get(owner)
+    if st is None:
+        return
+    st.count -= 1
+    if st.count <= 0:
+        del _FOREIGN[owner]
+        if st.event is not None:
+            st.event.set()
+
+
+def foreign_lease_count(scope: ResourceScope) -> int:
+    """Leases other scopes' in-flight work holds on ``scope``'s memory."""
+    st = _FOREIGN.get(scope)
+    return 0 if st is None else st.count
+
+
+async def wait_foreign(scope: ResourceScope) -> None:
+    """Sleep until no other scope's in-flight work holds a lease on
+    ``scope``'s memory (part of the exit drain)."""
+    st = _FOREIGN.get(scope)
+    while st is not None and st.count > 0:
+        ev = st.event
+        if ev is None:
+            ev = st.event = trio.Event()
+        await ev.wait()
+        st = _FOREIGN.get(scope)
+
+
+def _foreign_users(scope: ResourceScope, alloc: Allocation) -> list[Submission]:
+    from ._submit import SubState
+
+    users = [r for r in alloc.readers if r.scope is not scope]
+    w = alloc.last_writer
+    if w is not None and w.scope is not scope:
+        users.append(w)
+    return [u for u in users if u.state is SubState.IN_FLIGHT]
+
+
+def abandon_foreign(scope: ResourceScope, timeout: float | None) -> None:
+    """At exit, after the drain: memory that other scopes' in-flight work still
+    uses is quarantined, and the scope's driver state is leaked with it."""
+    if foreign_lease_count(scope) <= 0:
+        return
+    held = [a for a in scope._allocs if a.active and _foreign_users(scope, a)]
+    users = {u.scope for a in held for u in _foreign_users(scope, a)}
+    for a in held:
+        if a.state is AllocState.LIVE:
+            a.state = AllocState.QUARANTINED
+    scope._timed_out += 1  # leak modules, streams and the context (see _release_everything)
+    warnings.warn(
+        ResourceWarning(
+            f"trio_cuda scope {scope!r} exited while {foreign_lease_count(scope)} lease(s) of other scopes' "
+            f"in-flight work ({', '.join(sorted(map(repr, users)))}) still held {len(held)} of its "
+            f"allocation(s) after drain_timeout={timeout} s; that memory and the scope's driver state are "
+            f"quarantined (leaked, never freed)"
+        ),
+        stacklevel=3,
+    )
+
+
+# --------------------------------------------------------------------------- cross-scope copies
+
+
+def _scope_label(scope: ResourceScope) -> str:
+    info = scope._info
+    return f"{info.backend}:{info.ordinal} ({info.name})"
+
+
+def cross_scope_copy(ctx: EnqueueContext, dst: DeviceArray, src: DeviceArray) -> None:
+    """``EnqueueContext.copy`` for two device arrays of which at least one is
+    owned by another scope (see the module invariants)."""
+    from ._submit import SubState, take_leases
+
+    scope = ctx.scope
+    d_owner = dst._alloc.scope
+    s_owner = src._alloc.scope
+    if d_owner is not scope and s_owner is not scope:
+        raise KernelArgumentError(
+            f"copy: expected dst or src owned by the scope the copy is submitted to "
+            f"({_scope_label(scope)}), got dst of {_scope_label(d_owner)} and src of {_scope_label(s_owner)}"
+        )
+    other = s_owner if d_owner is scope else d_owner
+    label = "copy: src" if other is s_owner else "copy: dst"
+    arr = src if other is s_owner else dst
+    arr._check_usable(label)
+    if other._closing:
+        raise ScopeClosedError(
+            f"{label}: expected an array of an open scope, got one of {_scope_label(other)}, which is exiting"
+        )
+    if other._token is not scope._token:
+        raise ValueError(f"{label}: expected an array of a scope in this Trio run, got one of another run")
+    driver = ctx.driver
+    copy_peer = getattr(driver, "copy_peer", None)
+    if copy_peer is None or type(other._driver) is not type(driver):
+        raise KernelArgumentError(
+            f"copy: expected dst and src on devices of one backend that copies between devices, got "
+            f"dst on {_scope_label(d_owner)} and src on {_scope_label(s_owner)}"
+        )
+    sub = ctx.submission
+    accesses = ((src, Access.READ), (dst, Access.WRITE))
+    writer: Submission | None = None
+    if sub is None:  # unsafe.async_on: checks only, no leases
+        take_leases(scope, ctx.stream, None, accesses, "copy", foreign=True)
+    else:
+        new = [a for a in {dst._alloc: None, src._alloc: None} if a.scope is not scope and a not in sub.leases]
+        w = src._alloc.last_writer
+        if s_owner is not scope and w is not None and w.state is SubState.IN_FLIGHT:
+            writer = w
+        take_leases(scope, ctx.stream, sub, accesses, "copy", foreign=True)
+        for a in new:
+            _add_foreign(a.scope)
+    token = copy_peer(ctx.stream.handle, dst.ptr, d_owner._driver, src.ptr, s_owner._driver, dst.nbytes)
+    if token is not None:
+        ctx.retain(token)
+    if writer is not None:
+        ctx.on_retire(_ProducerCheck(writer, s_owner))
+    ctx._enqueued()
+
+
+@final
+class _ProducerCheck:
+    """At the copy's retirement: fail it if the other scope's work that wrote
+    its source failed or has unknown completion."""
+
+    __slots__ = ("owner", "writer")
+
+    def __init__(self, writer: Submission, owner: ResourceScope) -> None:
+        self.writer = writer
+        self.owner = owner
+
+    def __call__(self) -> None:
+        from ._submit import SubState
+
+        w = self.writer
+        state = w.state
+        unknown = state is SubState.QUARANTINED
+        failed = state is SubState.FAILED
+        if state is SubState.IN_FLIGHT and w.marker is not None:
+            p = w.scope._driver.poll_marker(w.marker)
+            unknown = p.state is MarkerState.UNKNOWN
+            failed = p.state is MarkerState.FAILED
+        if unknown:
+            raise CompletionUnknownError(
+                f"copy: src: completion of {w.label}, which wrote it on {_scope_label(self.owner)}, is "
+                f"unknown; the copied data cannot be trusted"
+            )
+        if failed:
+            raise TrioCudaError(
+                f"copy: src: {w.label}, which wrote it on {_scope_label(self.owner)}, failed; the copied "
+                f"data cannot be trusted"
+            )
+
+
+# --------------------------------------------------------------------------- device pools
+
+
+class DevicePolicy(Protocol):
+    """Chooses the scope (device) of a pool submission that names no array."""
+
+    def choose(self, scopes: Sequence[ResourceScope], op: DeviceOp[Any] | None) -> ResourceScope:
+        """Return the scope ``op`` should run on (one of ``scopes``). ``op`` is
+        None when the pool chooses a device for an allocation."""
+        ...
+
+
+@final
+@attrs.define(eq=False)
+class LeastLoadedDevice:
+    """The default device policy: the scope with the fewest submissions in
+    flight (the lowest index on ties)."""
+
+    def choose(self, scopes: Sequence[ResourceScope], op: DeviceOp[Any] | None) -> ResourceScope:
+        """The scope with the fewest submissions in flight."""
+        best = scopes[0]
+        load = best._in_flight
+        for s in scopes[1:]:
+            n = s._in_flight
+            if n < load:
+                best, load = s, n
+        return best
+
+
+@final
+@attrs.define(eq=False)
+class RoundRobinDevices:
+    """Devices in turn, whatever their load."""
+
+    _next: int = attrs.field(default=0, init=False)
+
+    def choose(self, scopes: Sequence[ResourceScope], op: DeviceOp[Any] | None) -> ResourceScope:
+        """The next scope in turn."""
+        i = self._next
+        self._next = (i + 1) % len(scopes)
+        return scopes[i % len(scopes)]
+
+
+@attrs.frozen
+class DevicePoolStatistics:
+    """A snapshot of a pool (``pool.statistics()``)."""
+
+    devices: tuple[ScopeStatistics, ...]  #: one per scope, in pool order
+    in_flight: int  #: submissions in flight on all devices
+    completed: int
+    failed: int
+    quarantined: int  #: quarantined submissions on all devices
+
+
+def _arrays_of(op: object, out: list[DeviceArray], depth: int = 0) -> None:
+    """The device arrays ``op`` names up front (kernel arguments, copy and fill
+    operands; the first op of a ``then``/``map`` chain). Closures are not
+    run: what they return is not known before submission."""
+    from ._kernel import KernelLaunch
+    from ._ops import _Copy, _Fill, _Map, _Shared, _Then, _ZeroBytes, _Zip
+
+    if depth > 64:
+        return
+    if isinstance(op, KernelLaunch):
+        out.extend(a for a, _ in op._accesses)
+    elif isinstance(op, _Copy):
+        for x in (op._dst, op._src):  # dst first: a cross-device copy runs where it lands
+            if isinstance(x, DeviceArray):
+                out.append(x)
+    elif isinstance(op, _Fill):
+        out.append(op._arr)
+    elif isinstance(op, _ZeroBytes):
+        out.append(op._arr)
+    elif isinstance(op, _Zip):
+        for o in op._ops:
+            _arrays_of(o, out, depth + 1)
+    elif isinstance(op, _Then | _Map | _Shared):
+        _arrays_of(op._op, out, depth + 1)
+
+
+@final
+class DevicePool:
+    """Scopes on several devices, opened and closed together, with a
+    :class:`DevicePolicy` that spreads work over them.
+
+    Open one with :func:`open_device_pool`. ``pool.submit(op)`` runs ``op`` on
+    the scope that owns the arrays it names (a cross-device copy: the scope of
+    ``dst``); an op that names no array goes where the policy says (by
+    default the device with the fewest submissions in flight). Each scope
+    keeps its own rules (streams, leases, exit); ``pool[i]`` or
+    ``pool.scopes`` reach them directly.
+    """
+
+    __slots__ = ("_policy", "_scopes")
+
+    _scopes: tuple[ResourceScope, ...]
+    _policy: DevicePolicy
+
+    def __init__(self) -> None:
+        raise TypeError("DevicePool has no public constructor; use 'async with trio_cuda.open_device_pool()'")
+
+    @classmethod
+    def _create(cls, scopes: tuple[ResourceScope, ...], policy: DevicePolicy) -> DevicePool:
+        self = object.__new__(cls)
+        self._scopes = scopes
+        self._policy = policy
+        return self
+
+    @property
+    def scopes(self) -> tuple[ResourceScope, ...]:
+        """One scope per device, in the order the devices were given."""
+        return self._scopes
+
+    @property
+    def policy(self) -> DevicePolicy:
+        """The policy that places ops naming no array."""
+        return self._policy
+
+    def __len__(self) -> int:
+        return len(self._scopes)
+
+    def __getitem__(self, index: int) -> ResourceScope:
+        return self._scopes[index]
+
+    def __iter__(self) -> Iterator[ResourceScope]:
+        return iter(self._scopes)
+
+    def __repr__(self) -> str:
+        return f"<DevicePool of {len(self._scopes)} scope(s): {', '.join(map(_scope_label, self._scopes))}>"
+
+    def choose(self, op: DeviceOp[Any] | None = None) -> ResourceScope:
+        """The scope ``op`` would run on: the owner of the arrays it names, or
+        the policy's choice (``op`` None: for new memory)."""
+        if op is not None:
+            arrays: list[DeviceArray] = []
+            _arrays_of(op, arrays)
+            for a in arrays:
+                owner = a._alloc.scope
+                if owner in self._scopes:
+                    return owner
+        scope = self._policy.choose(self._scopes, op)
+        if scope not in self._scopes:
+            raise ValueError(f"policy: expected one of the pool's scopes, got {scope!r} from {self._policy!r}")
+        return scope
+
+    def submit(self, op: DeviceOp[T], *, stream: Stream | None = None) -> DeviceFuture[T]:
+        """Submit ``op`` on the scope :meth:`choose` picks (``stream`` pins it
+        to a stream, and so to that stream's scope); returns its future."""
+        if stream is not None:
+            scope = getattr(stream, "scope", None)
+            if scope not in self._scopes:
+                raise ValueError(f"stream: expected a stream of one of the pool's scopes, got {stream!r}")
+            return scope.submit(op, stream=stream)  # type: ignore[union-attr]
+        if not isinstance(op, DeviceOp):
+            raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
+        return self.choose(op).submit(op)
+
+    async def run(self, op: DeviceOp[T], *, stream: Stream | None = None) -> T:
+        """Submit ``op`` as :meth:`submit` does and wait for its output
+        (cancelling the wait leaves the work to its scope, as ``scope.run``)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        fut = self.submit(op, stream=stream)
+        return await fut.wait()
+
+    async def to_device(self, host: object, **kwargs: Any) -> DeviceArray:
+        """Copy a NumPy array to a new array on the device the policy picks
+        (``scope.to_device`` there; keyword arguments pass through)."""
+        scope = self.choose(None)
+        return await scope.to_device(host, **kwargs)
+
+    def statistics(self) -> DevicePoolStatistics:
+        """Per-device scope statistics and their totals."""
+        per = tuple(s.statistics() for s in self._scopes)
+        return DevicePoolStatistics(
+            devices=per,
+            in_flight=sum(p.in_flight for p in per),
+            completed=sum(p.completed for p in per),
+            failed=sum(p.failed for p in per),
+            quarantined=sum(p.quarantined for p in per),
+        )
+
+
+def _resolve_devices(devices: object) -> list[object]:
+    if isinstance(devices, str):
+        if devices not in ("cuda", "all"):
+            raise ValueError(
+                f"devices: expected 'cuda' (every CUDA device), a SimHost or a sequence of devices, "
+                f"got {devices!r}"
+            )
+        from .._backends import probe_cuda
+
+        probe = probe_cuda()
+        if not probe.available:
+            raise RuntimeError(f"devices: {devices!r} was asked for, but {probe.reason}")
+        return [f"cuda:{i}" for i in range(probe.device_count)]
+    if not isinstance(devices, Iterable):
+        raise TypeError(
+            f"devices: expected 'cuda', a SimHost or a sequence of devices, got {type(devices).__name__}"
+        )
+    out = list(devices)
+    if not out:
+        raise ValueError("devices: expected at least one device, got none")
+    return out
+
+
+@final
+class _PoolManager:
+    __slots__ = ("_args", "_stack")
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        self._args = args
+        self._stack: AsyncExitStack | None = None
+
+    async def __aenter__(self) -> DevicePool:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        a = self._args
+        scopes: list[ResourceScope] = []
+        async with AsyncExitStack() as stack:
+            for cm in a["managers"]:
+                scopes.append(await stack.enter_async_context(cm))
+            self._stack = stack.pop_all()
+        return DevicePool._create(tuple(scopes), a["policy"])
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        stack = self._stack
+        assert stack is not None
+        self._stack = None
+        return bool(await stack.__aexit__(exc_type, exc, tb))
+
+
+def open_device_pool(
+    devices: object = "cuda",
+    streams: int = 4,
+    conflicts: Literal["order", "error"] = "order",
+    drain_timeout: float | None = None,
+    *,
+    policy: DevicePolicy | None = None,
+    stream_policy: type[SchedulingPolicy] | None = None,
+) -> _PoolManager:
+    """Open a :class:`DevicePool`: ``async with open_device_pool(["cuda:0",
+    "cuda:1"]) as pool:``.
+
+    ``devices`` is ``"cuda"`` (every CUDA device of the host), a
+    :class:`~trio_cuda.testing.SimHost` (its simulated devices), or a sequence
+    of what ``open_scope(device=...)`` accepts. One scope is opened per entry,
+    in order, each with ``streams``, ``conflicts`` and ``drain_timeout``, and a
+    fresh ``stream_policy()`` (a :class:`SchedulingPolicy` class; round-robin
+    by default). ``policy`` places ops that name no array
+    (:class:`LeastLoadedDevice` by default). On exit the scopes exit in
+    reverse order, each by its own rules.
+    """
+    if policy is None:
+        policy = LeastLoadedDevice()
+    elif not callable(getattr(policy, "choose", None)):
+        raise TypeError(f"policy: expected a DevicePolicy (with a choose() method), got {policy!r}")
+    if stream_policy is not None and not callable(stream_policy):
+        raise TypeError(f"stream_policy: expected a SchedulingPolicy class, got {stream_policy!r}")
+    from ._scope import open_scope
+
+    managers = []
+    for device in _resolve_devices(devices):
+        sp = stream_policy() if stream_policy is not None else None
+        managers.append(open_scope(device, streams, conflicts, drain_timeout, policy=sp))
+    return _PoolManager({"managers": managers, "policy": policy})

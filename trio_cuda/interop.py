@@ -1,0 +1,240 @@
+"""Interoperability with CuPy, PyTorch, Numba and any DLPack or CUDA Array Interface object.
+
+* **Import**: :func:`borrow` wraps another library's device memory in a
+  :class:`~trio_cuda.DeviceArray` without taking ownership.
+* **Export**: every :class:`~trio_cuda.DeviceArray` has ``__dlpack__`` /
+  ``__dlpack_device__`` and (on the cuda backend) ``__cuda_array_interface__``;
+  see the "Interoperability" chapter of the docs for the lease each export holds.
+
+Invariants:
+
+* Borrowed memory is never freed by trio_cuda. The borrowed handle keeps the
+  producer's object (or its DLPack tensor) alive until the last trio_cuda work
+  on it retired; only then is the reference dropped (and a DLPack producer's
+  deleter called).
+* Work on borrowed memory is ordered after the producer's work: the
+  producer's stream is fenced when the memory is borrowed, and trio_cuda's
+  other streams order after that fence through the ordinary lease table.
+* Bad input (host memory, another device, an unsupported dtype, a
+  non-contiguous layout, ``access="write"`` on read-only memory) raises before
+  anything is retained; a DLPack tensor already taken over is handed back to
+  its producer's deleter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+
+from ._core._array import Allocation, DeviceArray, Order, _trivial, contiguous_strides, normalize_dtype
+from ._core._dlpack import (
+    ImportedTensor,
+    device_name,
+    kDLCPU,
+    kDLCUDAHost,
+    kDLCUDAManaged,
+    np_dtype,
+)
+from ._core._ops import Access, DeviceOp
+from ._core._scope import ResourceScope, Stream, current_scope
+from ._core._submit import Submission, take_leases
+
+__all__ = ["borrow"]
+
+
+class _Borrow(DeviceOp[None]):
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "borrow"
+
+
+_BORROW_OP = _Borrow()
+
+
+def _layout(what: str, shape: tuple[int, ...], strides: tuple[int, ...] | None, itemsize: int) -> Order:
+    """The order of a layout given in byte strides (None: C-contiguous)."""
+    if strides is None or _trivial(shape):
+        return "C"
+    if tuple(strides) == contiguous_strides(shape, itemsize, "C"):
+        return "C"
+    if tuple(strides) == contiguous_strides(shape, itemsize, "F"):
+        return "F"
+    raise ValueError(
+        f"{what}: expected C- or F-contiguous memory, got strides {tuple(strides)} (bytes) for shape "
+        f"{shape}; make it contiguous first (e.g. .contiguous() or cupy.ascontiguousarray)"
+    )
+
+
+def _check_device(scope: ResourceScope, what: str, ptr: int, nbytes: int) -> None:
+    check = getattr(scope._driver, "pointer_device", None)
+    if check is None:
+        return
+    problem = check(ptr, nbytes)
+    if problem is not None:
+        raise ValueError(f"{what}: expected device memory of this scope's device, got memory where {problem}")
+
+
+def _from_dlpack(
+    obj: Any, scope: ResourceScope, stream: Stream, what: str
+) -> tuple[int, tuple[int, ...], np.dtype[Any], Order, bool, object]:
+    ours = getattr(scope._driver, "dlpack_device", None)
+    if ours is None:
+        raise TypeError(f"{what}: the {scope.backend!r} backend cannot import DLPack memory")
+    device = tuple(int(x) for x in obj.__dlpack_device__())
+    mine = tuple(ours())
+    if device[0] in (kDLCPU, kDLCUDAHost):
+        raise ValueError(
+            f"{what}: expected device memory, got a host array ({type(obj).__name__} on "
+            f"{device_name(device[0])}); copy host data with 'await gpu.to_device(array)'"
+        )
+    managed_ok = mine[0] == 2 and device[0] == kDLCUDAManaged
+    if device != mine and not managed_ok:
+        raise ValueError(
+            f"{what}: expected memory of this scope's device ({device_name(mine[0])}, id {mine[1]}), "
+            f"got {type(obj).__name__} on {device_name(device[0])}, id {device[1]}"
+        )
+    consumer = scope._driver.stream_address(stream.handle)  # type: ignore[attr-defined]
+    try:
+        capsule = obj.__dlpack__(stream=consumer, max_version=(1, 1))
+    except TypeError:  # a producer of DLPack < 1.0 (no max_version)
+        capsule = obj.__dlpack__(stream=consumer)
+    tensor = ImportedTensor(capsule)
+    try:
+        code, bits, lanes = tensor.dtype
+        dt = np_dtype(code, bits, lanes)
+        if dt is None:
+            raise TypeError(
+                f"{what}: expected a DLPack dtype NumPy has (bool, int, uint, float, complex; one lane), "
+                f"got code {code}, {bits} bits, {lanes} lanes"
+            )
+        shape = tensor.shape
+        strides = None if tensor.strides is None else tuple(s * dt.itemsize for s in tensor.strides)
+        order = _layout(what, shape, strides, dt.itemsize)
+        return tensor.ptr, shape, dt, order, tensor.read_only, tensor
+    except BaseException:
+        tensor.close()
+        raise
+
+
+def _from_cai(
+    obj: Any, scope: ResourceScope, stream: Stream, what: str
+) -> tuple[int, tuple[int, ...], np.dtype[Any], Order, bool, object]:
+    if scope.backend != "cuda":
+        raise ValueError(
+            f"{what}: expected memory of this scope's device, got CUDA memory ({type(obj).__name__}, "
+            f"CUDA Array Interface) in a scope on the {scope.backend!r} backend"
+        )
+    cai = obj.__cuda_array_interface__
+    if not isinstance(cai, dict) or "data" not in cai or "shape" not in cai:
+        raise TypeError(f"{what}: expected a CUDA Array Interface dict, got {cai!r}")
+    if cai.get("mask") is not None:
+        raise ValueError(f"{what}: expected no mask in the CUDA Array Interface, got one")
+    ptr, read_only = cai["data"]
+    shape = tuple(int(d) for d in cai["shape"])
+    descr = cai.get("descr")
+    structured = isinstance(descr, list) and bool(descr) and (len(descr) > 1 or bool(descr[0][0]))
+    try:
+        dt = normalize_dtype(np.dtype(descr) if structured else np.dtype(cai["typestr"]))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"{what}: expected a dtype NumPy understands, got {cai.get('typestr')!r} ({exc})"
+        ) from None
+    strides = cai.get("strides")
+    order = _layout(what, shape, None if strides is None else tuple(int(s) for s in strides), dt.itemsize)
+    producer = cai.get("stream")
+    if producer is not None:
+        if isinstance(producer, bool) or not isinstance(producer, int) or producer == 0:
+            raise ValueError(
+                f"{what}: expected a CUDA Array Interface stream handle (not 0), got {producer!r}"
+            )
+        driver: Any = scope._driver
+        fence = driver.foreign_fence(producer)
+        try:
+            driver.wait_fence(stream.handle, fence)
+        finally:
+            driver.drop_fence(fence)
+    return int(ptr or 0), shape, dt, order, bool(read_only), obj
+
+
+def borrow(
+    obj: object,
+    access: Literal["read", "write"] = "read",
+    *,
+    scope: ResourceScope | None = None,
+    stream: Stream | None = None,
+) -> DeviceArray:
+    """Wrap another library's device memory (a CuPy array, a PyTorch tensor, a
+    Numba device array, a DeviceArray of another scope: anything with
+    ``__dlpack__`` or ``__cuda_array_interface__``) in a
+    :class:`~trio_cuda.DeviceArray` of ``scope`` (default: the current one),
+    without copying and without taking ownership.
+
+    ``access="read"`` gives a read-only handle; ``"write"`` a writable one
+    (refused for memory its producer marked read-only). Work on the handle is
+    ordered after the producer's work at the time of the call: DLPack
+    producers make ``stream`` (default: one of the scope's) wait for their
+    stream; a CUDA Array Interface ``stream`` is fenced the same way. The
+    memory is never freed by trio_cuda: closing the handle (or the scope
+    exiting) lets go of the producer's object once trio_cuda's last work on
+    it completed. Until then, the producer must not write memory trio_cuda
+    reads, nor touch memory it writes, without ordering after that work
+    (export it back with DLPack, or await the work).
+    """
+    what = "borrow: obj"
+    if access not in ("read", "write"):
+        raise ValueError(f"borrow: access: expected 'read' or 'write', got {access!r}")
+    if scope is None:
+        scope = current_scope()
+    elif not isinstance(scope, ResourceScope):
+        raise TypeError(f"borrow: scope: expected a ResourceScope, got {type(scope).__name__}")
+    scope._check_open("borrow")
+    if scope._enqueuing:
+        raise RuntimeError("borrow: cannot borrow from inside a then/map closure of a submission")
+    s = scope._pick(_BORROW_OP, stream)
+    has_dlpack = callable(getattr(obj, "__dlpack__", None)) and callable(
+        getattr(obj, "__dlpack_device__", None)
+    )
+    if has_dlpack:
+        ptr, shape, dt, order, read_only, owner = _from_dlpack(obj, scope, s, what)
+    elif isinstance(obj, np.ndarray) or hasattr(obj, "__array_interface__"):
+        raise ValueError(
+            f"{what}: expected device memory, got a host array ({type(obj).__name__}); copy host data "
+            f"with 'await gpu.to_device(array)'"
+        )
+    else:
+        try:
+            has_cai = hasattr(obj, "__cuda_array_interface__")
+        except Exception:  # a property that fails: treat it as absent
+            has_cai = False
+        if not has_cai:
+            raise TypeError(
+                f"{what}: expected an object with __dlpack__ or __cuda_array_interface__ "
+                f"(CuPy, PyTorch, Numba, a DeviceArray), got {type(obj).__name__}"
+            )
+        ptr, shape, dt, order, read_only, owner = _from_cai(obj, scope, s, what)
+    try:
+        if access == "write" and read_only:
+            raise ValueError(
+                "borrow: access: expected 'read' for memory its producer exported read-only, got 'write'"
+            )
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        _check_device(scope, what, ptr, nbytes)
+    except BaseException:
+        if isinstance(owner, ImportedTensor):
+            owner.close()
+        raise
+    alloc = Allocation(scope, ptr, nbytes)
+    alloc.borrowed = access
+    alloc.owner = owner
+    scope._allocs[alloc] = None
+    arr = DeviceArray._create(alloc, shape, dt, order=order)
+    # Publish the producer's fence: work on other streams orders after `s`.
+    scope._next_id += 1
+    sub = Submission(scope, s, scope._next_id, _BORROW_OP)
+    take_leases(scope, s, sub, ((arr, Access.WRITE),), "borrow")
+    sub.dirty = True
+    scope._finish_submission(sub, None)
+    arr._readonly = access == "read"
+    return arr
