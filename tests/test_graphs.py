@@ -605,3 +605,19 @@ async def test_graph_kernels_stay_loaded_until_the_graph_is_released(sim):
     # unloaded at exit only after the graph was closed (a later replay would be a violation)
     assert sim.statistics().kernel_unloads == sim.statistics().kernel_loads
     assert sim.violations == []
+
+
+async def test_layouts_and_cross_scope_copies(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu, trio_cuda.open_scope(device=sim) as other:
+        f = gpu.zeros((4, 3), F4, order="F")
+        data = np.arange(12, dtype=F4).reshape(4, 3)
+        graph = await gpu.capture(ops.copy(f, data))  # staged in the device array's order
+        data[:] = 0
+        await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(f), np.arange(12, dtype=F4).reshape(4, 3))
+        graph.close()
+        a = gpu.zeros(N, F4)
+        b = other.zeros(N, F4)
+        with pytest.raises(GraphCaptureError, match="two scopes"):
+            await gpu.capture(ops.copy(a, b))
+        await _assert_nothing_captured(sim, gpu)

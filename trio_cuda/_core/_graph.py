@@ -49,7 +49,7 @@ import attrs
 import numpy as np
 import trio
 
-from ._array import Allocation, DeviceArray
+from ._array import Allocation, DeviceArray, host_layout
 from ._errors import CudaError, GraphCaptureError, ScopeClosedError
 from ._ops import Access, DeviceOp
 from ._submit import EnqueueContext, take_leases
@@ -208,6 +208,7 @@ class _Recorder:
     def use(self, accesses: Sequence[tuple[DeviceArray, Access]], *, what: str = "argument") -> None:
         take_leases(self.scope, self.stream, None, accesses, what)  # checks only
         self.gen.record(accesses)
+        self.gen.operations += 1  # one piece of work per use()
 
     def after(self, other: Submission | None) -> None:
         if other is not None and other not in self.gen.after:
@@ -222,13 +223,14 @@ class _Recorder:
         self.use(accesses, what=prepared.kernel.name)
         self.gen.owners += (prepared, function)
         self.driver.launch(self.stream.handle, function, prepared)
-        self.gen.operations += 1
         self.gen.kernels += 1
 
     def copy(self, dst: object, src: object) -> None:
         d = self.driver
         h = self.stream.handle
         if isinstance(dst, DeviceArray) and isinstance(src, DeviceArray):
+            if dst._alloc.scope is not self.scope or src._alloc.scope is not self.scope:
+                self._refuse("ops.copy between the memory of two scopes")
             if src._alloc is dst._alloc:
                 self.use([(dst, Access.WRITE)], what="copy")
             else:
@@ -236,7 +238,10 @@ class _Recorder:
             d.copy_d2d(h, dst.ptr, src.ptr, dst.nbytes)
         elif isinstance(dst, DeviceArray):
             assert isinstance(src, np.ndarray)
-            host = np.ascontiguousarray(src)
+            host = host_layout(dst, src)
+            if host is None:  # another layout: stage it in the device's order
+                host = host_layout(dst, np.array(src, order=dst._order))
+                assert host is not None
             self.use([(dst, Access.WRITE)], what="copy: dst")
             token = d.copy_h2d(h, dst.ptr, host)
             if token is not None:
@@ -246,12 +251,10 @@ class _Recorder:
                 "ops.copy to a host array (a replay's host copy would race with the next replay; "
                 "copy results out with gpu.to_host after the replay)"
             )
-        self.gen.operations += 1
 
     def fill(self, arr: DeviceArray, pattern: bytes) -> None:
         self.use([(arr, Access.WRITE)], what="fill")
         self.driver.fill(self.stream.handle, arr.ptr, pattern, arr.size)
-        self.gen.operations += 1
 
     def host_step(self, fn: object, args: tuple[Any, ...]) -> NoReturn:
         self._refuse("ops.host_closure (it needs the scope's completion handoff at every replay)")
