@@ -724,6 +724,18 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"{r['benchmark']:<36} {val:>12} {unit:<10} {ratio:>7}  {r['target']:<24} {met}")
 
 
+# --------------------------------------------------------------------------- multigpu
+
+
+def _bench_multigpu() -> None:
+    """Peer-copy bandwidth vs one device's d2d rate, and compute overlap on
+    two devices (``benchmarks/multigpu.py``; needs two GPUs)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from multigpu import bench_multigpu
+
+    bench_multigpu(record, reps)
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -746,7 +758,7 @@ def main() -> int:
     ap.add_argument(
         "--only",
         default="",
-        help="comma-separated sections: raw,lib,tasks,strategies,hops,graphs,peers,launchmodes",
+        help="comma-separated sections: raw,lib,tasks,strategies,hops,graphs,peers,launchmodes,multigpu",
     )
     args = ap.parse_args()
     QUICK = args.quick
@@ -779,6 +791,7 @@ def main() -> int:
     sections.append(("graphs", lambda: trio.run(_graph_bench, raw)))
     sections.append(("peers", lambda: bench_peers(raw)))
     sections.append(("launchmodes", lambda: bench_launchmodes(raw)))
+    sections.append(("multigpu", lambda: _bench_multigpu()))
     t0 = perf()
     for name, fn in sections:
         if not want(name):

@@ -32,6 +32,12 @@ from ._core._kernel import LaunchConfig as LaunchConfig
 from ._core._kernel import Out as Out
 from ._core._kernel import Scalar as Scalar
 from ._core._kernel import Slice as Slice
+from ._core._multi import DevicePolicy as DevicePolicy
+from ._core._multi import DevicePool as DevicePool
+from ._core._multi import DevicePoolStatistics as DevicePoolStatistics
+from ._core._multi import LeastLoadedDevice as LeastLoadedDevice
+from ._core._multi import RoundRobinDevices as RoundRobinDevices
+from ._core._multi import open_device_pool as open_device_pool
 from ._core._ops import DeviceOp as DeviceOp
 from ._core._ops import zip as zip  # noqa: A004
 from ._core._scope import DeviceFuture as DeviceFuture

@@ -7,6 +7,8 @@ Invariants:
   that can access each other (``cuDeviceCanAccessPeer``), peer access is
   enabled once per ordered pair for the life of the process (both primary
   contexts are kept retained by the backend, so it never has to be undone):
+  and the other device is granted access to its default memory pool
+  (``cuMemPoolSetAccess``: stream-ordered allocations need their own grant);
   the copy then goes over the peer link (NVLink or PCIe). Without peer
   access the driver stages the same call through pinned host memory; the
   result and the stream ordering are the same, only slower.
@@ -37,7 +39,7 @@ def peer_access(a: CudaContext, b: CudaContext) -> bool:
     known = _peer.get(key)
     if known is not None:
         return known
-    cu = _cuda.cu
+    cu: Any = getattr(_cuda, "cu")  # noqa: B009 - the module's driver binding (None without cuda)
     ok = True
     with _cuda._ctx_lock:
         for x, y in ((a, b), (b, a)):
@@ -50,6 +52,16 @@ def peer_access(a: CudaContext, b: CudaContext) -> bool:
                 raise _cuda.cuda_error(err, "cuCtxSetCurrent")
             (err,) = cu.cuCtxEnablePeerAccess(y._ctx, 0)
             if err and int(err) != _ALREADY_ENABLED:
+                ok = False
+                continue
+            # stream-ordered allocations (the default memory pool) need their
+            # own grant: let y's device read and write x's pool memory
+            desc = cu.CUmemAccessDesc()
+            desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = y.ordinal
+            desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            (err,) = cu.cuMemPoolSetAccess(x._pool, [desc], 1)
+            if err:
                 ok = False
         _peer[(a.ordinal, b.ordinal)] = ok
         _peer[(b.ordinal, a.ordinal)] = ok
@@ -64,14 +76,15 @@ def copy_peer(
     src: int,
     src_context: object,
     nbytes: int,
-) -> Any:
+) -> None:
     """Enqueue on ``s`` (a stream of ``ctx``) a copy of ``nbytes`` from
     ``src`` (memory of ``src_context``) to ``dst`` (memory of ``dst_context``)."""
-    cu = _cuda.cu
+    cu: Any = getattr(_cuda, "cu")  # noqa: B009 - the module's driver binding (None without cuda)
     for label, c in (("dst_context", dst_context), ("src_context", src_context)):
         if not isinstance(c, _cuda.CudaContext):
             raise TypeError(f"{label}: expected a CudaContext, got {type(c).__name__}")
-    assert isinstance(dst_context, _cuda.CudaContext) and isinstance(src_context, _cuda.CudaContext)
+    assert isinstance(dst_context, _cuda.CudaContext)
+    assert isinstance(src_context, _cuda.CudaContext)
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"nbytes: expected a non-negative int, got {nbytes!r}")
     if nbytes == 0:

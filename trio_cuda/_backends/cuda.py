@@ -719,6 +719,8 @@ class CudaContext:
             raise TypeError(f"stream: expected a CudaStream of this context, got {stream!r}")
         if stream.destroyed:
             raise ScopeClosedError(f"stream {stream.index} was destroyed")
+        if _multi_device:  # scopes on several devices: each call runs in its own context
+            cu.cuCtxSetCurrent(self._ctx)
         return stream
 
     def _fail(self, err: Any, call: str) -> NoReturn:
@@ -730,6 +732,7 @@ class CudaContext:
     def _new_event(self) -> Any:
         if self._free_events:
             return self._free_events.pop()
+        self._make_current_if_needed()  # the event belongs to the current context
         flags = cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC | cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         ev = _check(cu.cuEventCreate(flags), "cuEventCreate")
         self._all_events.append(ev)
@@ -844,7 +847,8 @@ class CudaContext:
         devices, or one): see ``_cuda_peer``."""
         from ._cuda_peer import copy_peer
 
-        return copy_peer(self, self._stream(stream), dst, dst_context, src, src_context, nbytes)
+        copy_peer(self, self._stream(stream), dst, dst_context, src, src_context, nbytes)
+        return None
 
     def copy_d2d(self, stream: StreamHandle, dst: int, src: int, nbytes: int) -> None:
         s = self._stream(stream)
@@ -1170,6 +1174,8 @@ class CudaContext:
         s = stream
         if type(s) is not CudaStream or s.ctx is not self:
             s = self._stream(stream)
+        elif _multi_device:
+            cu.cuCtxSetCurrent(self._ctx)
         seq = s.seq + 1
         mode = self.marker_mode
         if mode == "hybrid" and not s.hot and not self.record_events:
@@ -1233,11 +1239,17 @@ class CudaContext:
         if owner is not self:  # record (below) in the marker's context, wait in ours
             cu.cuCtxSetCurrent(owner._ctx)
             owner._flush_stream(other)
-        if ev is None and self.wait_marker_mode == "event" and m.seq == other.seq and not other.destroyed:
+        if (
+            ev is None
+            and (self.wait_marker_mode == "event" or owner is not self)
+            and m.seq == other.seq
+            and not other.destroyed
+        ):
             # The marker is the newest point of its stream: an event recorded
             # now completes with it. Re-recording the scratch event later does
-            # not affect a wait already enqueued. (The event must belong to
-            # the recording stream's context.)
+            # not affect a wait already enqueued. The event belongs to the
+            # recording stream's context; across devices (cuEventRecord there,
+            # cuStreamWaitEvent here) this is the default, flags the fallback.
             ev = owner._scratch_event
             if ev is None:
                 ev = owner._scratch_event = owner._new_event()
@@ -1314,9 +1326,7 @@ class CudaContext:
         if self._capturing is None:
             yield
             return
-        err, old = cu.cuThreadExchangeStreamCaptureMode(
-            cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
-        )
+        err, old = cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
         if err:
             raise cuda_error(err, "cuThreadExchangeStreamCaptureMode")
         try:
@@ -1533,6 +1543,7 @@ class CudaContext:
         """``cuStreamQuery`` the streams with pending heads; a failure other
         than NOT_READY is sticky: every pending marker becomes UNKNOWN."""
         self._last_error_check = perf_counter()
+        self._make_current_if_needed()
         if self._sticky is not None:
             return True
         for s in streams:
@@ -1550,6 +1561,7 @@ class CudaContext:
         if not markers or self._sticky is not None:
             await trio.lowlevel.checkpoint()
             return
+        self._make_current_if_needed()
         if self._dirty or self._hot:
             try:
                 self._flush()
@@ -1760,6 +1772,7 @@ class CudaContext:
         if self._closed:
             return
         self._closed = True
+        self._make_current_if_needed()
         self._waiters.close()
         self._staging.close()
         if self._sticky is not None:

@@ -1209,6 +1209,14 @@ class SimContext:
 
         return copy_peer(self, self._stream(stream), dst, dst_context, src, src_context, nbytes)
 
+    def check_copy_peer(self, dst_context: object, src_context: object) -> None:
+        """Raise ``ValueError`` unless :meth:`copy_peer` can copy between the
+        devices of these contexts (one device, or devices of one SimHost).
+        Enqueues nothing."""
+        from .sim_multi import check_copy_peer
+
+        check_copy_peer(self, dst_context, src_context)
+
     def fill(self, stream: StreamHandle, dst: int, pattern: bytes, count: int) -> None:
         s = self._stream(stream)
         pattern = bytes(pattern)

@@ -95,7 +95,9 @@ class SimHost:
         if isinstance(devices, int):
             n = _check_count(devices)
             if "name" in options:
-                raise TypeError("name: SimHost names its devices sim0, sim1, ...; pass SimDevices to name them")
+                raise TypeError(
+                    "name: SimHost names its devices sim0, sim1, ...; pass SimDevices to name them"
+                )
             made = [SimDevice(name=f"sim{i}", **options) for i in range(n)]
         else:
             if options:
@@ -156,7 +158,7 @@ class SimHost:
         if isinstance(device, SimDevice):
             if device._host is not self:
                 raise ValueError(f"{label}: expected a device of this SimHost, got {device.name!r}")
-            return self._devices.index(device)
+            return next(i for i, d in enumerate(self._devices) if d is device)
         if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < len(self._devices):
             raise ValueError(
                 f"{label}: expected a SimDevice of this host or an ordinal below {len(self._devices)}, "
@@ -278,6 +280,27 @@ def wake_waiters(device: SimDevice, waiters: list[SimStream]) -> None:
         host._kick(d)
 
 
+def check_copy_peer(ctx: SimContext, dst_context: object, src_context: object) -> None:
+    """``SimContext.check_copy_peer``: raise unless the devices can copy."""
+    for label, c in (("dst_context", dst_context), ("src_context", src_context)):
+        if not isinstance(c, SimContext):
+            raise TypeError(f"{label}: expected a SimContext, got {type(c).__name__}")
+    assert isinstance(dst_context, SimContext)
+    assert isinstance(src_context, SimContext)
+    dev = ctx._device
+    sd = src_context._device
+    dd = dst_context._device
+    if sd is dd and dd is dev:
+        return
+    host = dev._host
+    if host is None or sd._host is not host or dd._host is not host:
+        names = ", ".join(sorted({dev.name, sd.name, dd.name}))
+        raise ValueError(
+            f"copy: expected simulated devices of one SimHost, got {names} (make them with "
+            f"trio_cuda.testing.SimHost to copy between them)"
+        )
+
+
 def copy_peer(
     ctx: SimContext,
     s: SimStream,
@@ -288,10 +311,9 @@ def copy_peer(
     nbytes: int,
 ) -> object | None:
     """``SimContext.copy_peer``: see the module invariants."""
-    for label, c in (("dst_context", dst_context), ("src_context", src_context)):
-        if not isinstance(c, SimContext):
-            raise TypeError(f"{label}: expected a SimContext, got {type(c).__name__}")
-    assert isinstance(dst_context, SimContext) and isinstance(src_context, SimContext)
+    check_copy_peer(ctx, dst_context, src_context)
+    assert isinstance(dst_context, SimContext)
+    assert isinstance(src_context, SimContext)
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"nbytes: expected a non-negative int, got {nbytes!r}")
     dev = ctx._device
@@ -300,13 +322,7 @@ def copy_peer(
     if sd is dd and dd is dev:
         ctx.copy_d2d(s, dst, src, nbytes)
         return None
-    host = dev._host
-    if host is None or sd._host is not host or dd._host is not host:
-        names = ", ".join(sorted({dev.name, sd.name, dd.name}))
-        raise ValueError(
-            f"copy_peer: expected simulated devices of one SimHost, got {names} (make them with "
-            f"trio_cuda.testing.SimHost to copy between them)"
-        )
+    host: SimHost = dev._host
     staged = not host.can_access_peer(sd, dd)
     how = "staged" if staged else "peer"
     label = f"{how} copy {nbytes} B {sd.name}->{dd.name}"

@@ -194,13 +194,21 @@ def cross_scope_copy(ctx: EnqueueContext, dst: DeviceArray, src: DeviceArray) ->
             f"copy: expected dst and src on devices of one backend that copies between devices, got "
             f"dst on {_scope_label(d_owner)} and src on {_scope_label(s_owner)}"
         )
+    check = getattr(driver, "check_copy_peer", None)
+    if check is not None:
+        try:
+            check(d_owner._driver, s_owner._driver)
+        except ValueError as exc:
+            raise KernelArgumentError(str(exc)) from None
     sub = ctx.submission
     accesses = ((src, Access.READ), (dst, Access.WRITE))
     writer: Submission | None = None
     if sub is None:  # unsafe.async_on: checks only, no leases
         take_leases(scope, ctx.stream, None, accesses, "copy", foreign=True)
     else:
-        new = [a for a in {dst._alloc: None, src._alloc: None} if a.scope is not scope and a not in sub.leases]
+        new = [
+            a for a in {dst._alloc: None, src._alloc: None} if a.scope is not scope and a not in sub.leases
+        ]
         w = src._alloc.last_writer
         if s_owner is not scope and w is not None and w.state is SubState.IN_FLIGHT:
             writer = w
@@ -318,9 +326,7 @@ def _arrays_of(op: object, out: list[DeviceArray], depth: int = 0) -> None:
         for x in (op._dst, op._src):  # dst first: a cross-device copy runs where it lands
             if isinstance(x, DeviceArray):
                 out.append(x)
-    elif isinstance(op, _Fill):
-        out.append(op._arr)
-    elif isinstance(op, _ZeroBytes):
+    elif isinstance(op, _Fill | _ZeroBytes):
         out.append(op._arr)
     elif isinstance(op, _Zip):
         for o in op._ops:
@@ -391,7 +397,9 @@ class DevicePool:
                     return owner
         scope = self._policy.choose(self._scopes, op)
         if scope not in self._scopes:
-            raise ValueError(f"policy: expected one of the pool's scopes, got {scope!r} from {self._policy!r}")
+            raise ValueError(
+                f"policy: expected one of the pool's scopes, got {scope!r} from {self._policy!r}"
+            )
         return scope
 
     def submit(self, op: DeviceOp[T], *, stream: Stream | None = None) -> DeviceFuture[T]:
@@ -401,7 +409,7 @@ class DevicePool:
             scope = getattr(stream, "scope", None)
             if scope not in self._scopes:
                 raise ValueError(f"stream: expected a stream of one of the pool's scopes, got {stream!r}")
-            return scope.submit(op, stream=stream)  # type: ignore[union-attr]
+            return scope.submit(op, stream=stream)  # type: ignore[no-any-return]
         if not isinstance(op, DeviceOp):
             raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
         return self.choose(op).submit(op)
