@@ -356,6 +356,8 @@ class CudaFunction:
         "limits",
         "module",
         "ok",
+        "params",
+        "params_end",
         "unloaded",
     )
 
@@ -378,8 +380,11 @@ class CudaFunction:
         self.from_cache = from_cache
         self.dyn_smem = _DEFAULT_SMEM
         self.unloaded = False
-        #: (max threads per block, static shared bytes, parameter layout or None), read on first check
-        self.limits: tuple[int, int, tuple[tuple[int, int], ...] | None] | None = None
+        #: (max threads per block, static shared bytes, parameter count or None), read on first check
+        self.limits: tuple[int, int, int | None] | None = None
+        #: the parameters' (offset, size) read so far, and the count where a query found the end
+        self.params: list[tuple[int, int]] = []
+        self.params_end: int | None = None
         #: (config, plan) pairs that passed :meth:`CudaContext.check_launch`
         self.ok: dict[tuple[object, object], None] = {}
         #: the kernel's preallocated parameter arena for first launches:
@@ -546,33 +551,31 @@ class _D2HFinisher:
 _STRATEGIES: Final = ("adaptive", "sleep", "event", "thread")
 
 
-def _param_layout(fn: Any) -> tuple[tuple[int, int], ...] | None:
-    """``(offset, size)`` of each parameter of a loaded kernel, as the driver
-    lays them out (``cuFuncGetParamCount``/``cuFuncGetParamInfo``), or None
-    where the driver cannot report it (the bindings may know a function that
-    the installed driver lacks: calling it raises ``RuntimeError``)."""
-    try:
-        count: int | None = None
-        get_count = getattr(cu, "cuFuncGetParamCount", None)
-        if get_count is not None:
-            try:
-                err, n = get_count(fn)
-                if not err:
-                    count = int(n)
-            except RuntimeError:  # not in this driver
-                count = None
-        get_info = cu.cuFuncGetParamInfo
-        layout: list[tuple[int, int]] = []
-        for index in range(count if count is not None else 4096):
-            err, offset, size = get_info(fn, index)
-            if err:
-                if count is not None or index == 0:
-                    return None  # unsupported (or "no parameters" cannot be told from it)
-                break
-            layout.append((int(offset), int(size)))
-        return tuple(layout)
-    except Exception:  # no such function in the bindings or the driver: no check
+def _param_count(fn: Any) -> int | None:
+    """How many parameters a loaded kernel has (``cuFuncGetParamCount``), or
+    None where the driver cannot tell (the bindings may know a function the
+    installed driver lacks: calling it raises ``RuntimeError``)."""
+    get_count = getattr(cu, "cuFuncGetParamCount", None)
+    if get_count is None:
         return None
+    try:
+        err, n = get_count(fn)
+    except Exception:  # not in this driver
+        return None
+    return None if err else int(n)
+
+
+def _param_info(fn: Any, index: int) -> tuple[int, int] | bool | None:
+    """``(offset, size)`` of parameter ``index`` of a loaded kernel
+    (``cuFuncGetParamInfo``); False when the kernel has fewer parameters
+    (``CUDA_ERROR_INVALID_VALUE``); None where the driver cannot report it."""
+    try:
+        err, offset, size = cu.cuFuncGetParamInfo(fn, index)
+    except Exception:  # no such function in the bindings or the driver
+        return None
+    if err:
+        return False if int(err) == 1 else None
+    return int(offset), int(size)
 
 
 def _runnable_tasks() -> int:
@@ -952,10 +955,10 @@ class CudaContext:
         if err:
             raise cuda_error(err, "cuModuleUnload")
 
-    def _function_limits(self, function: CudaFunction) -> tuple[int, int, tuple[tuple[int, int], ...] | None]:
+    def _function_limits(self, function: CudaFunction) -> tuple[int, int, int | None]:
         """The kernel's own limits, read once: its maximum threads per block
         (registers, ``__launch_bounds__``), its static shared memory, and its
-        parameter layout (``cuFuncGetParamInfo``; None where the driver cannot
+        parameter count (``cuFuncGetParamCount``; None where the driver cannot
         report it)."""
         limits = function.limits
         if limits is not None:
@@ -971,9 +974,27 @@ class CudaContext:
 
         threads = attr(A.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, "MAX_THREADS_PER_BLOCK")
         static = attr(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, "SHARED_SIZE_BYTES")
-        layout = _param_layout(fn)
-        function.limits = limits = (threads, static, layout)
+        function.limits = limits = (threads, static, _param_count(fn))
         return limits
+
+    def param_layout(self, function: CudaFunction, n: int) -> tuple[tuple[int, int], ...] | None:
+        """The compiled kernel's ``(offset, size)`` per parameter, as far as a
+        launch packing ``n`` parameters needs it: all of them where the driver
+        reports the count, else the first ``n`` (fewer if the kernel has
+        fewer). Only indices that exist are queried, so a matching launch
+        makes no failing driver call. None: the driver cannot report it."""
+        count = self._function_limits(function)[2]
+        known = function.params
+        want = count if count is not None else n
+        while len(known) < want and function.params_end is None:
+            info = _param_info(function.fn, len(known))
+            if info is None:
+                return None
+            if info is False:
+                function.params_end = len(known)
+                break
+            known.append(info)  # type: ignore[arg-type]
+        return tuple(known[:want])
 
     def check_launch(self, function: object, launch: PreparedLaunch) -> None:
         """What only the loaded kernel knows, checked before anything is
@@ -989,7 +1010,7 @@ class CudaContext:
             return
         self._check_open()
         cu.cuCtxSetCurrent(self._ctx)
-        max_threads, static, layout = self._function_limits(function)
+        max_threads, static, _ = self._function_limits(function)
         name = launch.kernel.name
         threads = c.block[0] * c.block[1] * c.block[2]
         if threads > max_threads:
@@ -1011,6 +1032,7 @@ class CudaContext:
                 call = f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={smem})"
                 raise cuda_error(err, call, LaunchError)
             function.dyn_smem = smem
+        layout = self.param_layout(function, len(launch.plan.slots))
         if layout is not None:
             check_param_layout(launch, layout)
         if c.cooperative:
