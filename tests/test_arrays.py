@@ -345,3 +345,24 @@ def test_unclosed_array_warning_under_minus_w_error():
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("ResourceWarning: unclosed DeviceArray shape=(5,)") == 1, proc.stderr
     assert "created at <string>:6 in main" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+async def test_a_reference_sees_an_array_in_its_own_memory_order(sim, order):
+    seen = []
+
+    def transpose_ref(x, y):  # as the kernel sees it: the same memory, the same layout
+        seen.append((x.flags.c_contiguous, x.flags.f_contiguous))
+        y[...] = x.T
+
+    k = trio_cuda.Kernel.from_source(
+        "/* sim only */", "t", params=[trio_cuda.In("f4"), trio_cuda.Out("f4")], reference=transpose_ref
+    )
+    host = np.asarray(np.arange(12, dtype=F4).reshape(3, 4), order=order)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = await gpu.to_device(host)
+        assert x.order == order
+        y = gpu.empty((4, 3), F4)
+        await gpu.run(k.launch(x, y, grid=1, block=1))
+        np.testing.assert_array_equal(await gpu.to_host(y), host.T)
+    assert seen == [(order == "C", order == "F")]

@@ -1013,9 +1013,11 @@ class SimDevice:
             if ok:
                 view: np.ndarray[Any, Any]
                 if nbytes:
-                    view = np.ndarray(av.shape, dtype=dtype, buffer=alloc.buf, offset=av.ptr - alloc.ptr)
+                    view = np.ndarray(
+                        av.shape, dtype=dtype, buffer=alloc.buf, offset=av.ptr - alloc.ptr, order=av.order
+                    )
                 else:
-                    view = np.empty(av.shape, dtype=dtype)
+                    view = np.empty(av.shape, dtype=dtype, order=av.order)
                 if av.access is Access.READ:
                     view.setflags(write=False)
                 out.append(view)

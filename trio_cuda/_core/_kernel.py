@@ -321,6 +321,8 @@ class ArgView:
     access: Access | None = None
     #: dtype of a ``"slice"``'s length parameter
     len_dtype: np.dtype[Any] | None = None
+    #: memory order of an ``"array"`` or ``"slice"``: ``"C"`` or ``"F"``
+    order: Literal["C", "F"] = "C"
 
     @property
     def nbytes(self) -> int:
@@ -400,10 +402,13 @@ def _views_of(params: Sequence[Param], values: Sequence[object]) -> tuple[ArgVie
                     length=value.size,
                     access=param.access,
                     len_dtype=param.len_dtype,
+                    order=value.order,
                 )
             )
         else:
-            out.append(ArgView("array", value.ptr, value.shape, value.dtype, access=param.access))
+            out.append(
+                ArgView("array", value.ptr, value.shape, value.dtype, access=param.access, order=value.order)
+            )
     return tuple(out)
 
 
@@ -928,10 +933,11 @@ class Kernel:
                         length=length,
                         access=access,
                         len_dtype=param.len_dtype,
+                        order=arr.order,
                     )
                 )
             else:
-                views.append(ArgView("array", arr.ptr, arr.shape, arr.dtype, access=access))
+                views.append(ArgView("array", arr.ptr, arr.shape, arr.dtype, access=access, order=arr.order))
         prepared = PreparedLaunch(self, config, self._plan, _pack(self._plan, raws), tuple(views))
         return KernelLaunch._create(prepared, _merge_accesses(accesses), outputs)
 
@@ -1246,7 +1252,11 @@ class LaunchBuilder:
                 raise KernelArgumentError(f"argument {index}: write access to a read-only array")
             raw = _POINTER.type(value.ptr).tobytes()
             self._args.append(
-                (raw, ArgView("array", value.ptr, value.shape, value.dtype, access=mode), value)
+                (
+                    raw,
+                    ArgView("array", value.ptr, value.shape, value.dtype, access=mode, order=value.order),
+                    value,
+                )
             )
             self._layout.append((8, 8))
         elif isinstance(value, np.generic):
