@@ -720,3 +720,32 @@ async def test_inplace_update_keeps_the_allocation(sim):
         assert out.ptr == ptr
         assert sim.statistics().allocations == allocations  # nothing new was allocated
         np.testing.assert_array_equal(await gpu.to_host(buf), np.arange(300, dtype=F4) * 3 + 1)
+
+
+async def test_run_loads_an_unloaded_kernel_off_the_loop_where_the_driver_can(sim, monkeypatch):
+    import threading
+
+    k = trio_cuda.Kernel.from_source("/* sim */", "fill7", params=[Out("i4")], reference=lambda y: y.fill(7))
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        gpu._load_in_thread = True  # as on the cuda backend
+        threads = []
+        cls = type(gpu._driver)
+        load = cls.load_kernel
+
+        def recording_load(self, kernel):
+            threads.append(threading.current_thread())
+            return load(self, kernel)
+
+        monkeypatch.setattr(cls, "load_kernel", recording_load)
+        y = gpu.zeros(4, np.int32)
+        await gpu.run(k.launch(y, grid=1, block=1))
+        await gpu.run(k.launch(y, grid=1, block=1))  # loaded once
+        assert len(threads) == 1
+        assert threads[0] is not threading.main_thread()
+        np.testing.assert_array_equal(await gpu.to_host(y), [7, 7, 7, 7])
+        # submit() cannot wait: it loads on the loop
+        k2 = trio_cuda.Kernel.from_source(
+            "/* sim */", "fill8", params=[Out("i4")], reference=lambda y: y.fill(8)
+        )
+        await gpu.submit(k2.launch(y, grid=1, block=1)).wait()
+        assert threads[1] is threading.main_thread()

@@ -366,6 +366,7 @@ class ResourceScope:
         "_idle",
         "_in_flight",
         "_info",
+        "_load_in_thread",
         "_next_id",
         "_orphan_errors",
         "_policy",
@@ -383,6 +384,7 @@ class ResourceScope:
     _info: DeviceInfo
     _batch: bool
     _spin: float
+    _load_in_thread: bool
     _unflushed: list[Stream]
     _conflicts: str
     _policy: SchedulingPolicy
@@ -425,6 +427,7 @@ class ResourceScope:
         self._info = driver.info
         self._batch = bool(getattr(driver, "batch_markers", False))
         self._spin = float(getattr(driver, "await_spin", 0.0))
+        self._load_in_thread = bool(getattr(driver, "load_in_thread", False))
         self._unflushed = []
         self._conflicts = conflicts
         self._policy = policy
@@ -794,8 +797,13 @@ class ResourceScope:
         """Submit ``op`` and wait for its output. If the calling task is
         cancelled first, nothing is submitted; if it is cancelled while
         waiting, ``Cancelled`` is raised promptly and the scope keeps the
-        submission until the GPU finished it."""
+        submission until the GPU finished it.
+
+        A single kernel launch whose kernel this scope has not loaded yet is
+        loaded first, as :meth:`load` does (off the loop on a real GPU)."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        if type(op) is KernelLaunch and op.prepared.kernel not in self._functions and self._load_in_thread:
+            await self.load(op.prepared.kernel)
         fut = self.submit(op, stream=stream)
         return await fut.wait()
 
@@ -823,13 +831,15 @@ class ResourceScope:
     async def load(self, *kernels: Kernel) -> None:
         """Compile and load ``kernels`` for this scope now, without blocking
         the event loop: on a real GPU, NVRTC and module loading run in a worker
-        thread. Otherwise the first launch of a kernel loads it, synchronously."""
+        thread. ``run()`` of a single launch does this for its kernel; any
+        other first use (``submit``, a kernel inside a ``then`` chain) loads
+        the kernel synchronously."""
         await trio.lowlevel.checkpoint_if_cancelled()
         for i, kernel in enumerate(kernels):
             if not isinstance(kernel, Kernel):
                 raise TypeError(f"kernels[{i}]: expected a Kernel, got {type(kernel).__name__}")
         self._check_open("load")
-        in_thread = bool(getattr(self._driver, "load_in_thread", False))
+        in_thread = self._load_in_thread
         for kernel in kernels:
             if kernel in self._functions:
                 continue
