@@ -92,6 +92,8 @@ async def test_empty_like(sim):
             gpu.empty_like(a, order="X")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"^order: expected 'C' or 'F', got 'K'$"):
             gpu.empty(3, order="K")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"^to_device: order: expected 'C', 'F' or 'K', got 'X'$"):
+            await gpu.to_device(np.ones(3), order="X")  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- views

@@ -637,6 +637,8 @@ class CudaContext:
             self._release_primary()
             raise
         self._pages: list[_FlagPage] = []
+        #: another context's stream waited on one of our flags: never free the pages
+        self._pages_shared = False
         self._streams: dict[CudaStream, None] = {}
         self._staging = _StagingPool(self)
         self._functions: dict[CudaFunction, None] = {}
@@ -1286,6 +1288,11 @@ class CudaContext:
                 self._fail(err, "cuStreamWaitEvent")
             return
         owner._flush_stream(other)
+        if owner is not self:
+            # Our stream will read the other context's flag page, perhaps after
+            # that context closed: it must never free its pages (a leak of a
+            # few KiB, rather than a wait on freed memory).
+            owner._pages_shared = True
         geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         (err,) = cu.cuStreamWaitValue32(s.cu, other.slot_dptr, m.seq & _M32, geq)
         if err:
@@ -1511,11 +1518,17 @@ class CudaContext:
     def foreign_fence(self, foreign: int | None) -> Any:
         """An event after the work enqueued so far on the foreign stream; for
         None (stream unknown), synchronise the whole context and return None."""
-        cu.cuCtxSetCurrent(self._ctx)  # may run in a worker thread
-        if foreign is None:
-            _check(cu.cuCtxSynchronize(), "cuCtxSynchronize (interop fence)")
-            return None
-        return self._foreign_event(cu.CUstream(foreign))
+        # May run on a consumer's thread (a DLPack deleter) or a worker thread:
+        # push our context and pop it again, leaving that thread's current
+        # context (another library's device) as it was.
+        _check(cu.cuCtxPushCurrent(self._ctx), "cuCtxPushCurrent (interop fence)")
+        try:
+            if foreign is None:
+                _check(cu.cuCtxSynchronize(), "cuCtxSynchronize (interop fence)")
+                return None
+            return self._foreign_event(cu.CUstream(foreign))
+        finally:
+            cu.cuCtxPopCurrent()
 
     def wait_fence(self, stream: StreamHandle, fence: object) -> None:
         """Make ``stream`` wait, device-side, for a fence of :meth:`foreign_fence`."""
@@ -1825,7 +1838,8 @@ class CudaContext:
         self._free_events.clear()
         for page in self._pages:
             page.mv.release()
-            cu.cuMemFreeHost(page.host)
+            if not self._pages_shared:
+                cu.cuMemFreeHost(page.host)
         self._pages.clear()
         self._release_primary()
 

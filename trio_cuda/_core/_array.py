@@ -567,8 +567,8 @@ class DeviceArray:
 
         Reading it *exports* the handle: a read lease (read-only handle) or a
         write lease (writable handle) is taken and held until this handle is
-        garbage-collected (consumers keep a reference to it) or the scope
-        exits. ``stream`` names a stream the consumer must synchronise with,
+        garbage-collected (consumers keep a reference to it); at scope exit an
+        export still held is abandoned and its memory quarantined. ``stream`` names a stream the consumer must synchronise with,
         or is None when no work on the memory is in flight. Only on the
         ``cuda`` backend: on the simulator this raises ``AttributeError``, so
         ``hasattr`` is False. See :doc:`interop`."""
@@ -587,7 +587,8 @@ class DeviceArray:
         """Export as a DLPack capsule (no copy). ``stream`` is the consumer's
         stream: it is made to wait, device-side, for in-flight work on the
         memory. The export holds a read (read-only handle) or write lease until
-        the consumer deletes the tensor, or the scope exits. See :doc:`interop`."""
+        the consumer deletes the tensor; at scope exit an export still held is
+        abandoned and its memory quarantined. See :doc:`interop`."""
         from ._export import dlpack_export
 
         return dlpack_export(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)

@@ -21,13 +21,15 @@ Invariants:
   on the consumer's stream where that stream surely still exists (the
   simulator's streams, CUDA's legacy and per-thread default streams), and
   otherwise a device-wide one, which on CUDA is a context synchronisation run
-  in a worker thread (never on the loop, except when a conflicting access
-  needs the release at once). The export's stream waits for the fence; then
-  the submission goes in flight and retires like any other. Its lease, and
-  the memory, are released only at that retirement.
-* Scope exit ends every export still live: one device-wide fence (in a worker
-  thread where it blocks), then the leases retire before memory is freed.
-  Consumers must not use an export after its scope exited.
+  in a worker thread, never on the loop: an awaited access that conflicts
+  with a released export waits for it (``finish_releases``), a synchronous
+  one raises ``AccessConflictError``. The fence is taken before the export is
+  published as releasing. The export's stream waits for the fence; then the
+  submission goes in flight and retires like any other. Its lease, and the
+  memory, are released only at that retirement.
+* Scope exit finishes released exports (within ``drain_timeout``) and
+  abandons the others: an export still held by its consumer, or not finished
+  in time, has its memory quarantined (never freed) with a ResourceWarning.
 * An export whose consumer's work cannot be fenced keeps its lease forever:
   its memory is quarantined, never freed.
 """
@@ -36,11 +38,13 @@ from __future__ import annotations
 
 import enum
 import threading
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, final
 
 import trio
 
+from ._array import AllocState
 from ._errors import AccessConflictError, CompletionUnknownError
 from ._ops import Access, DeviceOp
 from ._submit import TERMINAL, Submission, SubState, take_leases
@@ -52,8 +56,10 @@ if TYPE_CHECKING:
 
 class ExportState(enum.Enum):
     LIVE = "live"
-    RELEASING = "releasing"  #: the consumer released it; the loop has not fenced it yet
+    FENCING = "fencing"  #: the consumer is releasing it on its thread (taking the fence)
+    RELEASING = "releasing"  #: the consumer released it; the loop has not finished it yet
     RELEASED = "released"
+    ABANDONED = "abandoned"  #: still held at scope exit: its memory is quarantined
 
 
 #: ``consumer`` value of an export whose consumer stream is unknown (CAI)
@@ -109,6 +115,7 @@ class Export:
 
     __slots__ = (
         "__weakref__",
+        "_done",
         "_fence",
         "_lock",
         "_loop_thread",
@@ -139,27 +146,32 @@ class Export:
         self._loop_thread = threading.get_ident()
         #: (fence, error) taken when the consumer released it, or None
         self._fence: tuple[object, BaseException | None] | None = None
+        #: set (on the loop) once the export is released or abandoned
+        self._done = trio.Event()
 
     def __repr__(self) -> str:
         return f"<Export {self.kind} {self.access.value} of {self.label}: {self.state.value}>"
 
     # ------------------------------------------------------------------ release
     def release(self) -> None:
-        """The consumer is done (any thread). Idempotent."""
+        """The consumer is done (any thread). Idempotent. The fence on the
+        consumer's work is taken before the export is published as releasing,
+        so the loop never finishes it without that fence."""
         with self._lock:
             if self.state is not ExportState.LIVE:
                 return
-            self.state = ExportState.RELEASING
+            self.state = ExportState.FENCING
         scope = self.scope
         driver: Any = scope._driver
-        blocks = getattr(driver, "foreign_fence_blocks", False)
-        if blocks and self.consumer not in (1, 2):
+        consumer = self.consumer
+        if getattr(driver, "foreign_fence_blocks", False) and consumer not in (1, 2):
             # A consumer's own stream may have been destroyed by now (its
             # handle would dangle): fence the whole device instead. Only the
             # legacy and per-thread default streams always exist.
-            self.consumer = None
+            consumer = None
+        fence: tuple[object, BaseException | None] | None = None
         if (
-            self.consumer is not None
+            consumer is not None
             and not scope._closed
             and (
                 threading.get_ident() == self._loop_thread
@@ -168,21 +180,36 @@ class Export:
         ):
             # Fence the consumer's stream now, while it surely exists.
             try:
-                self._fence = (driver.foreign_fence(self.consumer), None)
+                fence = (driver.foreign_fence(consumer), None)
             except Exception as exc:
-                self._fence = (None, exc)
+                fence = (None, exc)
+        with self._lock:
+            if self.state is not ExportState.FENCING:  # abandoned at scope exit meanwhile
+                if fence is not None and fence[0] is not None:
+                    driver.drop_fence(fence[0])
+                return
+            self.consumer = consumer
+            self._fence = fence
+            self.state = ExportState.RELEASING
+        scope._exports_releasing = True
         try:
             scope._token.run_sync_soon(self._start_finish)
         except trio.RunFinishedError:  # pragma: no cover - the run is over; nothing to order
             pass
+
+    def _blocking_fence(self) -> bool:
+        """True if finishing needs a device-wide fence that blocks the caller."""
+        driver: Any = self.scope._driver
+        return (
+            self._fence is None and self.consumer is None and getattr(driver, "foreign_fence_blocks", False)
+        )
 
     def _start_finish(self) -> None:
         """On the loop, soon after a release: finish now, or, when the fence is
         a blocking device-wide synchronisation, take it in a worker thread."""
         if self.state is not ExportState.RELEASING or self.scope._closed:
             return
-        driver: Any = self.scope._driver
-        if self._fence is None and self.consumer is None and getattr(driver, "foreign_fence_blocks", False):
+        if self._blocking_fence():
             trio.lowlevel.spawn_system_task(self._finish_in_thread, name="trio_cuda export release")
         else:
             self.finish()
@@ -190,22 +217,26 @@ class Export:
     async def _finish_in_thread(self) -> None:
         driver: Any = self.scope._driver
         try:
-            fence = await trio.to_thread.run_sync(driver.foreign_fence, None)
-        except Exception:  # a system task must not raise: finish() retries inline
+            fence = await trio.to_thread.run_sync(driver.foreign_fence, None, abandon_on_cancel=True)
+        except Exception as exc:  # a system task must not raise; the memory is never freed
             if self.state is ExportState.RELEASING and not self.scope._closed:
-                self.finish()
+                self.finish(error=exc)
             return
         if self.state is ExportState.RELEASING and not self.scope._closed:
             self.finish(fence, own_fence=False)
 
-    def finish(self, fence: object = None, *, own_fence: bool = True) -> None:
+    def finish(
+        self, fence: object = None, *, own_fence: bool = True, error: BaseException | None = None
+    ) -> None:
         """On the loop: fence the consumer's work and put the lease in flight.
         With ``own_fence=False``, ``fence`` (a device-wide fence taken by the
-        caller, or None for one already waited for) replaces the consumer's."""
+        caller, or None for one already waited for) replaces the consumer's.
+        ``error``: the fence could not be taken; the lease is quarantined."""
         with self._lock:
             if self.state is not ExportState.RELEASING:
                 return
             self.state = ExportState.RELEASED
+        self._done.set()
         scope = self.scope
         reg = _REGISTRIES.get(scope)
         if reg is not None:
@@ -219,6 +250,8 @@ class Export:
         sub.state = SubState.ENQUEUING
         driver: Any = scope._driver
         taken, self._fence = self._fence, None
+        if error is not None:
+            taken, own_fence = (None, error), True
         try:
             if own_fence:
                 if taken is None:
@@ -275,7 +308,11 @@ def open_export(
         raise RuntimeError(f"{what}: cannot export from inside a then/map closure of a submission")
     reg = _registry(scope)
     w = alloc.last_writer
-    stream = w.stream if w is not None and w.state is SubState.IN_FLIGHT else scope._streams[0]
+    # The consumer orders after the last writer's stream when it is one of this
+    # scope's; another scope's writer (a cross-scope copy) becomes a
+    # device-side wait on the export's own stream (take_leases, below).
+    own = w is not None and w.scope is scope and w.state is SubState.IN_FLIGHT
+    stream = w.stream if own else scope._streams[0]  # type: ignore[union-attr]
     pending = in_flight_conflicts(arr, access)
     export = Export(arr, access, kind, consumer, stream)
     scope._next_id += 1
@@ -316,9 +353,16 @@ def conflict(
     raises :class:`AccessConflictError`."""
     op = other.op
     export = op._export if isinstance(op, _ExportOp) else None
-    if export is not None and export.state is ExportState.RELEASING:
+    if export is not None and export.state is ExportState.RELEASING and not export._blocking_fence():
         export.finish()
         return other
+    if export is not None and export.state in (ExportState.RELEASING, ExportState.FENCING):
+        raise AccessConflictError(
+            f"{what}: {access.value} access to {arr!r} conflicts with a {export.kind} export whose "
+            f"consumer just released it; its work is being fenced (a device-wide synchronisation, "
+            f"in a worker thread, so the loop is not blocked). Await the access (scope.run, "
+            f"to_host, to_device wait for the fence), or submit again after a checkpoint"
+        )
     held = "write" if export is None or export.access is Access.WRITE else "read"
     kind = "an export" if export is None else f"a {export.kind} export"
     raise AccessConflictError(
@@ -332,34 +376,72 @@ def conflict(
 # --------------------------------------------------------------------------- scope exit
 
 
+async def finish_releases(scope: ResourceScope) -> None:
+    """Wait until every export of ``scope`` that its consumer released is
+    finished (its fence taken, in a worker thread where that blocks), so that
+    an access conflicting with one is ordered instead of refused."""
+    reg = _REGISTRIES.get(scope)
+    while reg is not None:
+        pending = [e for e in reg.exports if e.state in (ExportState.RELEASING, ExportState.FENCING)]
+        if not pending:
+            break
+        for e in pending:
+            if e.state is ExportState.FENCING:
+                await trio.sleep(0.001)  # the consumer's thread is taking the fence
+            else:
+                await e._done.wait()
+    scope._exports_releasing = False
+
+
+def abandon_exports(scope: ResourceScope, *, why: str, live_only: bool = False) -> int:
+    """At scope exit: exports not released and finished by now (with
+    ``live_only``, those their consumer still holds) are abandoned. Their
+    memory is quarantined (leaked, never freed: a consumer may still use it)
+    with one ResourceWarning. Returns how many."""
+    reg = _REGISTRIES.get(scope)
+    if reg is None:
+        return 0
+    abandoned = []
+    for e in list(reg.exports):
+        with e._lock:
+            if e.state in (ExportState.RELEASED, ExportState.ABANDONED):
+                continue
+            if live_only and e.state is not ExportState.LIVE:
+                continue
+            e.state = ExportState.ABANDONED
+        e._done.set()
+        reg.exports.pop(e, None)
+        e.alloc.exports -= 1
+        if e.alloc.state is AllocState.LIVE:
+            e.alloc.state = AllocState.QUARANTINED
+        scope._quarantined_leases += 1
+        sub = e.sub
+        if sub is not None:
+            sub.state = SubState.QUARANTINED
+            scope._quarantine.append(sub)
+        abandoned.append(e.label)
+    if abandoned:
+        warnings.warn(
+            ResourceWarning(
+                f"trio_cuda scope exited while {len(abandoned)} export(s) were {why}: "
+                f"{', '.join(abandoned[:5])}{' ...' if len(abandoned) > 5 else ''}; their memory is "
+                f"quarantined (leaked, never freed) rather than freed under a consumer that may "
+                f"still use it. Release exports (drop the consumer's tensor) before the scope exits"
+            ),
+            stacklevel=3,
+        )
+    return len(abandoned)
+
+
 async def end_exports(scope: ResourceScope) -> None:
-    """At scope exit: end every export still held by a consumer, behind one
-    device-wide fence, so that their leases retire before memory is freed."""
+    """At scope exit, inside the drain's timeout: exports still held by their
+    consumer are abandoned (their memory quarantined); released ones are
+    finished, so that their leases retire before memory is freed."""
     reg = _REGISTRIES.get(scope)
     if reg is None or not reg.exports:
         return
-    exports = list(reg.exports)
-    for e in exports:
-        with e._lock:
-            if e.state is ExportState.LIVE:
-                e.state = ExportState.RELEASING
-    driver: Any = scope._driver
-    fence: object = None
-    try:
-        if getattr(driver, "foreign_fence_blocks", False):
-            fence = await trio.to_thread.run_sync(driver.foreign_fence, None)
-        else:
-            fence = driver.foreign_fence(None)
-    except Exception:
-        for e in exports:
-            e.finish()  # each tries its own fence; what cannot be fenced is quarantined
-        return
-    try:
-        for e in exports:
-            e.finish(fence, own_fence=False)
-    finally:
-        if fence is not None:
-            driver.drop_fence(fence)
+    abandon_exports(scope, why="still held by their consumer", live_only=True)
+    await finish_releases(scope)
 
 
 # --------------------------------------------------------------------------- protocols

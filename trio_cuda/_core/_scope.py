@@ -36,7 +36,7 @@ import trio
 from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_order, normalize_shape
 from ._driver import DeviceContext, DeviceInfo, MarkerState, Poll, StreamHandle
 from ._errors import CompletionUnknownError, ScopeClosedError
-from ._export import end_exports
+from ._export import abandon_exports, end_exports, finish_releases
 from ._kernel import Kernel, KernelLaunch, check_device_limits
 from ._multi import abandon_foreign, foreign_lease_count, release_foreign, wait_foreign
 from ._ops import Access, DeviceOp, _Copy, _Fill, _ZeroBytes, resolve_output
@@ -357,6 +357,7 @@ class ResourceScope:
         "_drain_event",
         "_driver",
         "_enqueuing",
+        "_exports_releasing",
         "_failed",
         "_functions",
         "_gc_releases",
@@ -385,6 +386,7 @@ class ResourceScope:
     _batch: bool
     _spin: float
     _load_in_thread: bool
+    _exports_releasing: bool
     _unflushed: list[Stream]
     _conflicts: str
     _policy: SchedulingPolicy
@@ -428,6 +430,8 @@ class ResourceScope:
         self._batch = bool(getattr(driver, "batch_markers", False))
         self._spin = float(getattr(driver, "await_spin", 0.0))
         self._load_in_thread = bool(getattr(driver, "load_in_thread", False))
+        #: an export's consumer released it and its fence is not finished yet
+        self._exports_releasing = False
         self._unflushed = []
         self._conflicts = conflicts
         self._policy = policy
@@ -617,6 +621,8 @@ class ResourceScope:
         assert isinstance(host, np.ndarray)
         if order == "K":
             order = "F" if host.flags.f_contiguous and not host.flags.c_contiguous else "C"
+        elif order not in ("C", "F"):
+            raise ValueError(f"to_device: order: expected 'C', 'F' or 'K', got {order!r}")
         s = self._pick(_ALLOC_OP, stream)
         arr = self.empty(host.shape, host.dtype, order=order, stream=s)
         try:
@@ -642,6 +648,8 @@ class ResourceScope:
         from ._ops import copy
 
         op = copy(out, arr)
+        if self._exports_releasing:
+            await finish_releases(self)  # a read after a consumer released a write export
         fut: DeviceFuture[np.ndarray[Any, Any]] = self.submit(op, stream=stream)
         return await fut.wait()
 
@@ -804,6 +812,8 @@ class ResourceScope:
         await trio.lowlevel.checkpoint_if_cancelled()
         if type(op) is KernelLaunch and op.prepared.kernel not in self._functions and self._load_in_thread:
             await self.load(op.prepared.kernel)
+        if self._exports_releasing:
+            await finish_releases(self)  # an access after a consumer released an export
         fut = self.submit(op, stream=stream)
         return await fut.wait()
 
@@ -1062,8 +1072,8 @@ class ResourceScope:
 
     # ------------------------------------------------------------------ exit
     async def _drain(self, timeout: float | None) -> None:
-        await end_exports(self)  # exports end at exit; their leases retire below
         with trio.move_on_after(math.inf if timeout is None else timeout):
+            await end_exports(self)  # exports end at exit; their leases retire below
             while self._in_flight or any(s._pending or s._unmarked for s in self._streams):
                 self._drain_event = trio.Event()
                 self._wake()
@@ -1189,6 +1199,8 @@ class _ScopeManager:
         try:
             with trio.CancelScope(shield=True):
                 await scope._drain(timeout)
+                # released exports whose fence did not finish within the timeout
+                abandon_exports(scope, why=f"not finished when drain_timeout={timeout} s passed")
                 if scope._in_flight or any(s._pending or s._unmarked for s in scope._streams):
                     scope._abandon_in_flight(timeout)
                 abandon_foreign(scope, timeout)
