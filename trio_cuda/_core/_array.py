@@ -568,8 +568,9 @@ class DeviceArray:
         Reading it *exports* the handle: a read lease (read-only handle) or a
         write lease (writable handle) is taken and held until this handle is
         garbage-collected (consumers keep a reference to it); at scope exit an
-        export still held is abandoned and its memory quarantined. ``stream`` names a stream the consumer must synchronise with,
-        or is None when no work on the memory is in flight. Only on the
+        export still held is abandoned and its memory quarantined. ``stream``
+        names a stream the consumer must synchronise with, or is None when no
+        work on the memory is in flight. Only on the
         ``cuda`` backend: on the simulator this raises ``AttributeError``, so
         ``hasattr`` is False. See :doc:`interop`."""
         from ._export import cuda_array_interface
