@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import trio
 
 import trio_cuda
 from trio_cuda import In, InOut, Kernel, KernelArgumentError, Out, Scalar, Slice, ops, unsafe
@@ -268,6 +269,10 @@ async def test_declared_parameters_that_do_not_match_the_kernel_are_refused() ->
     right = Kernel.from_source(LAYOUT_SRC, "takes_double", params=[Scalar("f8"), Out("f4")])
     async with trio_cuda.open_scope(device="cuda") as gpu:
         out = gpu.zeros(1, np.float32)
+        await gpu.load(wrong, extra, right)
+        with trio.fail_after(10):
+            while gpu.statistics().in_flight:  # noqa: ASYNC110 - until the zeros retired
+                await trio.sleep(0.001)
         before = stats(gpu)
         with pytest.raises(
             KernelArgumentError,
