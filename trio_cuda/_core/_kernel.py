@@ -488,7 +488,7 @@ def _plain(dims: object) -> bool:
 
 
 def cached_config(
-    grid: object, block: object, shared_mem: object, cluster: object, cooperative: bool, pdl: bool
+    grid: object, block: object, shared_mem: object, cluster: object, cooperative: object, pdl: object
 ) -> LaunchConfig:
     """``make_config`` memoised on hashable arguments (the launch hot path)."""
     if not (
@@ -1158,6 +1158,29 @@ class KernelLaunch(DeviceOp[Any]):
 # --------------------------------------------------------------------------- builder
 
 
+_PLAN_CACHE: dict[tuple[tuple[int, int], ...], ParamPlan] = {}
+
+
+def _plan_for(kernel: Kernel, layout: Sequence[tuple[int, int]]) -> ParamPlan:
+    """The arena plan of a builder's ``(size, alignment)`` layout: the kernel's
+    own plan when they agree (backends cache per plan), else one shared by
+    every builder of that layout."""
+    key = tuple(layout)
+    own = kernel._plan
+    slots = own.slots
+    if len(slots) == len(key) and all(
+        s.size == size and s.align == align for s, (size, align) in zip(slots, key, strict=True)
+    ):
+        return own
+    plan = _PLAN_CACHE.get(key)
+    if plan is None:
+        plan = ParamPlan.from_layout(key)
+        if len(_PLAN_CACHE) >= 1024:
+            _PLAN_CACHE.clear()
+        _PLAN_CACHE[key] = plan
+    return plan
+
+
 @final
 class LaunchBuilder:
     """Inert launch builder: collects geometry, modes and raw arguments, checks
@@ -1295,7 +1318,7 @@ class LaunchBuilder:
 
     def finalize_unchecked(self) -> KernelLaunch:
         """Freeze into an immutable KernelLaunch. Only the geometry is checked."""
-        config = make_config(
+        config = cached_config(
             self._grid,
             self._block,
             self._shared,
@@ -1303,7 +1326,7 @@ class LaunchBuilder:
             self._cooperative,
             self._pdl,
         )
-        plan = ParamPlan.from_layout(self._layout)
+        plan = _plan_for(self._kernel, self._layout)
         raws = [a[0] for a in self._args]
         views = tuple(a[1] for a in self._args)
         accesses = []
