@@ -621,3 +621,28 @@ async def test_layouts_and_cross_scope_copies(sim):
         with pytest.raises(GraphCaptureError, match="two scopes"):
             await gpu.capture(ops.copy(a, b))
         await _assert_nothing_captured(sim, gpu)
+
+
+async def test_instantiation_runs_in_a_worker_thread_where_the_driver_asks(sim, monkeypatch):
+    import threading
+
+    threads = []
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        cls = type(gpu._driver)
+        instantiate = cls.instantiate
+
+        def recording(self, graph):
+            threads.append(threading.current_thread())
+            return instantiate(self, graph)
+
+        monkeypatch.setattr(cls, "instantiate", recording)
+        monkeypatch.setattr(cls, "instantiate_in_thread", True, raising=False)
+        await gpu.load(ADD)
+        x = gpu.zeros(N, np.float32)
+        graph = await gpu.capture(add(x, 1.0))
+        await gpu.run(graph.launch())
+        await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(x), host(2.0))
+        graph.close()
+    assert len(threads) == 1
+    assert threads[0] is not threading.main_thread()

@@ -662,6 +662,8 @@ class CudaContext:
         self.batch_markers = True
         #: load_kernel may run in a worker thread (it makes the context current there)
         self.load_in_thread = True
+        #: the core runs :meth:`instantiate` in a worker thread
+        self.instantiate_in_thread = True
         self.error_check_interval = 0.02
         self.poll_interval = 50e-6
         self.max_poll_interval = 1e-3
@@ -1415,16 +1417,21 @@ class CudaContext:
         return graph
 
     def instantiate(self, graph: object) -> CudaGraphExec:
+        """``cuGraphInstantiate`` (milliseconds for large graphs: the core
+        calls it in a worker thread, see ``instantiate_in_thread``). Pushes
+        and pops this context, so it runs on any thread."""
         t = self._template(graph)
         g, t.graph = t.graph, None
+        _check(cu.cuCtxPushCurrent(self._ctx), "cuCtxPushCurrent (cuGraphInstantiate)")
         try:
             err, graph_exec = cu.cuGraphInstantiate(g, 0)
             if err:
                 raise cuda_error(err, "cuGraphInstantiate")
         finally:
             cu.cuGraphDestroy(g)
+            cu.cuCtxPopCurrent()
         ge = CudaGraphExec(self, graph_exec)
-        self._graph_execs[ge] = None
+        self._graph_execs[ge] = None  # one dict store: atomic under the GIL
         return ge
 
     def _graph_exec(self, graph_exec: object) -> CudaGraphExec:

@@ -586,11 +586,19 @@ class CudaGraph:
 # --------------------------------------------------------------------------- scope side
 
 
-def capture_graph(scope: ResourceScope, op: DeviceOp[Any], stream: Stream | None) -> CudaGraph:
-    """The synchronous part of ``scope.capture``."""
+async def capture_graph(scope: ResourceScope, op: DeviceOp[Any], stream: Stream | None) -> CudaGraph:
+    """``scope.capture`` after its first checkpoint: record now, then
+    instantiate, in a worker thread where the driver asks for it (milliseconds
+    for large graphs on a GPU). The thread is shielded: its result is kept (or
+    destroyed) whatever happens to the caller."""
     gen, template = _record(scope, op, stream, "capture")
+    driver: Any = scope._driver
     try:
-        graph_exec = scope._driver.instantiate(template)
+        if getattr(driver, "instantiate_in_thread", False):
+            with trio.CancelScope(shield=True):
+                graph_exec = await trio.to_thread.run_sync(driver.instantiate, template)
+        else:
+            graph_exec = driver.instantiate(template)
     except BaseException:
         gen.release()
         raise

@@ -833,7 +833,7 @@ class ResourceScope:
         from ._graph import capture_graph
 
         await trio.lowlevel.checkpoint_if_cancelled()
-        graph = capture_graph(self, op, stream)
+        graph = await capture_graph(self, op, stream)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return graph
 
