@@ -674,4 +674,14 @@ def host_layout(arr: DeviceArray, host: np.ndarray[Any, Any]) -> np.ndarray[Any,
     return host.T if host.flags.f_contiguous else None
 
 
+def h2d_source(dst: DeviceArray, src: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """What a host-to-device copy into ``dst`` reads: ``src``'s own memory
+    when it is already in ``dst``'s order, else a copy staged in that order."""
+    host = host_layout(dst, src)
+    if host is None:
+        host = host_layout(dst, np.array(src, order=dst._order))
+        assert host is not None
+    return host
+
+
 __all__ = ["Access", "AllocState", "Allocation", "DeviceArray"]

@@ -49,7 +49,7 @@ import attrs
 import numpy as np
 import trio
 
-from ._array import Allocation, DeviceArray, host_layout
+from ._array import Allocation, DeviceArray, h2d_source
 from ._errors import CudaError, GraphCaptureError, ScopeClosedError
 from ._ops import Access, DeviceOp
 from ._submit import EnqueueContext, take_leases
@@ -238,10 +238,7 @@ class _Recorder:
             d.copy_d2d(h, dst.ptr, src.ptr, dst.nbytes)
         elif isinstance(dst, DeviceArray):
             assert isinstance(src, np.ndarray)
-            host = host_layout(dst, src)
-            if host is None:  # another layout: stage it in the device's order
-                host = host_layout(dst, np.array(src, order=dst._order))
-                assert host is not None
+            host = h2d_source(dst, src)
             self.use([(dst, Access.WRITE)], what="copy: dst")
             token = d.copy_h2d(h, dst.ptr, host)
             if token is not None:

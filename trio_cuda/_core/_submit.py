@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, final
 import numpy as np
 import trio
 
-from ._array import Allocation, AllocState, DeviceArray, host_layout
+from ._array import Allocation, AllocState, DeviceArray, h2d_source, host_layout
 from ._driver import Finisher, Gate, Marker, MarkerState
 from ._errors import AccessConflictError, KernelArgumentError
 from ._ops import Access, HostResult
@@ -225,10 +225,7 @@ class EnqueueContext:
             d.copy_d2d(h, dst.ptr, src.ptr, dst.nbytes)
         elif isinstance(dst, DeviceArray):
             assert isinstance(src, np.ndarray)
-            host = host_layout(dst, src)
-            if host is None:  # another layout: stage it in the device's order
-                host = host_layout(dst, np.array(src, order=dst._order))
-                assert host is not None
+            host = h2d_source(dst, src)
             self.use([(dst, Access.WRITE)], what="copy: dst")
             token = d.copy_h2d(h, dst.ptr, host)
             if token is not None:
