@@ -994,6 +994,11 @@ class SimDevice:
             )
             error.__cause__ = exc
             s._add_error(error)
+        except BaseException as exc:
+            # KeyboardInterrupt, SystemExit...: the device never raises into
+            # whoever happens to pump it; the work fails with the exception
+            # itself, so it reaches the waiter (or the scope's exit) as it is.
+            s._add_error(exc)
 
     def _kernel_args(self, s: SimStream, kernel: Kernel, views: Sequence[ArgView]) -> list[object] | None:
         """The reference's arguments, or None if memcheck rejected one."""

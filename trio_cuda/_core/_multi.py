@@ -311,10 +311,13 @@ class DevicePoolStatistics:
     quarantined: int  #: quarantined submissions on all devices
 
 
-def _arrays_of(op: object, out: list[DeviceArray], depth: int = 0) -> None:
-    """The device arrays ``op`` names up front (kernel arguments, copy and fill
-    operands; the first op of a ``then``/``map`` chain). Closures are not
-    run: what they return is not known before submission."""
+def _arrays_of(op: object, out: list[DeviceArray | ResourceScope], depth: int = 0) -> None:
+    """What ``op`` names up front that has a home scope: device arrays
+    (kernel arguments, copy and fill operands; the first op of a
+    ``then``/``map`` chain) and, for a graph replay, the scope that captured
+    the graph. Closures are not run: what they return is not known before
+    submission."""
+    from ._graph import _GraphLaunch
     from ._kernel import KernelLaunch
     from ._ops import _Copy, _Fill, _Map, _Shared, _Then, _ZeroBytes, _Zip
 
@@ -322,6 +325,8 @@ def _arrays_of(op: object, out: list[DeviceArray], depth: int = 0) -> None:
         return
     if isinstance(op, KernelLaunch):
         out.extend(a for a, _ in op._accesses)
+    elif isinstance(op, _GraphLaunch):
+        out.append(op._graph._scope)  # a replay runs where it was captured
     elif isinstance(op, _Copy):
         for x in (op._dst, op._src):  # dst first: a cross-device copy runs where it lands
             if isinstance(x, DeviceArray):
@@ -389,10 +394,10 @@ class DevicePool:
         """The scope ``op`` would run on: the owner of the arrays it names, or
         the policy's choice (``op`` None: for new memory)."""
         if op is not None:
-            arrays: list[DeviceArray] = []
+            arrays: list[DeviceArray | ResourceScope] = []
             _arrays_of(op, arrays)
             for a in arrays:
-                owner = a._alloc.scope
+                owner = a._alloc.scope if isinstance(a, DeviceArray) else a
                 if owner in self._scopes:
                     return owner
         scope = self._policy.choose(self._scopes, op)
@@ -464,14 +469,21 @@ def _resolve_devices(devices: object) -> list[object]:
 
 @final
 class _PoolManager:
-    __slots__ = ("_args", "_stack")
+    __slots__ = ("_args", "_entered", "_stack")
 
     def __init__(self, args: dict[str, Any]) -> None:
         self._args = args
         self._stack: AsyncExitStack | None = None
+        self._entered = False
 
     async def __aenter__(self) -> DevicePool:
         await trio.lowlevel.checkpoint_if_cancelled()
+        if self._entered:
+            raise RuntimeError(
+                "open_device_pool(): this manager was already entered; it opens one pool once "
+                "(call open_device_pool() again for another pool)"
+            )
+        self._entered = True
         a = self._args
         scopes: list[ResourceScope] = []
         async with AsyncExitStack() as stack:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import math
+import numbers
 import time
 import warnings
 from collections import deque
@@ -219,6 +220,31 @@ def _find_run_context() -> Any:
 _RUN_CONTEXT: Any = _find_run_context()
 
 
+def _current_runner() -> object:
+    """The Trio run of the calling thread (an opaque identity), or None in a
+    thread with no Trio run (a worker thread, or outside ``trio.run``)."""
+    if _RUN_CONTEXT is not None:
+        try:
+            return _RUN_CONTEXT.runner
+        except AttributeError:
+            return None
+    try:  # pragma: no cover - Trio without the run context
+        return trio.lowlevel.current_trio_token()
+    except RuntimeError:  # pragma: no cover
+        return None
+
+
+def wrong_caller(what: str, scope: ResourceScope) -> RuntimeError:
+    """The error for a scope used outside the Trio run that opened it."""
+    if _current_runner() is None:
+        where = "a thread with no Trio run (a worker thread?); use trio.from_thread.run_sync() to call it"
+    else:
+        where = "another Trio run; a scope belongs to the run (and thread) that opened it"
+    return RuntimeError(
+        f"{what}: expected a call from the Trio run that opened {scope!r}, got one from {where}"
+    )
+
+
 def _others_runnable(handoff: object) -> bool:
     """True when Trio tasks other than the scope's handoff task are ready to
     run: then spinning would delay them, so a waiter parks at once."""
@@ -268,8 +294,10 @@ class DeviceFuture(Generic[T]):
         its output or raise its error. Cancelling this wait does not cancel
         or release the GPU work."""
         sub = self._sub
+        scope = sub.scope
+        if _current_runner() is not scope._runner:
+            raise wrong_caller("wait", scope)
         if sub.state not in TERMINAL:
-            scope = sub.scope
             if scope._spin and not _others_runnable(scope._handoff_task) and self._spin():
                 await trio.lowlevel.checkpoint()
                 return resolve_output(sub.output)  # type: ignore[return-value]
@@ -362,6 +390,7 @@ class ResourceScope:
         "_functions",
         "_gc_releases",
         "_handoff_cs",
+        "_handoff_errors",
         "_handoff_task",
         "_host_steps",
         "_idle",
@@ -373,6 +402,7 @@ class ResourceScope:
         "_policy",
         "_quarantine",
         "_quarantined_leases",
+        "_runner",
         "_spin",
         "_streams",
         "_timed_out",
@@ -410,7 +440,9 @@ class ResourceScope:
     _drain_event: trio.Event | None
     _handoff_cs: trio.CancelScope | None
     _handoff_task: trio.lowlevel.Task | None
+    _handoff_errors: int
     _token: trio.lowlevel.TrioToken
+    _runner: object
     _streams: tuple[Stream, ...]
 
     def __init__(self) -> None:
@@ -455,7 +487,9 @@ class ResourceScope:
         self._drain_event = None
         self._handoff_cs = None
         self._handoff_task = None
+        self._handoff_errors = 0
         self._token = trio.lowlevel.current_trio_token()
+        self._runner = _current_runner()
         self._streams = ()
         made: list[Stream] = []
         try:
@@ -528,12 +562,32 @@ class ResourceScope:
 
     # ------------------------------------------------------------------ memory
     def _check_open(self, what: str) -> None:
+        if _current_runner() is not self._runner:
+            raise wrong_caller(what, self)
         if self._closing or self._closed:
             raise ScopeClosedError(f"{what}: the scope is closed")
 
+    def _check_caller(self, what: str) -> None:
+        """Refuse a call from another thread or Trio run, before anything is
+        allocated or enqueued: the handoff task and the loop's bookkeeping
+        would never learn of the work."""
+        if _current_runner() is not self._runner:
+            raise wrong_caller(what, self)
+
     def _pick(self, op: DeviceOp[Any], stream: Stream | None) -> Stream:
         if stream is None:
-            return self._policy.choose(self._streams, op)
+            chosen = self._policy.choose(self._streams, op)
+            if type(chosen) is Stream and chosen._scope is self:
+                return chosen
+            if not isinstance(chosen, Stream):
+                raise TypeError(
+                    f"policy: expected {self._policy!r}.choose() to return one of the scope's streams, "
+                    f"got {chosen!r}"
+                )
+            raise ValueError(
+                f"policy: expected {self._policy!r}.choose() to return one of the scope's streams, "
+                f"got {chosen!r} of another scope"
+            )
         if not isinstance(stream, Stream):
             raise TypeError(f"stream: expected a Stream of this scope, got {type(stream).__name__}")
         if stream._scope is not self:
@@ -614,6 +668,7 @@ class ResourceScope:
         F-contiguous host array in F order, anything else becomes C. If
         cancelled, the new array is closed (and freed once the copy retired)."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        self._check_open("to_device")
         if not isinstance(host, np.ndarray):
             if isinstance(host, DeviceArray):
                 raise TypeError("to_device: host: expected a NumPy array, got a DeviceArray")
@@ -701,6 +756,8 @@ class ResourceScope:
         from the start.
         """
         if type(op) is KernelLaunch and not (self._closing or self._enqueuing):
+            if _current_runner() is not self._runner:
+                raise wrong_caller("submit", self)
             return self._submit_launch(op, stream)
         if not isinstance(op, DeviceOp):
             from ._kernel import LaunchBuilder
@@ -734,7 +791,7 @@ class ResourceScope:
     def _submit_launch(self, op: KernelLaunch, stream: Stream | None) -> DeviceFuture[Any]:
         """``submit`` for a single kernel launch, the hot path: the same steps
         as ``EnqueueContext.launch`` without the generic op machinery."""
-        s = self._pick(op, stream) if stream is None or stream._scope is not self else stream
+        s = stream if type(stream) is Stream and stream._scope is self else self._pick(op, stream)
         prepared = op.prepared
         if prepared.cache.get("checked") is not self._info:
             self._check_launch_config(prepared)
@@ -884,6 +941,9 @@ class ResourceScope:
 
     # ------------------------------------------------------------------ handles
     def _release_handle(self, alloc: Allocation) -> None:
+        if _current_runner() is not self._runner:  # closed from a worker thread
+            self._release_handle_later(alloc)
+            return
         alloc.handles -= 1
         self._maybe_free(alloc)
 
@@ -926,28 +986,55 @@ class ResourceScope:
         del self._allocs[alloc]
 
     # ------------------------------------------------------------------ handoff
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C goes to the program's tasks, never here
     async def _handoff(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The backstop that retires what nobody awaits. It must never die:
+        anything raised while it retires work (a host closure or a simulated
+        reference raising ``KeyboardInterrupt``, a driver failure) is kept for
+        the waiter or the scope's exit, and it goes on. Should it end anyway,
+        the drain polls by itself (``_drain``)."""
         with trio.CancelScope(shield=True) as cs:
             self._handoff_cs = cs
             self._handoff_task = trio.lowlevel.current_task()
             task_status.started()
-            if self._closed:  # the scope exited before this task first ran
-                return
-            while True:
-                # Retiring or running a host closure can complete work on a
-                # stream scanned earlier (a gate opens, the device moves on):
-                # rescan until a pass finds nothing, or that wakeup is lost.
-                while self._scan():
-                    pass
-                heads = [s._pending[0].marker for s in self._streams if s._pending]
-                if not heads:
-                    drain = self._drain_event
-                    if drain is not None:
-                        drain.set()
-                    idle = self._idle = trio.Event()
-                    await idle.wait()
-                else:
-                    await self._driver.wait_for_progress(heads)  # type: ignore[arg-type]
+            try:
+                while not self._closed:
+                    try:
+                        await self._handoff_step()
+                        self._handoff_errors = 0
+                    except trio.Cancelled:
+                        raise
+                    except BaseException as exc:
+                        self._handoff_failed(exc)
+                        # back off a failing driver instead of spinning on it
+                        await trio.sleep(min(0.1, 0.0005 * 2 ** min(self._handoff_errors, 8)))
+            finally:
+                self._handoff_task = None
+                drain = self._drain_event
+                if drain is not None:
+                    drain.set()
+
+    async def _handoff_step(self) -> None:
+        # Retiring or running a host closure can complete work on a stream
+        # scanned earlier (a gate opens, the device moves on): rescan until a
+        # pass finds nothing, or that wakeup is lost.
+        while self._scan():
+            pass
+        heads = [s._pending[0].marker for s in self._streams if s._pending]
+        if not heads:
+            drain = self._drain_event
+            if drain is not None:
+                drain.set()
+            idle = self._idle = trio.Event()
+            await idle.wait()
+        else:
+            await self._driver.wait_for_progress(heads)  # type: ignore[arg-type]
+
+    def _handoff_failed(self, exc: BaseException) -> None:
+        """Keep an error raised inside the handoff for the scope's exit."""
+        self._handoff_errors += 1
+        if self._handoff_errors <= 3:  # a driver failing on every pass: keep the first few
+            self._orphan_errors.append(exc)
 
     def _scan(self) -> bool:
         """Retire what completed, per stream in order; True if anything did."""
@@ -962,7 +1049,10 @@ class ResourceScope:
             while pending:
                 head = pending[0]
                 assert head.marker is not None
-                p = poll(head.marker)
+                try:
+                    p = poll(head.marker)
+                except Exception as exc:  # the driver cannot tell: completion unknown
+                    p = Poll(MarkerState.UNKNOWN, exc)
                 if p.state is MarkerState.PENDING:
                     break
                 pending.popleft()
@@ -979,7 +1069,7 @@ class ResourceScope:
         if p.state is MarkerState.DONE:
             try:
                 step.result._resolve(step.fn(*step.args))
-            except Exception as exc:
+            except BaseException as exc:  # KeyboardInterrupt too: it reaches the waiter or the exit
                 if sub.error is None:
                     sub.error = exc
                 else:
@@ -1008,7 +1098,7 @@ class ResourceScope:
             for fin in sub.finishers:
                 try:
                     fin()
-                except Exception as exc:
+                except BaseException as exc:
                     sub.error = exc
                     break
         for alloc in sub.leases:
@@ -1071,19 +1161,47 @@ class ResourceScope:
         self._settle(sub, SubState.QUARANTINED)
 
     # ------------------------------------------------------------------ exit
+    def _work_remains(self) -> bool:
+        return bool(self._in_flight) or any(s._pending or s._unmarked for s in self._streams)
+
     async def _drain(self, timeout: float | None) -> None:
         with trio.move_on_after(math.inf if timeout is None else timeout):
             await end_exports(self)  # exports end at exit; their leases retire below
-            while self._in_flight or any(s._pending or s._unmarked for s in self._streams):
-                self._drain_event = trio.Event()
-                self._wake()
-                await self._drain_event.wait()
+            while self._work_remains():
+                if self._handoff_task is not None:
+                    self._drain_event = trio.Event()
+                    self._wake()
+                    await self._drain_event.wait()
+                else:  # the handoff task is gone: never wait for it, poll here
+                    await self._drain_step()
             await wait_foreign(self)  # other scopes' copies still reading or writing our memory
         self._drain_event = None
 
+    async def _drain_step(self) -> None:
+        try:
+            while self._scan():
+                pass
+            heads = [s._pending[0].marker for s in self._streams if s._pending]
+            if heads:
+                await self._driver.wait_for_progress(heads)  # type: ignore[arg-type]
+            else:  # in flight, but nothing to poll (an export not yet released)
+                await trio.sleep(0.001)
+        except trio.Cancelled:
+            raise
+        except BaseException as exc:
+            self._handoff_failed(exc)
+            await trio.sleep(0.001)
+
     def _abandon_in_flight(self, timeout: float | None) -> None:
-        """Quarantine what is still in flight after the drain timeout."""
+        """Quarantine what is still in flight after the drain timeout, after
+        one last look: work the device finished meanwhile is retired, not
+        leaked (``drain_timeout=0`` waits for nothing, but polls)."""
         abandoned = 0
+        try:
+            while self._scan():
+                pass
+        except BaseException as exc:  # pragma: no cover - _scan keeps its own errors
+            self._handoff_failed(exc)
         self._flush_all()
         for stream in self._streams:
             pending = stream._pending
@@ -1123,7 +1241,6 @@ class ResourceScope:
         close_scope_graphs(self)  # graphs still open: release them first
         while self._gc_releases:
             self._gc_releases.popleft()
-        kept_owners = {id(o) for sub in self._quarantine for o in sub.owners}
         for alloc in list(self._allocs):
             if alloc.state is AllocState.LIVE and not alloc.active:
                 self._free(alloc)
@@ -1131,11 +1248,14 @@ class ResourceScope:
             # Work may still run: leak modules, streams and driver state too
             # (unloading a module can wait for the device, which may never come).
             return
-        for kernel, fn in list(self._functions.items()):
-            if id(fn) in kept_owners:
-                continue
-            del self._functions[kernel]
-            driver.unload_kernel(fn)
+        if not self._quarantine:
+            # With any submission quarantined, every module stays loaded: a
+            # kernel of work whose completion is unknown may still run, and it
+            # can be reached in many ways (a launch, a graph replay, a shared
+            # op); a leaked module is harmless, an unloaded one is not.
+            for kernel, fn in list(self._functions.items()):
+                del self._functions[kernel]
+                driver.unload_kernel(fn)
         for s in self._streams:
             driver.destroy_stream(s.handle)
         driver.close()
@@ -1159,14 +1279,21 @@ _CONFLICTS = ("order", "error")
 
 @final
 class _ScopeManager:
-    __slots__ = ("_args", "_nursery_cm", "_scope", "_token")
+    __slots__ = ("_args", "_entered", "_nursery_cm", "_scope", "_token")
 
     def __init__(self, args: dict[str, Any]) -> None:
         self._args = args
         self._scope: ResourceScope | None = None
+        self._entered = False
 
     async def __aenter__(self) -> ResourceScope:
         await trio.lowlevel.checkpoint()
+        if self._entered:
+            raise RuntimeError(
+                "open_scope(): this manager was already entered; it opens one scope once "
+                "(call open_scope() again for another scope)"
+            )
+        self._entered = True
         from .._backends import open_device
 
         a = self._args
@@ -1201,7 +1328,7 @@ class _ScopeManager:
                 await scope._drain(timeout)
                 # released exports whose fence did not finish within the timeout
                 abandon_exports(scope, why=f"not finished when drain_timeout={timeout} s passed")
-                if scope._in_flight or any(s._pending or s._unmarked for s in scope._streams):
+                if scope._work_remains():
                     scope._abandon_in_flight(timeout)
                 abandon_foreign(scope, timeout)
                 scope._release_everything()
@@ -1254,10 +1381,15 @@ def open_scope(
         raise ValueError(f"streams: expected an int >= 1, got {streams!r}")
     if conflicts not in _CONFLICTS:
         raise ValueError(f"conflicts: expected 'order' or 'error', got {conflicts!r}")
-    if drain_timeout is not None and (
-        isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) or drain_timeout < 0
-    ):
-        raise ValueError(f"drain_timeout: expected None or a number >= 0, got {drain_timeout!r}")
+    if drain_timeout is not None:
+        if (
+            isinstance(drain_timeout, bool)
+            or not isinstance(drain_timeout, numbers.Real)
+            or math.isnan(drain_timeout)
+            or drain_timeout < 0
+        ):
+            raise ValueError(f"drain_timeout: expected None or a number >= 0, got {drain_timeout!r}")
+        drain_timeout = None if math.isinf(drain_timeout) else float(drain_timeout)
     if policy is None:
         policy = RoundRobin()
     elif not callable(getattr(policy, "choose", None)):

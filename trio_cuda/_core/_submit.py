@@ -27,7 +27,7 @@ import trio
 
 from ._array import Allocation, AllocState, DeviceArray, h2d_source, host_layout
 from ._driver import Finisher, Gate, Marker, MarkerState
-from ._errors import AccessConflictError, KernelArgumentError
+from ._errors import AccessConflictError, CompletionUnknownError, KernelArgumentError
 from ._ops import Access, HostResult
 
 if TYPE_CHECKING:
@@ -181,14 +181,17 @@ class EnqueueContext:
         if other is None or sub is None or other is sub:
             return
         if other.state is SubState.QUARANTINED:
-            from ._errors import CompletionUnknownError
-
             raise CompletionUnknownError(f"shared op: completion of {other.label} is unknown")
         if other.state is SubState.IN_FLIGHT and other.stream is not self.stream:
             if other.marker is None:
                 other.scope._flush(other.stream)
                 if other.marker is None:  # quarantined
-                    return
+                    raise CompletionUnknownError(f"shared op: completion of {other.label} is unknown")
+            state = other.scope._driver.poll_marker(other.marker).state
+            if state is MarkerState.UNKNOWN:
+                raise CompletionUnknownError(f"shared op: completion of {other.label} is unknown")
+            if state is not MarkerState.PENDING:
+                return  # completed: nothing to wait for
             self.driver.wait_marker(self.stream.handle, other.marker)
             self._enqueued()
 
@@ -342,6 +345,13 @@ def take_leases(
             alloc.readers[sub] = None
 
 
+def _unknown(what: str, arr: DeviceArray, other: Submission) -> CompletionUnknownError:
+    return CompletionUnknownError(
+        f"{what}: completion of {other.label} on stream {other.stream.index}, which uses {arr!r}, "
+        f"could not be established; work that touches its memory is refused (nothing was enqueued)"
+    )
+
+
 def _conflict(
     scope: ResourceScope,
     stream: Stream,
@@ -360,6 +370,8 @@ def _conflict(
         other = conflict(scope, other, arr, access, what)  # raises unless released
         if other.stream is stream:
             return waits
+    if other.state is SubState.QUARANTINED:
+        raise _unknown(what, arr, other)
     if other.state is not SubState.IN_FLIGHT or (waits is not None and other.id in waits):
         return waits
     marker = other.marker
@@ -367,9 +379,13 @@ def _conflict(
     if marker is None:
         owner._flush(other.stream)
         if other.marker is None:  # recording the marker failed: quarantined
-            return waits
-    elif owner._driver.poll_marker(marker).state is not MarkerState.PENDING:
-        return waits  # completed; the handoff task retires it soon
+            raise _unknown(what, arr, other)
+    else:
+        state = owner._driver.poll_marker(marker).state
+        if state is MarkerState.UNKNOWN:  # not quarantined yet, but it will be
+            raise _unknown(what, arr, other)
+        if state is not MarkerState.PENDING:
+            return waits  # completed; it is retired soon
     if scope._conflicts == "error":
         raise AccessConflictError(
             f"{what}: {_conflict_name(held, access)} conflict on {arr!r}: in-flight "
