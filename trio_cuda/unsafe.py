@@ -7,11 +7,12 @@ caller keeps every array alive and orders every access itself.
 
 from __future__ import annotations
 
+from _thread import get_ident
 from typing import Any, TypeVar
 
 from ._core._kernel import KernelLaunch, LaunchBuilder
 from ._core._ops import DeviceOp
-from ._core._scope import Stream, _current_runner
+from ._core._scope import Stream
 from ._core._submit import EnqueueContext
 
 T = TypeVar("T")
@@ -32,7 +33,7 @@ def async_on(op: DeviceOp[T], stream: Stream) -> T:
         raise TypeError(f"stream: expected a Stream, got {type(stream).__name__}")
     if type(op) is KernelLaunch:
         scope = stream._scope
-        if scope._closing or _current_runner() is not scope._runner:
+        if scope._closing or get_ident() != scope._thread:
             scope._check_open("async_on")
         prepared = op.prepared
         fn = scope._functions.get(prepared.kernel)

@@ -26,6 +26,7 @@ import math
 import numbers
 import time
 import warnings
+from _thread import get_ident
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, final
@@ -295,7 +296,7 @@ class DeviceFuture(Generic[T]):
         or release the GPU work."""
         sub = self._sub
         scope = sub.scope
-        if _current_runner() is not scope._runner:
+        if get_ident() != scope._thread:
             raise wrong_caller("wait", scope)
         if sub.state not in TERMINAL:
             if scope._spin and not _others_runnable(scope._handoff_task) and self._spin():
@@ -402,9 +403,9 @@ class ResourceScope:
         "_policy",
         "_quarantine",
         "_quarantined_leases",
-        "_runner",
         "_spin",
         "_streams",
+        "_thread",
         "_timed_out",
         "_token",
         "_unflushed",
@@ -442,7 +443,7 @@ class ResourceScope:
     _handoff_task: trio.lowlevel.Task | None
     _handoff_errors: int
     _token: trio.lowlevel.TrioToken
-    _runner: object
+    _thread: int  #: the loop thread; a scope never outlives its Trio run
     _streams: tuple[Stream, ...]
 
     def __init__(self) -> None:
@@ -489,7 +490,7 @@ class ResourceScope:
         self._handoff_task = None
         self._handoff_errors = 0
         self._token = trio.lowlevel.current_trio_token()
-        self._runner = _current_runner()
+        self._thread = get_ident()
         self._streams = ()
         made: list[Stream] = []
         try:
@@ -562,7 +563,7 @@ class ResourceScope:
 
     # ------------------------------------------------------------------ memory
     def _check_open(self, what: str) -> None:
-        if _current_runner() is not self._runner:
+        if get_ident() != self._thread:
             raise wrong_caller(what, self)
         if self._closing or self._closed:
             raise ScopeClosedError(f"{what}: the scope is closed")
@@ -571,7 +572,7 @@ class ResourceScope:
         """Refuse a call from another thread or Trio run, before anything is
         allocated or enqueued: the handoff task and the loop's bookkeeping
         would never learn of the work."""
-        if _current_runner() is not self._runner:
+        if get_ident() != self._thread:
             raise wrong_caller(what, self)
 
     def _pick(self, op: DeviceOp[Any], stream: Stream | None) -> Stream:
@@ -756,7 +757,7 @@ class ResourceScope:
         from the start.
         """
         if type(op) is KernelLaunch and not (self._closing or self._enqueuing):
-            if _current_runner() is not self._runner:
+            if get_ident() != self._thread:
                 raise wrong_caller("submit", self)
             return self._submit_launch(op, stream)
         if not isinstance(op, DeviceOp):
@@ -941,7 +942,7 @@ class ResourceScope:
 
     # ------------------------------------------------------------------ handles
     def _release_handle(self, alloc: Allocation) -> None:
-        if _current_runner() is not self._runner:  # closed from a worker thread
+        if get_ident() != self._thread:  # closed from a worker thread
             self._release_handle_later(alloc)
             return
         alloc.handles -= 1
