@@ -36,6 +36,7 @@ import warnings
 import numpy as np
 import pytest
 import trio
+import trio.testing
 from _guard import Hang, run_bounded
 from _kernels import ADD, COPY, add, copy
 
@@ -727,3 +728,42 @@ async def test_pool_routes_graph_launches_to_the_capturing_scope(policy):
             graph.close()
     assert sims.violations == []
     assert [d.live_allocations for d in sims] == [[], []]
+
+
+def test_graph_close_from_a_worker_thread_is_handed_to_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing a graph from a worker thread never touches the driver there: the
+    close runs on the loop, and the graph is destroyed once its replays retired."""
+    from trio_cuda._backends.sim import SimContext
+
+    destroyed_on: list[int] = []
+    inner = SimContext.destroy_graph
+
+    def spy(self: SimContext, graph_exec: object) -> None:
+        destroyed_on.append(threading.get_ident())
+        inner(self, graph_exec)
+
+    monkeypatch.setattr(SimContext, "destroy_graph", spy)
+    sim = SimDevice()
+    loop_thread: list[int] = []
+
+    async def main() -> None:
+        loop_thread.append(threading.get_ident())
+        async with trio_cuda.open_scope(device=sim) as gpu:
+            x = await gpu.to_device(np.zeros(N, np.float32))
+            idle = await gpu.capture(add(x, 1.0))
+            busy = await gpu.capture(add(x, 2.0))
+            sim.hold()
+            gpu.submit(busy.launch())
+            await trio.to_thread.run_sync(idle.close)
+            await trio.to_thread.run_sync(busy.close)
+            await trio.testing.wait_all_tasks_blocked()
+            assert idle.closed
+            assert busy.closed
+            assert sim.live_graphs == 1  # the busy one's replay is still in flight
+            sim.release()
+            np.testing.assert_array_equal(await gpu.to_host(x), np.full(N, 2.0, np.float32))
+            assert sim.live_graphs == 0
+
+    run_bounded(main, limit=5)
+    assert destroyed_on == loop_thread * 2
+    assert sim.violations == []

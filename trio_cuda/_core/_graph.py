@@ -545,8 +545,15 @@ class CudaGraph:
     def close(self) -> None:
         """Close the graph (idempotent). Its resources are released, and the
         driver's executable graph destroyed, once every replay in flight has
-        completed; later ``launch()`` calls raise ``ScopeClosedError``."""
+        completed; later ``launch()`` calls raise ``ScopeClosedError``.
+        From another thread, the close is handed to the scope's loop."""
         if self._closed:
+            return
+        if threading.get_ident() != self._thread:
+            try:
+                self._scope._token.run_sync_soon(self.close)
+            except trio.RunFinishedError:  # pragma: no cover - the scope exited with its run
+                pass
             return
         self._closed = True
         graphs = _OPEN.get(self._scope)
