@@ -141,3 +141,23 @@ def test_core_sources_do_not_import_cuda() -> None:
                 if name == "cuda" or name.startswith("cuda."):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
     assert offenders == [], offenders
+
+
+def test_core_imports_nothing_outside_the_core() -> None:
+    """Imports go downward only: ``_core`` never imports ``_backends``, ``_open``
+    or any other part of ``trio_cuda`` outside itself, even lazily or for types."""
+    offenders = []
+    for path in sorted(CORE.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level >= 2 or (node.level == 0 and (node.module or "").startswith("trio_cuda")):
+                    target = "." * node.level + (node.module or "")
+                    if node.level == 0 and (node.module or "").startswith("trio_cuda._core"):
+                        continue
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {target} import ...")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("trio_cuda") and not alias.name.startswith("trio_cuda._core"):
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: import {alias.name}")
+    assert offenders == [], offenders

@@ -37,7 +37,6 @@ from ._core._multi import DevicePool as DevicePool
 from ._core._multi import DevicePoolStatistics as DevicePoolStatistics
 from ._core._multi import LeastLoadedDevice as LeastLoadedDevice
 from ._core._multi import RoundRobinDevices as RoundRobinDevices
-from ._core._multi import open_device_pool as open_device_pool
 from ._core._ops import DeviceOp as DeviceOp
 from ._core._ops import zip as zip  # noqa: A004
 from ._core._scope import DeviceFuture as DeviceFuture
@@ -50,6 +49,7 @@ from ._core._scope import ScopeStatistics as ScopeStatistics
 from ._core._scope import Stream as Stream
 from ._core._scope import StreamStatistics as StreamStatistics
 from ._core._scope import current_scope as current_scope
-from ._core._scope import open_scope as open_scope
+from ._open import open_device_pool as open_device_pool
+from ._open import open_scope as open_scope
 from ._version import __version__ as __version__
 from .interop import borrow as borrow

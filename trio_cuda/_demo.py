@@ -30,7 +30,8 @@ import trio
 
 from ._core._array import DeviceArray
 from ._core._kernel import In, InOut, Kernel, Out, Scalar
-from ._core._scope import ResourceScope, ScopeStatistics, open_scope
+from ._core._scope import ResourceScope, ScopeStatistics
+from ._open import open_scope
 from .testing import SimAllocation, SimDevice, Violation
 
 __all__ = ["BatchConfig", "BatchReport", "build_parser", "main", "make_kernels", "run_batch"]

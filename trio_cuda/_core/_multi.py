@@ -43,9 +43,9 @@ Invariants:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, final
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, final
 
 import attrs
 import trio
@@ -58,7 +58,7 @@ from ._ops import Access, DeviceOp
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from ._scope import DeviceFuture, ResourceScope, SchedulingPolicy, ScopeStatistics, Stream
+    from ._scope import DeviceFuture, ResourceScope, ScopeManager, ScopeStatistics, Stream
     from ._submit import EnqueueContext, Submission
 
 T = TypeVar("T")
@@ -444,35 +444,17 @@ class DevicePool:
         )
 
 
-def _resolve_devices(devices: object) -> list[object]:
-    if isinstance(devices, str):
-        if devices not in ("cuda", "all"):
-            raise ValueError(
-                f"devices: expected 'cuda' (every CUDA device), a SimHost or a sequence of devices, "
-                f"got {devices!r}"
-            )
-        from .._backends import probe_cuda
-
-        probe = probe_cuda()
-        if not probe.available:
-            raise RuntimeError(f"devices: {devices!r} was asked for, but {probe.reason}")
-        return [f"cuda:{i}" for i in range(probe.device_count)]
-    if not isinstance(devices, Iterable):
-        raise TypeError(
-            f"devices: expected 'cuda', a SimHost or a sequence of devices, got {type(devices).__name__}"
-        )
-    out = list(devices)
-    if not out:
-        raise ValueError("devices: expected at least one device, got none")
-    return out
-
-
 @final
-class _PoolManager:
-    __slots__ = ("_args", "_entered", "_stack")
+class PoolManager:
+    """What :func:`~trio_cuda.open_device_pool` returns: an async context
+    manager that opens one :class:`DevicePool` once, entering its scopes'
+    managers in order and exiting them in reverse."""
 
-    def __init__(self, args: dict[str, Any]) -> None:
-        self._args = args
+    __slots__ = ("_entered", "_managers", "_policy", "_stack")
+
+    def __init__(self, managers: Sequence[ScopeManager], policy: DevicePolicy) -> None:
+        self._managers = tuple(managers)
+        self._policy = policy
         self._stack: AsyncExitStack | None = None
         self._entered = False
 
@@ -484,13 +466,12 @@ class _PoolManager:
                 "(call open_device_pool() again for another pool)"
             )
         self._entered = True
-        a = self._args
         scopes: list[ResourceScope] = []
         async with AsyncExitStack() as stack:
-            for cm in a["managers"]:
+            for cm in self._managers:
                 scopes.append(await stack.enter_async_context(cm))
             self._stack = stack.pop_all()
-        return DevicePool._create(tuple(scopes), a["policy"])
+        return DevicePool._create(tuple(scopes), self._policy)
 
     async def __aexit__(
         self,
@@ -502,39 +483,3 @@ class _PoolManager:
         assert stack is not None
         self._stack = None
         return bool(await stack.__aexit__(exc_type, exc, tb))
-
-
-def open_device_pool(
-    devices: object = "cuda",
-    streams: int = 4,
-    conflicts: Literal["order", "error"] = "order",
-    drain_timeout: float | None = None,
-    *,
-    policy: DevicePolicy | None = None,
-    stream_policy: type[SchedulingPolicy] | None = None,
-) -> _PoolManager:
-    """Open a :class:`DevicePool`: ``async with open_device_pool(["cuda:0",
-    "cuda:1"]) as pool:``.
-
-    ``devices`` is ``"cuda"`` (every CUDA device of the host), a
-    :class:`~trio_cuda.testing.SimHost` (its simulated devices), or a sequence
-    of what ``open_scope(device=...)`` accepts. One scope is opened per entry,
-    in order, each with ``streams``, ``conflicts`` and ``drain_timeout``, and a
-    fresh ``stream_policy()`` (a :class:`SchedulingPolicy` class; round-robin
-    by default). ``policy`` places ops that name no array
-    (:class:`LeastLoadedDevice` by default). On exit the scopes exit in
-    reverse order, each by its own rules.
-    """
-    if policy is None:
-        policy = LeastLoadedDevice()
-    elif not callable(getattr(policy, "choose", None)):
-        raise TypeError(f"policy: expected a DevicePolicy (with a choose() method), got {policy!r}")
-    if stream_policy is not None and not callable(stream_policy):
-        raise TypeError(f"stream_policy: expected a SchedulingPolicy class, got {stream_policy!r}")
-    from ._scope import open_scope
-
-    managers = []
-    for device in _resolve_devices(devices):
-        sp = stream_policy() if stream_policy is not None else None
-        managers.append(open_scope(device, streams, conflicts, drain_timeout, policy=sp))
-    return _PoolManager({"managers": managers, "policy": policy})

@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import math
@@ -28,7 +29,7 @@ import time
 import warnings
 from _thread import get_ident
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, final
 
 import attrs
@@ -1279,11 +1280,39 @@ _CONFLICTS = ("order", "error")
 
 
 @final
-class _ScopeManager:
-    __slots__ = ("_args", "_entered", "_nursery_cm", "_scope", "_token")
+class ScopeManager:
+    """What :func:`~trio_cuda.open_scope` returns: an async context manager
+    that opens one :class:`ResourceScope` once. The device is opened on
+    entry, by ``opener`` (``trio_cuda._open`` picks the backend)."""
 
-    def __init__(self, args: dict[str, Any]) -> None:
-        self._args = args
+    __slots__ = (
+        "_conflicts",
+        "_drain_timeout",
+        "_entered",
+        "_nursery_cm",
+        "_opener",
+        "_policy",
+        "_scope",
+        "_streams",
+        "_token",
+    )
+
+    _nursery_cm: contextlib.AbstractAsyncContextManager[trio.Nursery]
+    _token: contextvars.Token[ResourceScope]
+
+    def __init__(
+        self,
+        opener: Callable[[], DeviceContext],
+        streams: int,
+        conflicts: str,
+        drain_timeout: float | None,
+        policy: SchedulingPolicy,
+    ) -> None:
+        self._opener = opener
+        self._streams = streams
+        self._conflicts = conflicts
+        self._drain_timeout = drain_timeout
+        self._policy = policy
         self._scope: ResourceScope | None = None
         self._entered = False
 
@@ -1295,12 +1324,9 @@ class _ScopeManager:
                 "(call open_scope() again for another scope)"
             )
         self._entered = True
-        from .._backends import open_device
-
-        a = self._args
-        driver = open_device(a["device"])
+        driver = self._opener()
         try:
-            scope = ResourceScope._create(driver, a["streams"], a["conflicts"], a["policy"])
+            scope = ResourceScope._create(driver, self._streams, self._conflicts, self._policy)
         except BaseException:
             driver.close()
             raise
@@ -1322,7 +1348,7 @@ class _ScopeManager:
         assert scope is not None
         _current.reset(self._token)
         scope._closing = True
-        timeout = self._args["drain_timeout"]
+        timeout = self._drain_timeout
         internal: list[BaseException] = []
         try:
             with trio.CancelScope(shield=True):
@@ -1360,24 +1386,15 @@ class _ScopeManager:
         )
 
 
-def open_scope(
-    device: object = "auto",
+def scope_manager(
+    opener: Callable[[], DeviceContext],
     streams: int = 4,
-    conflicts: Literal["order", "error"] = "order",
+    conflicts: str = "order",
     drain_timeout: float | None = None,
-    *,
     policy: SchedulingPolicy | None = None,
-) -> _ScopeManager:
-    """Open a :class:`ResourceScope`: ``async with open_scope() as gpu:``.
-
-    ``device`` is "auto" (the real GPU when a driver and a device answer, else
-    the simulator; the choice is logged), "sim", a
-    :class:`~trio_cuda.testing.SimDevice`, "cuda" or "cuda:N". ``streams`` is
-    the size of the stream pool; ``conflicts`` is "order" (cross-stream
-    conflicts become device-side waits) or "error" (they raise
-    :class:`~trio_cuda.AccessConflictError`). ``drain_timeout`` bounds the
-    wait at exit; what is still in flight then is quarantined.
-    """
+) -> ScopeManager:
+    """Check the options of :func:`~trio_cuda.open_scope` up front and make
+    its manager; ``opener`` opens the device on entry."""
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ValueError(f"streams: expected an int >= 1, got {streams!r}")
     if conflicts not in _CONFLICTS:
@@ -1395,12 +1412,4 @@ def open_scope(
         policy = RoundRobin()
     elif not callable(getattr(policy, "choose", None)):
         raise TypeError(f"policy: expected a SchedulingPolicy (with a choose() method), got {policy!r}")
-    return _ScopeManager(
-        {
-            "device": device,
-            "streams": streams,
-            "conflicts": conflicts,
-            "drain_timeout": drain_timeout,
-            "policy": policy,
-        }
-    )
+    return ScopeManager(opener, streams, conflicts, drain_timeout, policy)

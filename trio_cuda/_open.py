@@ -1,0 +1,101 @@
+"""Opening scopes and device pools: the one place that picks a backend.
+
+Invariants:
+
+* ``open_scope(device=...)`` and ``open_device_pool(devices=...)`` turn what the
+  user names (``"auto"``, ``"sim"``, ``"cuda"``, ``"cuda:N"``, a ``SimDevice``
+  or a ``SimHost``) into backend driver contexts here and nowhere else; the core
+  only ever sees a :class:`~trio_cuda._core._driver.DeviceContext`.
+* Every option is checked when the manager is made, before any device is
+  touched; the device itself is opened when the manager is entered.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Literal
+
+from ._backends import open_device, probe_cuda
+from ._core._multi import DevicePolicy, LeastLoadedDevice, PoolManager
+from ._core._scope import SchedulingPolicy, ScopeManager, scope_manager
+
+__all__ = ["open_device_pool", "open_scope"]
+
+
+def open_scope(
+    device: object = "auto",
+    streams: int = 4,
+    conflicts: Literal["order", "error"] = "order",
+    drain_timeout: float | None = None,
+    *,
+    policy: SchedulingPolicy | None = None,
+) -> ScopeManager:
+    """Open a :class:`~trio_cuda.ResourceScope`: ``async with open_scope() as gpu:``.
+
+    ``device`` is "auto" (the real GPU when a driver and a device answer, else
+    the simulator; the choice is logged), "sim", a
+    :class:`~trio_cuda.testing.SimDevice`, "cuda" or "cuda:N". ``streams`` is
+    the size of the stream pool; ``conflicts`` is "order" (cross-stream
+    conflicts become device-side waits) or "error" (they raise
+    :class:`~trio_cuda.AccessConflictError`). ``drain_timeout`` bounds the
+    wait at exit (None or ``math.inf``: no bound); what is still in flight then
+    is quarantined. ``policy`` chooses the stream of work not pinned to one.
+    The manager opens one scope once.
+    """
+    return scope_manager(functools.partial(open_device, device), streams, conflicts, drain_timeout, policy)
+
+
+def _resolve_devices(devices: object) -> list[object]:
+    if isinstance(devices, str):
+        if devices not in ("cuda", "all"):
+            raise ValueError(
+                f"devices: expected 'cuda' (every CUDA device), a SimHost or a sequence of devices, "
+                f"got {devices!r}"
+            )
+        probe = probe_cuda()
+        if not probe.available:
+            raise RuntimeError(f"devices: {devices!r} was asked for, but {probe.reason}")
+        return [f"cuda:{i}" for i in range(probe.device_count)]
+    if not isinstance(devices, Iterable):
+        raise TypeError(
+            f"devices: expected 'cuda', a SimHost or a sequence of devices, got {type(devices).__name__}"
+        )
+    out = list(devices)
+    if not out:
+        raise ValueError("devices: expected at least one device, got none")
+    return out
+
+
+def open_device_pool(
+    devices: object = "cuda",
+    streams: int = 4,
+    conflicts: Literal["order", "error"] = "order",
+    drain_timeout: float | None = None,
+    *,
+    policy: DevicePolicy | None = None,
+    stream_policy: type[SchedulingPolicy] | None = None,
+) -> PoolManager:
+    """Open a :class:`~trio_cuda.DevicePool`: ``async with open_device_pool(["cuda:0",
+    "cuda:1"]) as pool:``.
+
+    ``devices`` is ``"cuda"`` (every CUDA device of the host), a
+    :class:`~trio_cuda.testing.SimHost` (its simulated devices), or a sequence
+    of what ``open_scope(device=...)`` accepts. One scope is opened per entry,
+    in order, each with ``streams``, ``conflicts`` and ``drain_timeout``, and a
+    fresh ``stream_policy()`` (a :class:`~trio_cuda.SchedulingPolicy` class;
+    round-robin by default). ``policy`` places ops that name no array
+    (:class:`~trio_cuda.LeastLoadedDevice` by default). On exit the scopes exit
+    in reverse order, each by its own rules.
+    """
+    if policy is None:
+        policy = LeastLoadedDevice()
+    elif not callable(getattr(policy, "choose", None)):
+        raise TypeError(f"policy: expected a DevicePolicy (with a choose() method), got {policy!r}")
+    if stream_policy is not None and not callable(stream_policy):
+        raise TypeError(f"stream_policy: expected a SchedulingPolicy class, got {stream_policy!r}")
+    managers = []
+    for device in _resolve_devices(devices):
+        sp = stream_policy() if stream_policy is not None else None
+        managers.append(open_scope(device, streams, conflicts, drain_timeout, policy=sp))
+    return PoolManager(managers, policy)
