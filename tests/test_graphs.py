@@ -13,6 +13,7 @@ import gc
 import time
 from collections.abc import AsyncIterator
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -636,7 +637,12 @@ async def test_instantiation_runs_in_a_worker_thread_where_the_driver_asks(sim, 
             return instantiate(self, graph)
 
         monkeypatch.setattr(cls, "instantiate", recording)
-        monkeypatch.setattr(cls, "instantiate_in_thread", True, raising=False)
+        caps = cls.capabilities
+        monkeypatch.setattr(
+            cls,
+            "capabilities",
+            property(lambda self: attrs.evolve(caps.fget(self), instantiate_in_thread=True)),
+        )
         await gpu.load(ADD)
         x = gpu.zeros(N, np.float32)
         graph = await gpu.capture(add(x, 1.0))

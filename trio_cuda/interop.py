@@ -68,10 +68,7 @@ def _layout(what: str, shape: tuple[int, ...], strides: tuple[int, ...] | None, 
 
 
 def _check_device(scope: ResourceScope, what: str, ptr: int, nbytes: int) -> None:
-    check = getattr(scope._driver, "pointer_device", None)
-    if check is None:
-        return
-    problem = check(ptr, nbytes)
+    problem = scope._driver.pointer_device(ptr, nbytes)
     if problem is not None:
         raise ValueError(f"{what}: expected device memory of this scope's device, got memory where {problem}")
 
@@ -79,9 +76,7 @@ def _check_device(scope: ResourceScope, what: str, ptr: int, nbytes: int) -> Non
 def _from_dlpack(
     obj: Any, scope: ResourceScope, stream: Stream, what: str
 ) -> tuple[int, tuple[int, ...], np.dtype[Any], Order, bool, object]:
-    ours = getattr(scope._driver, "dlpack_device", None)
-    if ours is None:
-        raise TypeError(f"{what}: the {scope.backend!r} backend cannot import DLPack memory")
+    ours = scope._driver.dlpack_device
     device = tuple(int(x) for x in obj.__dlpack_device__())
     mine = tuple(ours())
     if device[0] in (kDLCPU, kDLCUDAHost):
@@ -95,7 +90,7 @@ def _from_dlpack(
             f"{what}: expected memory of this scope's device ({device_name(mine[0])}, id {mine[1]}), "
             f"got {type(obj).__name__} on {device_name(device[0])}, id {device[1]}"
         )
-    consumer = scope._driver.stream_address(stream.handle)  # type: ignore[attr-defined]
+    consumer = scope._driver.stream_address(stream.handle)
     try:
         capsule = obj.__dlpack__(stream=consumer, max_version=(1, 1))
     except TypeError:  # a producer of DLPack < 1.0 (no max_version)

@@ -44,7 +44,18 @@ from typing import TYPE_CHECKING, Any, Final, NoReturn, final
 import numpy as np
 import trio
 
-from .._core._driver import DONE, PENDING, DeviceInfo, Finisher, Gate, Marker, MarkerState, Poll, StreamHandle
+from .._core._driver import (
+    DONE,
+    PENDING,
+    Capabilities,
+    DeviceInfo,
+    Finisher,
+    Gate,
+    Marker,
+    MarkerState,
+    Poll,
+    StreamHandle,
+)
 from .._core._errors import (
     CudaError,
     GraphCaptureError,
@@ -657,13 +668,20 @@ class CudaContext:
         self.record_events = False
         self.spin_budget = 200e-6
         self.inline_spin = 20e-6
-        #: the core's per-await spin budget (``DeviceFuture.wait``) and marker batching
-        self.await_spin = 50e-6
-        self.batch_markers = True
-        #: load_kernel may run in a worker thread (it makes the context current there)
-        self.load_in_thread = True
-        #: the core runs :meth:`instantiate` in a worker thread
-        self.instantiate_in_thread = True
+        #: the core's per-await spin budget (``DeviceFuture.wait``) and marker
+        #: batching; load_kernel makes the context current in its thread, so it
+        #: may run in a worker thread, and so may instantiate.
+        #: foreign_fence(None) synchronises the context: the core runs it in a
+        #: worker thread where it can; foreign_fence(stream) may be called from
+        #: any thread (a DLPack deleter)
+        self.capabilities = Capabilities(
+            batch_markers=True,
+            await_spin=50e-6,
+            load_in_thread=True,
+            instantiate_in_thread=True,
+            foreign_fence_blocks=True,
+            foreign_fence_threadsafe=True,
+        )
         self.error_check_interval = 0.02
         self.poll_interval = 50e-6
         self.max_poll_interval = 1e-3
@@ -840,6 +858,16 @@ class CudaContext:
             self._fail(err, "cuMemcpyDtoHAsync")
         buf.guard = (s, s.seq + 1)
         return _D2HFinisher(token, dst.ctypes.data, n)
+
+    def check_copy_peer(self, dst_context: object, src_context: object) -> None:
+        """Any two contexts of this backend can copy (through peer access, or
+        staged through the host); only a context of another backend cannot."""
+        for name, ctx in (("dst", dst_context), ("src", src_context)):
+            if not isinstance(ctx, CudaContext):
+                raise ValueError(f"copy: {name}: expected memory of a CUDA device, got {ctx!r}")  # noqa: TRY004
+
+    def check_foreign_stream(self, address: int) -> None:
+        """A foreign CUstream cannot be checked without using it: accepted."""
 
     def copy_peer(
         self,
@@ -1490,12 +1518,6 @@ class CudaContext:
     # Foreign streams are CUstream handles of other libraries (or 1: legacy
     # default, 2: per-thread default). These calls may wait device-side on
     # them, never on the host, except foreign_fence(None).
-
-    #: foreign_fence(None) synchronises the context: the core runs it in a
-    #: worker thread where it can
-    foreign_fence_blocks = True
-    #: foreign_fence(stream) may be called from any thread (a DLPack deleter)
-    foreign_fence_threadsafe = True
 
     def stream_address(self, stream: StreamHandle) -> int:
         """The CUstream handle of ``stream``, as consumers name streams."""

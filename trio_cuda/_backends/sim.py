@@ -44,6 +44,7 @@ import trio
 from .._core._driver import (
     DONE,
     PENDING,
+    Capabilities,
     DeviceInfo,
     Finisher,
     Gate,
@@ -1093,12 +1094,9 @@ class SimContext:
         return self._device
 
     @property
-    def batch_markers(self) -> bool:
-        return self._device.batch_markers
-
-    @property
-    def await_spin(self) -> float:
-        return self._device.await_spin
+    def capabilities(self) -> Capabilities:
+        dev = self._device
+        return Capabilities(batch_markers=dev.batch_markers, await_spin=dev.await_spin)
 
     @property
     def closed(self) -> bool:
@@ -1391,8 +1389,7 @@ class SimContext:
     # Foreign streams are streams of any context of the same SimDevice, named by
     # the fake address stream_address() gives them (as a CUstream would be).
 
-    #: foreign_fence(None) never blocks here: it is device-side (markers)
-    foreign_fence_blocks = False
+    # foreign_fence(None) never blocks here: it is device-side (markers).
 
     def stream_address(self, stream: StreamHandle) -> int:
         """A fake handle naming ``stream`` to consumers (``__dlpack__(stream=)``)."""

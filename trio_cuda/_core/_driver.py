@@ -93,10 +93,100 @@ class DeviceInfo:
     cooperative_launch: bool = True
 
 
-class DeviceContext(Protocol):
+@attrs.frozen
+class Capabilities:
+    """What a backend's driver context can do, declared once (never probed)."""
+
+    #: the core records one completion marker per burst of submissions on a
+    #: stream (markers are cheap to coalesce on this backend)
+    batch_markers: bool = False
+    #: seconds an awaiting task may poll its own marker before it parks
+    await_spin: float = 0.0
+    #: ``load_kernel`` may run in a worker thread (NVRTC and module loading)
+    load_in_thread: bool = False
+    #: ``instantiate`` may run in a worker thread (large graphs take milliseconds)
+    instantiate_in_thread: bool = False
+    #: ``foreign_fence(None)`` synchronises the whole device and blocks its caller
+    foreign_fence_blocks: bool = False
+    #: ``foreign_fence(stream)`` may be called from any thread (a DLPack deleter)
+    foreign_fence_threadsafe: bool = False
+
+
+class InteropContext(Protocol):
+    """The part of :class:`DeviceContext` for DLPack / CUDA Array Interface
+    interop (``trio_cuda._core._export``, ``trio_cuda.interop``) and copies
+    between devices (``_multi``). Every backend implements all of it; what
+    differs is declared in :class:`Capabilities`. A *foreign stream* is an int naming another
+    library's stream (a CUstream handle; 1 and 2 are CUDA's legacy and
+    per-thread default streams). A *fence* is an opaque point in some streams'
+    order."""
+
+    def stream_address(self, stream: StreamHandle) -> int:
+        """The int that names ``stream`` to other libraries."""
+        ...
+
+    def foreign_wait(self, foreign: int, stream: StreamHandle) -> None:
+        """Make the foreign stream wait, device-side, for the work enqueued so far on ``stream``."""
+        ...
+
+    def foreign_fence(self, foreign: int | None) -> object:
+        """A fence after the work enqueued so far on the foreign stream; for
+        None, after all work on the device (CUDA: a context synchronisation,
+        returning None). May be called from a non-loop thread only where the
+        backend's capabilities say ``foreign_fence_threadsafe``."""
+        ...
+
+    def wait_fence(self, stream: StreamHandle, fence: object) -> None:
+        """Make ``stream`` wait, device-side, for ``fence`` (reusable until dropped)."""
+        ...
+
+    def drop_fence(self, fence: object) -> None:
+        """Release a fence's resources."""
+        ...
+
+    def copy_peer(
+        self,
+        stream: StreamHandle,
+        dst: int,
+        dst_context: object,
+        src: int,
+        src_context: object,
+        nbytes: int,
+    ) -> object | None:
+        """Enqueue on ``stream`` a copy between memory of two contexts of this
+        backend (two devices, or one). Returns an object to retain until
+        completion, or None."""
+        ...
+
+    def check_copy_peer(self, dst_context: object, src_context: object) -> None:
+        """Raise ``ValueError`` unless :meth:`copy_peer` can copy between these
+        contexts. Enqueues nothing."""
+        ...
+
+    def check_foreign_stream(self, address: int) -> None:
+        """Raise ``ValueError`` if ``address`` surely names no stream a foreign
+        consumer may use (checked before an export is made)."""
+        ...
+
+    def dlpack_device(self) -> tuple[int, int]:
+        """``(device_type, device_id)`` of this context's memory, as DLPack names it."""
+        ...
+
+    def pointer_device(self, ptr: int, nbytes: int) -> str | None:
+        """None if ``[ptr, ptr + nbytes)`` is memory of this context's device,
+        else a description of what it is instead."""
+        ...
+
+
+class DeviceContext(InteropContext, Protocol):
     """One scope's view of a device. Created by a backend, closed by the scope."""
 
     info: DeviceInfo
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this context can do (see :class:`Capabilities`)."""
+        ...
 
     # streams --------------------------------------------------------------
     def create_stream(self, index: int) -> StreamHandle: ...
@@ -221,47 +311,3 @@ class DeviceContext(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-class InteropContext(Protocol):
-    """Optional :class:`DeviceContext` methods for DLPack / CUDA Array Interface
-    interop (``trio_cuda._core._export``, ``trio_cuda.interop``); the core
-    looks them up with ``getattr``. A *foreign stream* is an int naming another
-    library's stream (a CUstream handle; 1 and 2 are CUDA's legacy and
-    per-thread default streams). A *fence* is an opaque point in some streams'
-    order."""
-
-    #: ``foreign_fence(None)`` blocks the calling thread (run it in a worker)
-    foreign_fence_blocks: bool
-
-    def stream_address(self, stream: StreamHandle) -> int:
-        """The int that names ``stream`` to other libraries."""
-        ...
-
-    def foreign_wait(self, foreign: int, stream: StreamHandle) -> None:
-        """Make the foreign stream wait, device-side, for the work enqueued so far on ``stream``."""
-        ...
-
-    def foreign_fence(self, foreign: int | None) -> object:
-        """A fence after the work enqueued so far on the foreign stream; for
-        None, after all work on the device (CUDA: a context synchronisation,
-        returning None). May be called from a non-loop thread only where the
-        backend says ``foreign_fence_threadsafe``."""
-        ...
-
-    def wait_fence(self, stream: StreamHandle, fence: object) -> None:
-        """Make ``stream`` wait, device-side, for ``fence`` (reusable until dropped)."""
-        ...
-
-    def drop_fence(self, fence: object) -> None:
-        """Release a fence's resources."""
-        ...
-
-    def dlpack_device(self) -> tuple[int, int]:
-        """``(device_type, device_id)`` of this context's memory, as DLPack names it."""
-        ...
-
-    def pointer_device(self, ptr: int, nbytes: int) -> str | None:
-        """None if ``[ptr, ptr + nbytes)`` is memory of this context's device,
-        else a description of what it is instead."""
-        ...

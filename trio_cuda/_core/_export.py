@@ -163,8 +163,9 @@ class Export:
             self.state = ExportState.FENCING
         scope = self.scope
         driver: Any = scope._driver
+        caps = scope._driver.capabilities
         consumer = self.consumer
-        if getattr(driver, "foreign_fence_blocks", False) and consumer not in (1, 2):
+        if caps.foreign_fence_blocks and consumer not in (1, 2):
             # A consumer's own stream may have been destroyed by now (its
             # handle would dangle): fence the whole device instead. Only the
             # legacy and per-thread default streams always exist.
@@ -173,10 +174,7 @@ class Export:
         if (
             consumer is not None
             and not scope._closed
-            and (
-                threading.get_ident() == self._loop_thread
-                or getattr(driver, "foreign_fence_threadsafe", False)
-            )
+            and (threading.get_ident() == self._loop_thread or caps.foreign_fence_threadsafe)
         ):
             # Fence the consumer's stream now, while it surely exists.
             try:
@@ -199,9 +197,10 @@ class Export:
 
     def _blocking_fence(self) -> bool:
         """True if finishing needs a device-wide fence that blocks the caller."""
-        driver: Any = self.scope._driver
         return (
-            self._fence is None and self.consumer is None and getattr(driver, "foreign_fence_blocks", False)
+            self._fence is None
+            and self.consumer is None
+            and self.scope._driver.capabilities.foreign_fence_blocks
         )
 
     def _start_finish(self) -> None:
@@ -447,18 +446,9 @@ async def end_exports(scope: ResourceScope) -> None:
 # --------------------------------------------------------------------------- protocols
 
 
-def _driver_of(arr: DeviceArray, what: str, method: str) -> Any:
-    driver = arr._alloc.scope._driver
-    if getattr(driver, method, None) is None:
-        raise BufferError(f"{what}: the {arr._alloc.scope._info.backend!r} backend cannot export memory")
-    return driver
-
-
 def dlpack_device(arr: DeviceArray) -> tuple[int, int]:
     """``__dlpack_device__`` of ``arr``."""
-    driver = _driver_of(arr, "__dlpack_device__", "dlpack_device")
-    device: tuple[int, int] = driver.dlpack_device()
-    return device
+    return arr._alloc.scope._driver.dlpack_device()
 
 
 def cuda_array_interface(arr: DeviceArray) -> dict[str, Any]:
@@ -488,7 +478,7 @@ def cuda_array_interface(arr: DeviceArray) -> dict[str, Any]:
         "data": (arr.ptr, arr._readonly),
         "version": 3,
         "strides": None if arr.c_contiguous else arr.strides,
-        "stream": scope._driver.stream_address(stream.handle) if pending else None,  # type: ignore[attr-defined]
+        "stream": scope._driver.stream_address(stream.handle) if pending else None,
     }
     if dt.fields is not None:
         cai["descr"] = dt.descr
@@ -549,9 +539,10 @@ def dlpack_export(
         consumer = 1 if stream is None else (None if stream == -1 else stream)
     else:
         consumer = None if stream is None or stream == -1 else stream
-    check = getattr(arr._alloc.scope._driver, "check_foreign_stream", None)
-    if consumer is not None and check is not None:
-        check(consumer)  # a bad stream fails here, not when the export is released
+    if consumer is not None:
+        arr._alloc.scope._driver.check_foreign_stream(
+            consumer
+        )  # a bad stream fails here, not when the export is released
     access = Access.READ if arr._readonly else Access.WRITE
     export, s, pending = open_export(arr, access, "DLPack", consumer, what)
     try:

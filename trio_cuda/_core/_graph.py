@@ -596,9 +596,9 @@ async def capture_graph(scope: ResourceScope, op: DeviceOp[Any], stream: Stream 
     for large graphs on a GPU). The thread is shielded: its result is kept (or
     destroyed) whatever happens to the caller."""
     gen, template = _record(scope, op, stream, "capture")
-    driver: Any = scope._driver
+    driver = scope._driver
     try:
-        if getattr(driver, "instantiate_in_thread", False):
+        if driver.capabilities.instantiate_in_thread:
             with trio.CancelScope(shield=True):
                 graph_exec = await trio.to_thread.run_sync(driver.instantiate, template)
         else:

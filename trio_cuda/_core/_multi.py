@@ -188,18 +188,15 @@ def cross_scope_copy(ctx: EnqueueContext, dst: DeviceArray, src: DeviceArray) ->
     if other._token is not scope._token:
         raise ValueError(f"{label}: expected an array of a scope in this Trio run, got one of another run")
     driver = ctx.driver
-    copy_peer = getattr(driver, "copy_peer", None)
-    if copy_peer is None or type(other._driver) is not type(driver):
+    if type(other._driver) is not type(driver):
         raise KernelArgumentError(
             f"copy: expected dst and src on devices of one backend that copies between devices, got "
             f"dst on {_scope_label(d_owner)} and src on {_scope_label(s_owner)}"
         )
-    check = getattr(driver, "check_copy_peer", None)
-    if check is not None:
-        try:
-            check(d_owner._driver, s_owner._driver)
-        except ValueError as exc:
-            raise KernelArgumentError(str(exc)) from None
+    try:
+        driver.check_copy_peer(d_owner._driver, s_owner._driver)
+    except ValueError as exc:
+        raise KernelArgumentError(str(exc)) from None
     sub = ctx.submission
     accesses = ((src, Access.READ), (dst, Access.WRITE))
     writer: Submission | None = None
@@ -215,7 +212,9 @@ def cross_scope_copy(ctx: EnqueueContext, dst: DeviceArray, src: DeviceArray) ->
         take_leases(scope, ctx.stream, sub, accesses, "copy", foreign=True)
         for a in new:
             _add_foreign(a.scope)
-    token = copy_peer(ctx.stream.handle, dst.ptr, d_owner._driver, src.ptr, s_owner._driver, dst.nbytes)
+    token = driver.copy_peer(
+        ctx.stream.handle, dst.ptr, d_owner._driver, src.ptr, s_owner._driver, dst.nbytes
+    )
     if token is not None:
         ctx.retain(token)
     if writer is not None:

@@ -461,9 +461,10 @@ class ResourceScope:
         self = object.__new__(cls)
         self._driver = driver
         self._info = driver.info
-        self._batch = bool(getattr(driver, "batch_markers", False))
-        self._spin = float(getattr(driver, "await_spin", 0.0))
-        self._load_in_thread = bool(getattr(driver, "load_in_thread", False))
+        caps = driver.capabilities
+        self._batch = caps.batch_markers
+        self._spin = caps.await_spin
+        self._load_in_thread = caps.load_in_thread
         #: an export's consumer released it and its fence is not finished yet
         self._exports_releasing = False
         self._unflushed = []
