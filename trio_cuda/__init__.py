@@ -21,6 +21,8 @@ from ._core._errors import LaunchError as LaunchError
 from ._core._errors import OutOfMemoryError as OutOfMemoryError
 from ._core._errors import ScopeClosedError as ScopeClosedError
 from ._core._errors import TrioCudaError as TrioCudaError
+from ._core._future import DeviceFuture as DeviceFuture
+from ._core._future import FutureStatistics as FutureStatistics
 from ._core._graph import CudaGraph as CudaGraph
 from ._core._graph import GraphStatistics as GraphStatistics
 from ._core._kernel import In as In
@@ -39,16 +41,14 @@ from ._core._multi import LeastLoadedDevice as LeastLoadedDevice
 from ._core._multi import RoundRobinDevices as RoundRobinDevices
 from ._core._ops import DeviceOp as DeviceOp
 from ._core._ops import zip as zip  # noqa: A004
-from ._core._scope import DeviceFuture as DeviceFuture
-from ._core._scope import FutureStatistics as FutureStatistics
-from ._core._scope import LeastLoaded as LeastLoaded
+from ._core._policy import LeastLoaded as LeastLoaded
+from ._core._policy import RoundRobin as RoundRobin
+from ._core._policy import SchedulingPolicy as SchedulingPolicy
 from ._core._scope import ResourceScope as ResourceScope
-from ._core._scope import RoundRobin as RoundRobin
-from ._core._scope import SchedulingPolicy as SchedulingPolicy
 from ._core._scope import ScopeStatistics as ScopeStatistics
-from ._core._scope import Stream as Stream
-from ._core._scope import StreamStatistics as StreamStatistics
 from ._core._scope import current_scope as current_scope
+from ._core._stream import Stream as Stream
+from ._core._stream import StreamStatistics as StreamStatistics
 from ._open import open_device_pool as open_device_pool
 from ._open import open_scope as open_scope
 from ._version import __version__ as __version__

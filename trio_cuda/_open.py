@@ -18,7 +18,8 @@ from typing import Literal
 
 from ._backends import open_device, probe_cuda
 from ._core._multi import DevicePolicy, LeastLoadedDevice, PoolManager
-from ._core._scope import SchedulingPolicy, ScopeManager, scope_manager
+from ._core._policy import SchedulingPolicy
+from ._core._scope import ScopeManager, scope_manager
 
 __all__ = ["open_device_pool", "open_scope"]
 

@@ -37,7 +37,8 @@ from ._core._dlpack import (
     np_dtype,
 )
 from ._core._ops import Access, DeviceOp
-from ._core._scope import ResourceScope, Stream, current_scope
+from ._core._scope import ResourceScope, current_scope
+from ._core._stream import Stream
 from ._core._submit import Submission, take_leases
 
 __all__ = ["borrow"]

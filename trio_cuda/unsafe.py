@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from ._core._kernel import KernelLaunch, LaunchBuilder
 from ._core._ops import DeviceOp
-from ._core._scope import Stream
+from ._core._stream import Stream
 from ._core._submit import EnqueueContext
 
 T = TypeVar("T")

@@ -51,7 +51,8 @@ from ._submit import TERMINAL, Submission, SubState, take_leases
 
 if TYPE_CHECKING:
     from ._array import DeviceArray
-    from ._scope import ResourceScope, Stream
+    from ._scope import ResourceScope
+    from ._stream import Stream
 
 
 class ExportState(enum.Enum):
@@ -95,7 +96,7 @@ _REGISTRIES: weakref.WeakKeyDictionary[ResourceScope, _Registry] = weakref.WeakK
 def _registry(scope: ResourceScope) -> _Registry:
     reg = _REGISTRIES.get(scope)
     if reg is None:
-        from ._scope import Stream
+        from ._stream import Stream
 
         # Never a stream of the pool: every access conflicts-checks against it.
         foreign = Stream._create(scope, -1, None)  # type: ignore[arg-type]

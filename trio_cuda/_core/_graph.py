@@ -59,7 +59,8 @@ if TYPE_CHECKING:
 
     from ._driver import DeviceContext
     from ._kernel import PreparedLaunch
-    from ._scope import ResourceScope, Stream
+    from ._scope import ResourceScope
+    from ._stream import Stream
     from ._submit import Submission
 
 __all__ = ["CudaGraph", "GraphStatistics", "capture_graph", "close_scope_graphs"]

@@ -58,7 +58,9 @@ from ._ops import Access, DeviceOp
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from ._scope import DeviceFuture, ResourceScope, ScopeManager, ScopeStatistics, Stream
+    from ._future import DeviceFuture
+    from ._scope import ResourceScope, ScopeManager, ScopeStatistics
+    from ._stream import Stream
     from ._submit import EnqueueContext, Submission
 
 T = TypeVar("T")

@@ -25,25 +25,27 @@ import contextvars
 import logging
 import math
 import numbers
-import time
 import warnings
 from _thread import get_ident
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, final
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, final
 
 import attrs
 import numpy as np
 import trio
 
 from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_order, normalize_shape
-from ._driver import DeviceContext, DeviceInfo, MarkerState, Poll, StreamHandle
+from ._driver import DeviceContext, DeviceInfo, MarkerState, Poll
 from ._errors import CompletionUnknownError, ScopeClosedError
 from ._export import abandon_exports, end_exports, finish_releases
+from ._future import DeviceFuture, wrong_caller
 from ._kernel import Kernel, KernelLaunch, check_device_limits
 from ._multi import abandon_foreign, foreign_lease_count, release_foreign, wait_foreign
-from ._ops import Access, DeviceOp, _Copy, _Fill, _ZeroBytes, resolve_output
-from ._submit import TERMINAL, EnqueueContext, HostStep, Submission, SubState, take_leases
+from ._ops import Access, DeviceOp, _Copy, _Fill, _ZeroBytes
+from ._policy import RoundRobin, SchedulingPolicy
+from ._stream import Stream
+from ._submit import EnqueueContext, HostStep, Submission, SubState, take_leases
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -71,16 +73,6 @@ def current_scope() -> ResourceScope:
 
 
 @attrs.frozen
-class StreamStatistics:
-    """Counters of one stream."""
-
-    index: int
-    in_flight: int
-    submitted: int
-    completed: int
-
-
-@attrs.frozen
 class ScopeStatistics:
     """A snapshot of a scope (``gpu.statistics()``)."""
 
@@ -103,266 +95,6 @@ class ScopeStatistics:
     #: leases that other scopes' in-flight work (cross-device copies) holds on
     #: this scope's allocations; exit waits for them (see :doc:`multigpu`)
     foreign_leases: int = 0
-
-
-@attrs.frozen
-class FutureStatistics:
-    """A snapshot of one submission (``fut.statistics()``)."""
-
-    state: str  #: "in_flight", "done", "failed" or "quarantined"
-    stream: int
-    leases: int  #: still held (released when the handoff task retires the work)
-    retained_bytes: int
-
-
-# --------------------------------------------------------------------------- policy
-
-
-class SchedulingPolicy(Protocol):
-    """Chooses the stream of a submission that was not pinned to one."""
-
-    def choose(self, streams: Sequence[Stream], op: DeviceOp[Any]) -> Stream:
-        """Return the stream ``op`` should run on (one of ``streams``)."""
-        ...
-
-
-@final
-@attrs.define(eq=False)
-class RoundRobin:
-    """The default policy: streams in turn."""
-
-    _next: int = attrs.field(default=0, init=False)
-
-    def choose(self, streams: Sequence[Stream], op: DeviceOp[Any]) -> Stream:
-        """Return the stream ``op`` should run on."""
-        i = self._next
-        self._next = (i + 1) % len(streams)
-        return streams[i % len(streams)]
-
-
-@final
-@attrs.define(eq=False)
-class LeastLoaded:
-    """The stream with the fewest submissions in flight (lowest index on ties)."""
-
-    def choose(self, streams: Sequence[Stream], op: DeviceOp[Any]) -> Stream:
-        """The stream with the fewest submissions in flight."""
-        return min(streams, key=lambda s: (s._in_flight, s.index))
-
-
-# --------------------------------------------------------------------------- stream
-
-
-@final
-class Stream:
-    """One stream of a scope's pool. Pass it as ``stream=`` to pin work."""
-
-    __slots__ = (
-        "__weakref__",
-        "_completed",
-        "_in_flight",
-        "_pending",
-        "_scope",
-        "_unmarked",
-        "handle",
-        "index",
-    )
-
-    _scope: ResourceScope
-    index: int
-    handle: StreamHandle
-    _pending: deque[Submission | HostStep]
-    _unmarked: list[Submission]
-    _in_flight: int
-    _completed: int
-
-    def __init__(self) -> None:
-        raise TypeError("Stream has no public constructor; use scope.streams")
-
-    @classmethod
-    def _create(cls, scope: ResourceScope, index: int, handle: StreamHandle) -> Stream:
-        self = object.__new__(cls)
-        self._scope = scope
-        self.index = index
-        self.handle = handle
-        self._pending = deque()
-        self._unmarked = []
-        self._in_flight = 0
-        self._completed = 0
-        return self
-
-    @property
-    def scope(self) -> ResourceScope:
-        """The scope this stream belongs to."""
-        return self._scope
-
-    def statistics(self) -> StreamStatistics:
-        """A snapshot of counters (see the class of the result)."""
-        return StreamStatistics(
-            self.index, self._in_flight, self._completed + self._in_flight, self._completed
-        )
-
-    def __repr__(self) -> str:
-        return f"<Stream {self.index} of {self._scope._info.backend}:{self._scope._info.ordinal}>"
-
-
-# --------------------------------------------------------------------------- future
-
-
-def _find_run_context() -> Any:
-    """Trio's run context, to read the run queue without the ~2 µs of
-    ``current_statistics()``; None on Trio versions without it (no spinning)."""
-    try:
-        from trio._core import _run
-    except ImportError:  # pragma: no cover
-        return None
-    return getattr(_run, "GLOBAL_RUN_CONTEXT", None)
-
-
-_RUN_CONTEXT: Any = _find_run_context()
-
-
-def _current_runner() -> object:
-    """The Trio run of the calling thread (an opaque identity), or None in a
-    thread with no Trio run (a worker thread, or outside ``trio.run``)."""
-    if _RUN_CONTEXT is not None:
-        try:
-            return _RUN_CONTEXT.runner
-        except AttributeError:
-            return None
-    try:  # pragma: no cover - Trio without the run context
-        return trio.lowlevel.current_trio_token()
-    except RuntimeError:  # pragma: no cover
-        return None
-
-
-def wrong_caller(what: str, scope: ResourceScope) -> RuntimeError:
-    """The error for a scope used outside the Trio run that opened it."""
-    if _current_runner() is None:
-        where = "a thread with no Trio run (a worker thread?); use trio.from_thread.run_sync() to call it"
-    else:
-        where = "another Trio run; a scope belongs to the run (and thread) that opened it"
-    return RuntimeError(
-        f"{what}: expected a call from the Trio run that opened {scope!r}, got one from {where}"
-    )
-
-
-def _others_runnable(handoff: object) -> bool:
-    """True when Trio tasks other than the scope's handoff task are ready to
-    run: then spinning would delay them, so a waiter parks at once."""
-    try:
-        runq = _RUN_CONTEXT.runner.runq
-    except AttributeError:  # pragma: no cover
-        return True
-    n = len(runq)
-    return n > 1 or (n == 1 and runq[0] is not handoff)
-
-
-@final
-class DeviceFuture(Generic[T]):
-    """The pending result of ``scope.submit(op)``.
-
-    ``await fut.wait()`` returns the op's output once the GPU completed the
-    work, or raises its error. Dropping or forgetting a future is safe: the
-    scope keeps the submission, and an error nobody observed is raised when
-    the scope exits.
-    """
-
-    __slots__ = ("_sub",)
-
-    _sub: Submission
-
-    def __init__(self) -> None:
-        raise TypeError("DeviceFuture has no public constructor; use scope.submit()")
-
-    @classmethod
-    def _create(cls, sub: Submission) -> DeviceFuture[T]:
-        self = object.__new__(cls)
-        self._sub = sub
-        return self
-
-    def done(self) -> bool:
-        """True once the work completed (or was quarantined)."""
-        sub = self._sub
-        return sub.early or sub.state in TERMINAL
-
-    @property
-    def stream(self) -> Stream:
-        """The stream the work was submitted to."""
-        return self._sub.stream
-
-    async def wait(self) -> T:
-        """Wait, without blocking the loop, for the work to complete; return
-        its output or raise its error. Cancelling this wait does not cancel
-        or release the GPU work."""
-        sub = self._sub
-        scope = sub.scope
-        if get_ident() != scope._thread:
-            raise wrong_caller("wait", scope)
-        if sub.state not in TERMINAL:
-            if scope._spin and not _others_runnable(scope._handoff_task) and self._spin():
-                await trio.lowlevel.checkpoint()
-                return resolve_output(sub.output)  # type: ignore[return-value]
-            if sub.marker is None:
-                sub.scope._flush(sub.stream)  # someone waits: record the marker now
-            event = sub.event
-            if event is None:
-                event = sub.event = trio.Event()
-            await event.wait()
-        else:
-            await trio.lowlevel.checkpoint()
-        return self._outcome()
-
-    def _spin(self) -> bool:
-        """Inline spin budget: when no other task is ready to run, poll this
-        submission's marker for a few microseconds (the driver's
-        ``await_spin``) before parking, so a short kernel's result is returned
-        without a round trip through the handoff task. Retirement (leases,
-        memory) still happens there, in order."""
-        sub = self._sub
-        if sub.finishers or sub.error is not None or sub.state is not SubState.IN_FLIGHT:
-            return False
-        scope = sub.scope
-        if sub.marker is None:
-            scope._flush(sub.stream)
-        marker = sub.marker
-        if marker is None:
-            return False
-        poll = scope._driver.poll_marker
-        deadline = time.perf_counter() + scope._spin
-        while True:
-            state = poll(marker).state
-            if state is MarkerState.DONE:
-                sub.early = sub.error is None
-                return sub.early
-            if state is not MarkerState.PENDING or time.perf_counter() >= deadline:
-                return False
-
-    def wait_nowait(self) -> T:
-        """The output if the work completed; raises ``trio.WouldBlock`` if not."""
-        sub = self._sub
-        if sub.state not in TERMINAL:
-            if sub.early and sub.error is None:
-                return resolve_output(sub.output)  # type: ignore[return-value]
-            raise trio.WouldBlock
-        return self._outcome()
-
-    def _outcome(self) -> T:
-        sub = self._sub
-        if sub.error is not None:
-            sub.observed = True
-            sub.scope._unobserved.pop(sub, None)
-            raise sub.error
-        return resolve_output(sub.output)  # type: ignore[return-value]
-
-    def statistics(self) -> FutureStatistics:
-        """A snapshot of this submission's state and retention."""
-        sub = self._sub
-        state = "done" if sub.early and sub.state is SubState.IN_FLIGHT else sub.state.value
-        return FutureStatistics(state, sub.stream.index, len(sub.leases), sum(a.nbytes for a in sub.leases))
-
-    def __repr__(self) -> str:
-        return f"<DeviceFuture of {self._sub!r}>"
 
 
 # --------------------------------------------------------------------------- scope

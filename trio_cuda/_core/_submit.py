@@ -32,7 +32,8 @@ from ._ops import Access, HostResult
 
 if TYPE_CHECKING:
     from ._kernel import PreparedLaunch
-    from ._scope import ResourceScope, Stream
+    from ._scope import ResourceScope
+    from ._stream import Stream
 
 
 class SubState(enum.Enum):

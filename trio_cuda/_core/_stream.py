@@ -1,0 +1,87 @@
+"""Streams of a scope's pool.
+
+Invariants:
+
+* A :class:`Stream` belongs to exactly one scope for its whole life and has no
+  public constructor; ``scope.streams`` are the only ones.
+* Its queues hold what the scope's completion machinery has yet to retire, in
+  stream (FIFO) order: ``_unmarked`` submissions wait for a completion marker,
+  ``_pending`` ones (and host steps) for theirs to complete.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, final
+
+import attrs
+
+if TYPE_CHECKING:
+    from ._driver import StreamHandle
+    from ._scope import ResourceScope
+    from ._submit import HostStep, Submission
+
+__all__ = ["Stream", "StreamStatistics"]
+
+
+@attrs.frozen
+class StreamStatistics:
+    """Counters of one stream."""
+
+    index: int
+    in_flight: int
+    submitted: int
+    completed: int
+
+
+@final
+class Stream:
+    """One stream of a scope's pool. Pass it as ``stream=`` to pin work."""
+
+    __slots__ = (
+        "__weakref__",
+        "_completed",
+        "_in_flight",
+        "_pending",
+        "_scope",
+        "_unmarked",
+        "handle",
+        "index",
+    )
+
+    _scope: ResourceScope
+    index: int
+    handle: StreamHandle
+    _pending: deque[Submission | HostStep]
+    _unmarked: list[Submission]
+    _in_flight: int
+    _completed: int
+
+    def __init__(self) -> None:
+        raise TypeError("Stream has no public constructor; use scope.streams")
+
+    @classmethod
+    def _create(cls, scope: ResourceScope, index: int, handle: StreamHandle) -> Stream:
+        self = object.__new__(cls)
+        self._scope = scope
+        self.index = index
+        self.handle = handle
+        self._pending = deque()
+        self._unmarked = []
+        self._in_flight = 0
+        self._completed = 0
+        return self
+
+    @property
+    def scope(self) -> ResourceScope:
+        """The scope this stream belongs to."""
+        return self._scope
+
+    def statistics(self) -> StreamStatistics:
+        """A snapshot of counters (see the class of the result)."""
+        return StreamStatistics(
+            self.index, self._in_flight, self._completed + self._in_flight, self._completed
+        )
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.index} of {self._scope._info.backend}:{self._scope._info.ordinal}>"
