@@ -19,12 +19,8 @@ import pytest
 
 import trio_cuda
 from trio_cuda import In, InOut, KernelArgumentError, Out, Scalar, Slice, ops, unsafe
-from trio_cuda._core._kernel import (
-    MAX_PARAM_BYTES,
-    check_param_layout,
-    make_config,
-    modeled_blocks_per_sm,
-)
+from trio_cuda._core._arena import MAX_PARAM_BYTES, check_param_layout
+from trio_cuda._core._config import make_config, modeled_blocks_per_sm
 from trio_cuda.testing import SimDevice
 
 ROOT = Path(__file__).resolve().parent.parent

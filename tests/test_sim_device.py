@@ -22,6 +22,7 @@ from trio_cuda._backends.sim import (
     TraceEvent,
     Violation,
 )
+from trio_cuda._core._config import LaunchConfig
 from trio_cuda._core._driver import DONE, PENDING, MarkerState, Poll
 from trio_cuda._core._errors import (
     CompletionUnknownError,
@@ -30,18 +31,10 @@ from trio_cuda._core._errors import (
     OutOfMemoryError,
     ScopeClosedError,
 )
-from trio_cuda._core._kernel import (
-    ArgView,
-    In,
-    InOut,
-    Kernel,
-    LaunchConfig,
-    Out,
-    PreparedLaunch,
-    Scalar,
-    Slice,
-)
+from trio_cuda._core._kernel import Kernel
+from trio_cuda._core._launch import ArgView, PreparedLaunch
 from trio_cuda._core._ops import Access
+from trio_cuda._core._params import In, InOut, Out, Scalar, Slice
 
 F4 = np.dtype(np.float32)
 

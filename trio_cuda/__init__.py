@@ -11,6 +11,8 @@ from . import ops as ops
 from . import testing as testing
 from . import unsafe as unsafe
 from ._core._array import DeviceArray as DeviceArray
+from ._core._builder import LaunchBuilder as LaunchBuilder
+from ._core._config import LaunchConfig as LaunchConfig
 from ._core._driver import DeviceInfo as DeviceInfo
 from ._core._errors import AccessConflictError as AccessConflictError
 from ._core._errors import CompletionUnknownError as CompletionUnknownError
@@ -25,15 +27,8 @@ from ._core._future import DeviceFuture as DeviceFuture
 from ._core._future import FutureStatistics as FutureStatistics
 from ._core._graph import CudaGraph as CudaGraph
 from ._core._graph import GraphStatistics as GraphStatistics
-from ._core._kernel import In as In
-from ._core._kernel import InOut as InOut
 from ._core._kernel import Kernel as Kernel
-from ._core._kernel import KernelLaunch as KernelLaunch
-from ._core._kernel import LaunchBuilder as LaunchBuilder
-from ._core._kernel import LaunchConfig as LaunchConfig
-from ._core._kernel import Out as Out
-from ._core._kernel import Scalar as Scalar
-from ._core._kernel import Slice as Slice
+from ._core._launch import KernelLaunch as KernelLaunch
 from ._core._multi import DevicePolicy as DevicePolicy
 from ._core._multi import DevicePool as DevicePool
 from ._core._multi import DevicePoolStatistics as DevicePoolStatistics
@@ -41,6 +36,11 @@ from ._core._multi import LeastLoadedDevice as LeastLoadedDevice
 from ._core._multi import RoundRobinDevices as RoundRobinDevices
 from ._core._ops import DeviceOp as DeviceOp
 from ._core._ops import zip as zip  # noqa: A004
+from ._core._params import In as In
+from ._core._params import InOut as InOut
+from ._core._params import Out as Out
+from ._core._params import Scalar as Scalar
+from ._core._params import Slice as Slice
 from ._core._policy import LeastLoaded as LeastLoaded
 from ._core._policy import RoundRobin as RoundRobin
 from ._core._policy import SchedulingPolicy as SchedulingPolicy

@@ -29,7 +29,8 @@ import numpy as np
 import trio
 
 from ._core._array import DeviceArray
-from ._core._kernel import In, InOut, Kernel, Out, Scalar
+from ._core._kernel import Kernel
+from ._core._params import In, InOut, Out, Scalar
 from ._core._scope import ResourceScope, ScopeStatistics
 from ._open import open_scope
 from .testing import SimAllocation, SimDevice, Violation

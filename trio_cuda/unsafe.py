@@ -10,7 +10,8 @@ from __future__ import annotations
 from _thread import get_ident
 from typing import Any, TypeVar
 
-from ._core._kernel import KernelLaunch, LaunchBuilder
+from ._core._builder import LaunchBuilder
+from ._core._launch import KernelLaunch
 from ._core._ops import DeviceOp
 from ._core._stream import Stream
 from ._core._submit import EnqueueContext

@@ -23,7 +23,8 @@ import attrs
 import numpy as np
 
 if TYPE_CHECKING:
-    from ._kernel import Kernel, PreparedLaunch
+    from ._kernel import Kernel
+    from ._launch import PreparedLaunch
 
 
 class MarkerState(enum.Enum):

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from ._driver import DeviceContext
-    from ._kernel import PreparedLaunch
+    from ._launch import PreparedLaunch
     from ._scope import ResourceScope
     from ._stream import Stream
     from ._submit import Submission
@@ -269,7 +269,7 @@ def _record(scope: ResourceScope, op: object, stream: Stream | None, what: str) 
     """Capture ``op`` into a new generation and a driver graph template.
     On any error, nothing is left behind (see the module invariants)."""
     if not isinstance(op, DeviceOp):
-        from ._kernel import LaunchBuilder
+        from ._builder import LaunchBuilder
 
         if isinstance(op, LaunchBuilder):
             raise TypeError(

@@ -319,7 +319,7 @@ def _arrays_of(op: object, out: list[DeviceArray | ResourceScope], depth: int = 
     the graph. Closures are not run: what they return is not known before
     submission."""
     from ._graph import _GraphLaunch
-    from ._kernel import KernelLaunch
+    from ._launch import KernelLaunch
     from ._ops import _Copy, _Fill, _Map, _Shared, _Then, _ZeroBytes, _Zip
 
     if depth > 64:

@@ -255,7 +255,7 @@ def fill(arr: DeviceArray, x: object) -> DeviceOp[DeviceArray]:
 
 def fill_pattern(dtype: np.dtype[Any], x: object) -> bytes:
     """The bytes ``fill`` repeats: ``x`` checked and cast to ``dtype``."""
-    from ._kernel import _convert_scalar
+    from ._params import _convert_scalar
 
     if dtype.fields is not None:
         raise TypeError(f"fill: arr: expected a non-structured dtype, got the struct dtype {dtype}")

@@ -31,7 +31,7 @@ from ._errors import AccessConflictError, CompletionUnknownError, KernelArgument
 from ._ops import Access, HostResult
 
 if TYPE_CHECKING:
-    from ._kernel import PreparedLaunch
+    from ._launch import PreparedLaunch
     from ._scope import ResourceScope
     from ._stream import Stream
 

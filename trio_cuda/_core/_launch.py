@@ -1,0 +1,199 @@
+"""Prepared launches: what a backend enqueues, and the DeviceOp that carries it.
+
+Invariants:
+
+* A :class:`KernelLaunch` is immutable (no public constructor, no attribute
+  assignment) and reusable. Its parameters are packed exactly once, into the
+  arena of its :class:`PreparedLaunch`, and reused by every submission of the
+  same launch.
+* A launch's accesses hold one entry per allocation, with the strongest mode
+  (:func:`_merge_accesses`); its output is the array it writes, a tuple of
+  them, or None.
+* A :class:`PreparedLaunch` is immutable by convention; only ``cache``, the
+  backends' scratch space, is filled (on first launch). Its
+  argument views are given, or derived once from the argument values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, final
+
+import attrs
+import numpy as np
+
+from ._array import DeviceArray
+from ._ops import Access, DeviceOp
+from ._params import Param, Scalar, Slice
+
+if TYPE_CHECKING:
+    from ._arena import ParamPlan
+    from ._config import LaunchConfig
+    from ._kernel import Kernel
+    from ._submit import EnqueueContext
+
+
+@attrs.frozen
+class ArgView:
+    """What a backend needs to know about one kernel parameter.
+
+    ``kind`` is ``"array"`` (``ptr``, ``shape``, ``dtype``), ``"slice"`` (the
+    same plus ``length``), ``"scalar"`` (``value``) or ``"raw"`` (``value`` is
+    ``bytes``)."""
+
+    kind: Literal["array", "slice", "scalar", "raw"]
+    ptr: int = 0
+    shape: tuple[int, ...] = ()
+    dtype: np.dtype[Any] | None = None
+    value: Any = None
+    length: int = 0
+    access: Access | None = None
+    #: dtype of a ``"slice"``'s length parameter
+    len_dtype: np.dtype[Any] | None = None
+    #: memory order of an ``"array"`` or ``"slice"``: ``"C"`` or ``"F"``
+    order: Literal["C", "F"] = "C"
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype is None:
+            return 0
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@final
+class PreparedLaunch:
+    """Everything a backend needs to enqueue one launch. ``arena`` holds the
+    packed parameters at the offsets of ``plan``; :meth:`arg_views` describes
+    them (built lazily from ``values``, one per kernel parameter, unless
+    ``args`` was given). Immutable by convention; ``cache`` is the backends'
+    scratch space (e.g. the ``void**`` array), filled on first launch."""
+
+    __slots__ = ("arena", "args", "cache", "config", "kernel", "plan", "values")
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        config: LaunchConfig,
+        plan: ParamPlan,
+        arena: bytes,
+        args: tuple[ArgView, ...] | None = None,
+        values: tuple[object, ...] = (),
+    ) -> None:
+        self.kernel = kernel
+        self.config = config
+        self.plan = plan
+        self.arena = arena
+        self.args = args
+        self.values = values
+        self.cache: dict[str, Any] = {}
+
+    def arg_views(self) -> tuple[ArgView, ...]:
+        """One :class:`ArgView` per kernel parameter (cached)."""
+        if self.args is not None:
+            return self.args
+        views = self.cache.get("views")
+        if views is None:
+            views = self.cache["views"] = _views_of(self.kernel.params, self.values)
+        return views
+
+    def __repr__(self) -> str:
+        return f"<PreparedLaunch {self.kernel.name} {len(self.arena)} B of parameters>"
+
+
+def _views_of(params: Sequence[Param], values: Sequence[object]) -> tuple[ArgView, ...]:
+    out: list[ArgView] = []
+    for param, value in zip(params, values, strict=True):
+        if isinstance(param, Scalar):
+            scalar = value if isinstance(value, np.generic) else param.dtype.type(value)
+            out.append(ArgView("scalar", dtype=param.dtype, value=scalar))
+            continue
+        assert isinstance(value, DeviceArray)
+        if isinstance(param, Slice):
+            out.append(
+                ArgView(
+                    "slice",
+                    value.ptr,
+                    value.shape,
+                    value.dtype,
+                    length=value.size,
+                    access=param.access,
+                    len_dtype=param.len_dtype,
+                    order=value.order,
+                )
+            )
+        else:
+            out.append(
+                ArgView("array", value.ptr, value.shape, value.dtype, access=param.access, order=value.order)
+            )
+    return tuple(out)
+
+
+def _merge_accesses(
+    accesses: Sequence[tuple[DeviceArray, Access]],
+) -> tuple[tuple[DeviceArray, Access], ...]:
+    """One entry per allocation, with the strongest access."""
+    merged: dict[int, tuple[DeviceArray, Access]] = {}
+    for arr, access in accesses:
+        key = id(arr._alloc)
+        prev = merged.get(key)
+        if prev is None or (access is Access.WRITE and prev[1] is Access.READ):
+            merged[key] = (arr, access)
+    return tuple(merged.values())
+
+
+def _output_of(outputs: Sequence[DeviceArray]) -> object:
+    if not outputs:
+        return None
+    if len(outputs) == 1:
+        return outputs[0]
+    return tuple(outputs)
+
+
+@final
+class KernelLaunch(DeviceOp[Any]):
+    """One immutable, reusable kernel launch (a DeviceOp). Its output is the
+    array it writes, a tuple of them if several, or None."""
+
+    __slots__ = ("_accesses", "_output", "prepared")
+
+    prepared: PreparedLaunch
+    _accesses: tuple[tuple[DeviceArray, Access], ...]
+    _output: object
+
+    def __init__(self) -> None:
+        raise TypeError("KernelLaunch has no public constructor; use Kernel.launch() or a builder")
+
+    @classmethod
+    def _create(
+        cls,
+        prepared: PreparedLaunch,
+        accesses: tuple[tuple[DeviceArray, Access], ...],
+        outputs: Sequence[DeviceArray],
+    ) -> KernelLaunch:
+        self = object.__new__(cls)
+        setattr_ = object.__setattr__
+        setattr_(self, "prepared", prepared)
+        setattr_(self, "_accesses", accesses)
+        setattr_(self, "_output", _output_of(outputs))
+        return self
+
+    @property
+    def kernel(self) -> Kernel:
+        """The kernel this launch runs."""
+        return self.prepared.kernel
+
+    @property
+    def config(self) -> LaunchConfig:
+        """The launch geometry and modes."""
+        return self.prepared.config
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("KernelLaunch is immutable")
+
+    def __repr__(self) -> str:
+        c = self.prepared.config
+        return f"<KernelLaunch {self.prepared.kernel.name} grid={c.grid} block={c.block}>"
+
+    def _enqueue(self, ctx: EnqueueContext) -> object:
+        ctx.launch(self.prepared, self._accesses)
+        return self._output

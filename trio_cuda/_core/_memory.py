@@ -1,0 +1,87 @@
+"""The scope's memory table: handles, frees, and what garbage collection hands back.
+
+Invariants:
+
+* Memory is freed only when no handle is open, no lease of any range of it is
+  in flight, and it is live (never when quarantined): ``_maybe_free`` is the
+  one place that decides.
+* A handle released off the loop thread (a finalizer, a worker thread) is
+  queued for the loop; only the loop touches the table and the driver.
+* A failed free quarantines the memory with a ``ResourceWarning``: a leak is
+  preferred to a dangling pointer. Borrowed memory is only let go of.
+"""
+
+from __future__ import annotations
+
+import warnings
+from _thread import get_ident
+from collections import deque
+from typing import TYPE_CHECKING
+
+import trio
+
+from ._array import Allocation, AllocState
+
+if TYPE_CHECKING:
+    from ._driver import DeviceContext
+
+__all__ = ["MemoryTable"]
+
+
+class MemoryTable:
+    """Part of :class:`~trio_cuda.ResourceScope`: its allocations."""
+
+    __slots__ = ()
+
+    if TYPE_CHECKING:
+        _driver: DeviceContext
+        _allocs: dict[Allocation, None]
+        _gc_releases: deque[Allocation]
+        _closed: bool
+        _thread: int
+        _token: trio.lowlevel.TrioToken
+
+        def _wake(self) -> None: ...
+
+    def _adopt(self, alloc: Allocation) -> None:
+        """Register a new allocation (own or borrowed) in the table."""
+        self._allocs[alloc] = None
+
+    def _release_handle(self, alloc: Allocation) -> None:
+        if get_ident() != self._thread:  # closed from a worker thread
+            self._release_handle_later(alloc)
+            return
+        alloc.handles -= 1
+        self._maybe_free(alloc)
+
+    def _release_handle_later(self, alloc: Allocation) -> None:
+        """From a garbage-collection finalizer, possibly on another thread."""
+        if self._closed:
+            return
+        self._gc_releases.append(alloc)
+        try:
+            self._token.run_sync_soon(self._wake)
+        except trio.RunFinishedError:
+            pass
+
+    def _maybe_free(self, alloc: Allocation) -> None:
+        if alloc.handles <= 0 and not alloc.active and alloc.state is AllocState.LIVE:
+            self._free(alloc)
+
+    def _free(self, alloc: Allocation) -> None:
+        if alloc.borrowed:  # another library's memory: only let go of it
+            alloc.state = AllocState.FREED
+            alloc.owner = None
+            self._allocs.pop(alloc, None)
+            return
+        try:
+            self._driver.free(alloc.ptr, alloc.nbytes)
+        except Exception as exc:
+            # Prefer a leak to a dangling pointer.
+            alloc.state = AllocState.QUARANTINED
+            warnings.warn(
+                ResourceWarning(f"freeing {alloc!r} failed ({exc}); the memory is quarantined"), stacklevel=2
+            )
+            return
+        alloc.state = AllocState.FREED
+        del self._allocs[alloc]
