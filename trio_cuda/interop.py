@@ -36,10 +36,9 @@ from ._core._dlpack import (
     kDLCUDAManaged,
     np_dtype,
 )
-from ._core._ops import Access, DeviceOp
+from ._core._ops import DeviceOp
 from ._core._scope import ResourceScope, current_scope
 from ._core._stream import Stream
-from ._core._submit import Submission, take_leases
 
 __all__ = ["borrow"]
 
@@ -224,13 +223,7 @@ def borrow(
     alloc = Allocation(scope, ptr, nbytes)
     alloc.borrowed = access
     alloc.owner = owner
-    scope._allocs[alloc] = None
-    arr = DeviceArray._create(alloc, shape, dt, order=order)
     # Publish the producer's fence: work on other streams orders after `s`.
-    scope._next_id += 1
-    sub = Submission(scope, s, scope._next_id, _BORROW_OP)
-    take_leases(scope, s, sub, ((arr, Access.WRITE),), "borrow")
-    sub.dirty = True
-    scope._finish_submission(sub, None)
+    arr = scope._adopt(alloc, shape, dt, order, s, _BORROW_OP, "borrow", dirty=True)
     arr._readonly = access == "read"
     return arr

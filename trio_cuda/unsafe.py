@@ -37,11 +37,7 @@ def async_on(op: DeviceOp[T], stream: Stream) -> T:
         if scope._closing or get_ident() != scope._thread:
             scope._check_open("async_on")
         prepared = op.prepared
-        fn = scope._functions.get(prepared.kernel)
-        if fn is None or prepared.cache.get("checked") is not scope._info:
-            scope._check_launch_config(prepared)
-            fn = scope._function(prepared.kernel)
-        scope._driver.launch(stream.handle, fn, prepared)
+        scope._driver.launch(stream.handle, scope._kernel_function(prepared), prepared)
         return op._output  # type: ignore[return-value]
     if not isinstance(op, DeviceOp):
         if isinstance(op, LaunchBuilder):

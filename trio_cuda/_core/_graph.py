@@ -217,10 +217,7 @@ class _Recorder:
 
     # ------------------------------------------------------------------ work
     def launch(self, prepared: PreparedLaunch, accesses: Sequence[tuple[DeviceArray, Access]]) -> None:
-        scope = self.scope
-        if prepared.cache.get("checked") is not scope._info:
-            scope._check_launch_config(prepared)
-        function = scope._function(prepared.kernel)
+        function = self.scope._kernel_function(prepared)
         self.use(accesses, what=prepared.kernel.name)
         self.gen.owners += (prepared, function)
         self.driver.launch(self.stream.handle, function, prepared)

@@ -43,10 +43,6 @@ class MemoryTable:
 
         def _wake(self) -> None: ...
 
-    def _adopt(self, alloc: Allocation) -> None:
-        """Register a new allocation (own or borrowed) in the table."""
-        self._allocs[alloc] = None
-
     def _release_handle(self, alloc: Allocation) -> None:
         if get_ident() != self._thread:  # closed from a worker thread
             self._release_handle_later(alloc)

@@ -328,12 +328,29 @@ class ResourceScope(Completion, MemoryTable):
         nbytes = math.prod(shp) * dt.itemsize
         s = self._pick(_ALLOC_OP, stream)
         ptr = self._driver.alloc(nbytes, s.handle)
-        alloc = Allocation(self, ptr, nbytes)
+        return self._adopt(Allocation(self, ptr, nbytes), shp, dt, layout, s, _ALLOC_OP, "empty", track=True)
+
+    def _adopt(
+        self,
+        alloc: Allocation,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        order: Literal["C", "F"],
+        stream: Stream,
+        op: DeviceOp[Any],
+        what: str,
+        *,
+        track: bool = False,
+        dirty: bool = False,
+    ) -> DeviceArray:
+        """Register new memory (allocated here, or borrowed) and its first
+        handle, and publish it as written on ``stream``: work on other streams
+        orders after that point. ``dirty``: the publication enqueued work."""
         self._allocs[alloc] = None
-        arr = DeviceArray._create(alloc, shp, dt, order=layout, track=True)
-        # Publish the allocation as written by `s`: other streams order after it.
-        sub = self._new_submission(s, _ALLOC_OP)
-        take_leases(self, s, sub, ((arr, Access.WRITE),), "empty")
+        arr = DeviceArray._create(alloc, shape, dtype, order=order, track=track)
+        sub = self._new_submission(stream, op)
+        take_leases(self, stream, sub, ((arr, Access.WRITE),), what)
+        sub.dirty = dirty
         self._finish_submission(sub, None)
         return arr
 
@@ -509,12 +526,8 @@ class ResourceScope(Completion, MemoryTable):
         as ``EnqueueContext.launch`` without the generic op machinery."""
         s = stream if type(stream) is Stream and stream._scope is self else self._pick(op, stream)
         prepared = op.prepared
-        if prepared.cache.get("checked") is not self._info:
-            self._check_launch_config(prepared)
         kernel = prepared.kernel
-        function = self._functions.get(kernel)
-        if function is None:
-            function = self._function(kernel)
+        function = self._kernel_function(prepared)
         self._next_id += 1
         sub = Submission(self, s, self._next_id, op)
         take_leases(self, s, sub, op._accesses, kernel.name)
@@ -597,6 +610,17 @@ class ResourceScope(Completion, MemoryTable):
         if fn is None:
             fn = self._driver.load_kernel(kernel)
             self._functions[kernel] = fn
+        return fn
+
+    def _kernel_function(self, prepared: PreparedLaunch) -> object:
+        """The loaded function that ``prepared`` launches, once the launch was
+        checked against this device (both cached: the hot path is two dict
+        lookups). Loads the kernel synchronously on first use."""
+        if prepared.cache.get("checked") is not self._info:
+            self._check_launch_config(prepared)
+        fn = self._functions.get(prepared.kernel)
+        if fn is None:
+            fn = self._function(prepared.kernel)
         return fn
 
     def _check_launch_config(self, prepared: PreparedLaunch) -> None:

@@ -198,14 +198,8 @@ class EnqueueContext:
 
     # ------------------------------------------------------------------ work
     def launch(self, prepared: PreparedLaunch, accesses: Sequence[tuple[DeviceArray, Access]]) -> None:
-        scope = self.scope
-        if prepared.cache.get("checked") is not scope._info:
-            scope._check_launch_config(prepared)
-        kernel = prepared.kernel
-        function = scope._functions.get(kernel)
-        if function is None:
-            function = scope._function(kernel)
-        self.use(accesses, what=kernel.name)
+        function = self.scope._kernel_function(prepared)
+        self.use(accesses, what=prepared.kernel.name)
         sub = self.submission
         if sub is not None:
             sub.owners += (prepared, function)
