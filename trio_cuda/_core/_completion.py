@@ -23,20 +23,19 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import trio
 
 from ._array import Allocation, AllocState
 from ._driver import MarkerState, Poll
 from ._errors import CompletionUnknownError
-from ._export import end_exports
-from ._multi import release_foreign, wait_foreign
+from ._multi import release_foreign
 from ._submit import HostStep, Submission, SubState
 
 if TYPE_CHECKING:
     from ._driver import DeviceContext
-    from ._scope import ResourceScope
+    from ._extension import ScopeExtension
     from ._stream import Stream
 
 __all__ = ["Completion"]
@@ -81,6 +80,7 @@ class Completion:
         _unobserved: dict[Submission, None]
         _orphan_errors: list[BaseException]
         _gc_releases: deque[Allocation]
+        _extensions: dict[object, ScopeExtension]
 
         def _release_handle(self, alloc: Allocation) -> None: ...
         def _maybe_free(self, alloc: Allocation) -> None: ...
@@ -316,16 +316,21 @@ class Completion:
 
     async def _drain(self, timeout: float | None) -> None:
         with trio.move_on_after(math.inf if timeout is None else timeout):
-            await end_exports(cast("ResourceScope", self))  # exports end at exit; their leases retire below
-            while self._work_remains():
-                if self._handoff_task is not None:
-                    self._drain_event = trio.Event()
-                    self._wake()
-                    await self._drain_event.wait()
-                else:  # the handoff task is gone: never wait for it, poll here
-                    await self._drain_step()
-            # other scopes' copies still reading or writing our memory
-            await wait_foreign(cast("ResourceScope", self))
+            while True:
+                # extensions first (exports end at exit: their leases retire
+                # below; other scopes' copies of our memory finish), then the
+                # work in flight, until both are quiet
+                for ext in list(self._extensions.values()):
+                    await ext.drain()
+                if not self._work_remains():
+                    break
+                while self._work_remains():
+                    if self._handoff_task is not None:
+                        self._drain_event = trio.Event()
+                        self._wake()
+                        await self._drain_event.wait()
+                    else:  # the handoff task is gone: never wait for it, poll here
+                        await self._drain_step()
         self._drain_event = None
 
     async def _drain_step(self) -> None:

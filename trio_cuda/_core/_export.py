@@ -39,7 +39,6 @@ from __future__ import annotations
 import enum
 import threading
 import warnings
-import weakref
 from typing import TYPE_CHECKING, Any, final
 
 import trio
@@ -80,33 +79,45 @@ class _ExportOp(DeviceOp[None]):
 
 
 @final
-class _Registry:
-    """The live exports of one scope, and its placeholder for foreign streams."""
+class ExportRegistry:
+    """The live exports of one scope (its extension object), and its
+    placeholder stream for foreign consumers."""
 
-    __slots__ = ("exports", "foreign")
+    __slots__ = ("exports", "foreign", "scope")
 
-    def __init__(self, foreign: Stream) -> None:
-        self.exports: dict[Export, None] = {}
-        self.foreign = foreign
-
-
-_REGISTRIES: weakref.WeakKeyDictionary[ResourceScope, _Registry] = weakref.WeakKeyDictionary()
-
-
-def _registry(scope: ResourceScope) -> _Registry:
-    reg = _REGISTRIES.get(scope)
-    if reg is None:
+    def __init__(self, scope: ResourceScope) -> None:
         from ._stream import Stream
 
+        self.scope = scope
+        self.exports: dict[Export, None] = {}
         # Never a stream of the pool: every access conflicts-checks against it.
-        foreign = Stream._create(scope, -1, None)  # type: ignore[arg-type]
-        reg = _REGISTRIES[scope] = _Registry(foreign)
-    return reg
+        self.foreign = Stream._create(scope, -1, None)  # type: ignore[arg-type]
+
+    async def drain(self) -> None:
+        """Exports still held by their consumer are abandoned (their memory
+        quarantined); released ones are finished, so that their leases retire
+        before memory is freed."""
+        if not self.exports:
+            await trio.lowlevel.checkpoint()
+            return
+        abandon_exports(self.scope, why="still held by their consumer", live_only=True)
+        await finish_releases(self.scope)
+
+    def abandon(self, timeout: float | None) -> None:
+        """Released exports whose fence did not finish within the timeout."""
+        abandon_exports(self.scope, why=f"not finished when drain_timeout={timeout} s passed")
+
+    def close(self) -> None:
+        pass
+
+
+def _registry(scope: ResourceScope) -> ExportRegistry:
+    return scope._extension(ExportRegistry)
 
 
 def live_exports(scope: ResourceScope) -> int:
     """How many exports of ``scope`` a consumer still holds."""
-    reg = _REGISTRIES.get(scope)
+    reg = scope._find_extension(ExportRegistry)
     return 0 if reg is None else sum(1 for e in reg.exports if e.state is ExportState.LIVE)
 
 
@@ -238,7 +249,7 @@ class Export:
             self.state = ExportState.RELEASED
         self._done.set()
         scope = self.scope
-        reg = _REGISTRIES.get(scope)
+        reg = scope._find_extension(ExportRegistry)
         if reg is not None:
             reg.exports.pop(self, None)
         self.alloc.exports -= 1
@@ -380,7 +391,7 @@ async def finish_releases(scope: ResourceScope) -> None:
     """Wait until every export of ``scope`` that its consumer released is
     finished (its fence taken, in a worker thread where that blocks), so that
     an access conflicting with one is ordered instead of refused."""
-    reg = _REGISTRIES.get(scope)
+    reg = scope._find_extension(ExportRegistry)
     while reg is not None:
         pending = [e for e in reg.exports if e.state in (ExportState.RELEASING, ExportState.FENCING)]
         if not pending:
@@ -398,7 +409,7 @@ def abandon_exports(scope: ResourceScope, *, why: str, live_only: bool = False) 
     ``live_only``, those their consumer still holds) are abandoned. Their
     memory is quarantined (leaked, never freed: a consumer may still use it)
     with one ResourceWarning. Returns how many."""
-    reg = _REGISTRIES.get(scope)
+    reg = scope._find_extension(ExportRegistry)
     if reg is None:
         return 0
     abandoned = []
@@ -431,17 +442,6 @@ def abandon_exports(scope: ResourceScope, *, why: str, live_only: bool = False) 
             stacklevel=3,
         )
     return len(abandoned)
-
-
-async def end_exports(scope: ResourceScope) -> None:
-    """At scope exit, inside the drain's timeout: exports still held by their
-    consumer are abandoned (their memory quarantined); released ones are
-    finished, so that their leases retire before memory is freed."""
-    reg = _REGISTRIES.get(scope)
-    if reg is None or not reg.exports:
-        return
-    abandon_exports(scope, why="still held by their consumer", live_only=True)
-    await finish_releases(scope)
 
 
 # --------------------------------------------------------------------------- protocols

@@ -41,7 +41,6 @@ Invariants:
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, cast, final
 
@@ -63,10 +62,34 @@ if TYPE_CHECKING:
     from ._stream import Stream
     from ._submit import Submission
 
-__all__ = ["CudaGraph", "GraphStatistics", "capture_graph", "close_scope_graphs"]
+__all__ = ["CudaGraph", "GraphStatistics", "OpenGraphs", "capture_graph"]
 
-#: open graphs per scope; the scope closes them at exit (see close_scope_graphs)
-_OPEN: weakref.WeakKeyDictionary[ResourceScope, dict[CudaGraph, None]] = weakref.WeakKeyDictionary()
+
+@final
+class OpenGraphs:
+    """The graphs of one scope not closed yet (its extension object); the
+    scope closes them after its drain, before it frees memory."""
+
+    __slots__ = ("graphs", "scope")
+
+    def __init__(self, scope: ResourceScope) -> None:
+        self.scope = scope
+        self.graphs: dict[CudaGraph, None] = {}
+
+    async def drain(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def abandon(self, timeout: float | None) -> None:
+        pass  # a replay still in flight keeps its graph (and is quarantined with it)
+
+    def close(self) -> None:
+        """Close every graph still open. Errors are kept for the exit's group."""
+        graphs, self.graphs = self.graphs, {}
+        for graph in list(graphs):
+            try:
+                graph.close()
+            except Exception as exc:
+                self.scope._orphan_errors.append(exc)
 
 
 @attrs.frozen
@@ -438,7 +461,7 @@ class CudaGraph:
         self._replays = 0
         self._updates = 0
         self._thread = threading.get_ident()
-        _OPEN.setdefault(scope, {})[self] = None
+        scope._extension(OpenGraphs).graphs[self] = None
         return self
 
     # ------------------------------------------------------------------ facts
@@ -554,9 +577,9 @@ class CudaGraph:
                 pass
             return
         self._closed = True
-        graphs = _OPEN.get(self._scope)
+        graphs = self._scope._find_extension(OpenGraphs)
         if graphs is not None:
-            graphs.pop(self, None)
+            graphs.graphs.pop(self, None)
         for gen in (self._gen, *self._old):
             if not gen.in_flight:
                 gen.release()
@@ -605,16 +628,3 @@ async def capture_graph(scope: ResourceScope, op: DeviceOp[Any], stream: Stream 
         gen.release()
         raise
     return CudaGraph._create(scope, graph_exec, gen, _label(op))
-
-
-def close_scope_graphs(scope: ResourceScope) -> None:
-    """At scope exit, after the drain: close every graph still open. Errors
-    are kept for the exit's exception group."""
-    graphs = _OPEN.pop(scope, None)
-    if not graphs:
-        return
-    for graph in list(graphs):
-        try:
-            graph.close()
-        except Exception as exc:
-            scope._orphan_errors.append(exc)

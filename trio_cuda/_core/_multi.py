@@ -70,25 +70,36 @@ T = TypeVar("T")
 
 
 @final
-class _Foreign:
-    """Leases that other scopes' in-flight work holds on one scope's memory."""
+class ForeignLeases:
+    """Leases that other scopes' in-flight work (cross-device copies) holds
+    on one scope's memory: that scope's extension object."""
 
-    __slots__ = ("count", "event")
+    __slots__ = ("count", "event", "scope")
 
-    def __init__(self) -> None:
+    def __init__(self, scope: ResourceScope) -> None:
+        self.scope = scope
         self.count = 0
         self.event: trio.Event | None = None
 
+    async def drain(self) -> None:
+        """Sleep until no other scope's in-flight work holds a lease on this
+        scope's memory."""
+        await trio.lowlevel.checkpoint()
+        while self.count > 0:
+            ev = self.event
+            if ev is None:
+                ev = self.event = trio.Event()
+            await ev.wait()
 
-#: owner scope -> its foreign leases; an entry exists only while count > 0
-_FOREIGN: dict[ResourceScope, _Foreign] = {}
+    def abandon(self, timeout: float | None) -> None:
+        abandon_foreign(self.scope, timeout)
+
+    def close(self) -> None:
+        pass
 
 
 def _add_foreign(owner: ResourceScope) -> None:
-    st = _FOREIGN.get(owner)
-    if st is None:
-        st = _FOREIGN[owner] = _Foreign()
-    st.count += 1
+    owner._extension(ForeignLeases).count += 1
 
 
 def release_foreign(alloc: Allocation) -> None:
@@ -98,32 +109,19 @@ def release_foreign(alloc: Allocation) -> None:
     owner = alloc.scope
     if not owner._closed:
         owner._maybe_free(alloc)  # only frees LIVE memory without handles and leases
-    st = _FOREIGN.get(owner)
-    if st is None:
+    st = owner._find_extension(ForeignLeases)
+    if st is None or st.count <= 0:
         return
     st.count -= 1
-    if st.count <= 0:
-        del _FOREIGN[owner]
-        if st.event is not None:
-            st.event.set()
+    if st.count <= 0 and st.event is not None:
+        st.event.set()
+        st.event = None
 
 
 def foreign_lease_count(scope: ResourceScope) -> int:
     """Leases other scopes' in-flight work holds on ``scope``'s memory."""
-    st = _FOREIGN.get(scope)
+    st = scope._find_extension(ForeignLeases)
     return 0 if st is None else st.count
-
-
-async def wait_foreign(scope: ResourceScope) -> None:
-    """Sleep until no other scope's in-flight work holds a lease on
-    ``scope``'s memory (part of the exit drain)."""
-    st = _FOREIGN.get(scope)
-    while st is not None and st.count > 0:
-        ev = st.event
-        if ev is None:
-            ev = st.event = trio.Event()
-        await ev.wait()
-        st = _FOREIGN.get(scope)
 
 
 def _foreign_users(scope: ResourceScope, alloc: Allocation) -> list[Submission]:

@@ -28,7 +28,7 @@ import numbers
 from _thread import get_ident
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, final
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, final
 
 import attrs
 import numpy as np
@@ -39,12 +39,13 @@ from ._completion import Completion
 from ._config import check_device_limits
 from ._driver import DeviceContext, DeviceInfo
 from ._errors import ScopeClosedError
-from ._export import abandon_exports, finish_releases
+from ._export import finish_releases
+from ._extension import ScopeExtension
 from ._future import DeviceFuture, wrong_caller
 from ._kernel import Kernel
 from ._launch import KernelLaunch
 from ._memory import MemoryTable
-from ._multi import abandon_foreign, foreign_lease_count
+from ._multi import foreign_lease_count
 from ._ops import Access, DeviceOp, _Copy, _Fill, _ZeroBytes
 from ._policy import RoundRobin, SchedulingPolicy
 from ._stream import Stream
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
     from ._launch import PreparedLaunch
 
 T = TypeVar("T")
+E = TypeVar("E", bound=ScopeExtension)
 log = logging.getLogger("trio_cuda")
 
 _current: contextvars.ContextVar[ResourceScope] = contextvars.ContextVar("trio_cuda_scope")
@@ -121,6 +123,7 @@ class ResourceScope(Completion, MemoryTable):
         "_driver",
         "_enqueuing",
         "_exports_releasing",
+        "_extensions",
         "_functions",
         "_gc_releases",
         "_info",
@@ -143,6 +146,7 @@ class ResourceScope(Completion, MemoryTable):
     _spin: float
     _load_in_thread: bool
     _exports_releasing: bool
+    _extensions: dict[object, ScopeExtension]
     _conflicts: str
     _policy: SchedulingPolicy
     _closed: bool
@@ -180,6 +184,7 @@ class ResourceScope(Completion, MemoryTable):
         self._load_in_thread = caps.load_in_thread
         #: an export's consumer released it and its fence is not finished yet
         self._exports_releasing = False
+        self._extensions = {}
         self._unflushed = []
         self._conflicts = conflicts
         self._policy = policy
@@ -275,6 +280,18 @@ class ResourceScope(Completion, MemoryTable):
         return (
             f"<ResourceScope {self._info.backend}:{self._info.ordinal} {state}, {self._in_flight} in flight>"
         )
+
+    # ------------------------------------------------------------------ extensions
+    def _extension(self, cls: Callable[[ResourceScope], E]) -> E:
+        """This scope's extension object of class ``cls``, made on first use."""
+        ext = self._extensions.get(cls)
+        if ext is None:
+            ext = self._extensions[cls] = cls(self)
+        return cast(E, ext)
+
+    def _find_extension(self, cls: type[E]) -> E | None:
+        """This scope's extension object of class ``cls``, if it was made."""
+        return cast("E | None", self._extensions.get(cls))
 
     # ------------------------------------------------------------------ memory
     def _check_open(self, what: str) -> None:
@@ -638,9 +655,8 @@ class ResourceScope(Completion, MemoryTable):
     def _release_everything(self) -> None:
         """After the drain: free memory, unload modules, destroy streams."""
         driver = self._driver
-        from ._graph import close_scope_graphs
-
-        close_scope_graphs(self)  # graphs still open: release them first
+        for ext in list(self._extensions.values()):
+            ext.close()  # e.g. graphs still open: release them first
         while self._gc_releases:
             self._gc_releases.popleft()
         for alloc in list(self._allocs):
@@ -753,11 +769,10 @@ class ScopeManager:
         try:
             with trio.CancelScope(shield=True):
                 await scope._drain(timeout)
-                # released exports whose fence did not finish within the timeout
-                abandon_exports(scope, why=f"not finished when drain_timeout={timeout} s passed")
+                for ext in list(scope._extensions.values()):
+                    ext.abandon(timeout)  # still held when drain_timeout passed
                 if scope._work_remains():
                     scope._abandon_in_flight(timeout)
-                abandon_foreign(scope, timeout)
                 scope._release_everything()
         finally:
             scope._closed = True
