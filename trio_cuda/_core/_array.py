@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, final
 import numpy as np
 
 from ._errors import CompletionUnknownError, ScopeClosedError
+from ._final import NoPublicConstructor
 from ._ops import Access
 
 if TYPE_CHECKING:
@@ -212,7 +213,7 @@ def _basic_index(
     )
 
 
-class DeviceArray:
+class DeviceArray(metaclass=NoPublicConstructor):
     """A typed, contiguous (C or F order) handle to device memory owned by a scope.
 
     Create one with ``scope.empty``, ``scope.zeros``, ``scope.full``,
@@ -242,6 +243,8 @@ class DeviceArray:
         "_shape",
     )
 
+    _obtain = "use scope.empty() or scope.to_device()"
+
     _alloc: Allocation
     _shape: tuple[int, ...]
     _dtype: np.dtype[Any]
@@ -252,9 +255,6 @@ class DeviceArray:
     _info: _GcInfo | None
     _cai: dict[str, Any] | None
     _finalizer: weakref.finalize[Any, Any]
-
-    def __init__(self) -> None:
-        raise TypeError("DeviceArray has no public constructor; use scope.empty() or scope.to_device()")
 
     @classmethod
     def _create(

@@ -23,6 +23,7 @@ from ._arena import _POINTER, ParamPlan, _pack, _scalar_bytes
 from ._array import DeviceArray
 from ._config import cached_config
 from ._errors import KernelArgumentError
+from ._final import NoPublicConstructor
 from ._launch import ArgView, KernelLaunch, PreparedLaunch, _merge_accesses
 from ._ops import Access
 from ._params import AccessName, _access_from_name, _align_up, _param_dtype_problem, dtype_alignment
@@ -55,7 +56,7 @@ def _plan_for(kernel: Kernel, layout: Sequence[tuple[int, int]]) -> ParamPlan:
 
 
 @final
-class LaunchBuilder:
+class LaunchBuilder(metaclass=NoPublicConstructor):
     """Inert launch builder: collects geometry, modes and raw arguments, checks
     nothing against the kernel's parameter list, and cannot be scheduled.
     ``finalize_unchecked()`` returns an immutable :class:`KernelLaunch`.
@@ -76,6 +77,8 @@ class LaunchBuilder:
         "_shared",
     )
 
+    _obtain = "use Kernel.builder()"
+
     _kernel: Kernel
     _grid: object
     _block: object
@@ -85,9 +88,6 @@ class LaunchBuilder:
     _pdl: object
     _args: list[tuple[bytes, ArgView, DeviceArray | None]]
     _layout: list[tuple[int, int]]
-
-    def __init__(self) -> None:
-        raise TypeError("LaunchBuilder has no public constructor; use Kernel.builder()")
 
     @classmethod
     def _create(cls, kernel: Kernel) -> LaunchBuilder:

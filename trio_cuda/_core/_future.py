@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from ._driver import MarkerState
+from ._final import NoPublicConstructor
 from ._ops import resolve_output
 from ._submit import TERMINAL, Submission, SubState
 
@@ -91,7 +92,7 @@ def _others_runnable(handoff: object) -> bool:
 
 
 @final
-class DeviceFuture(Generic[T]):
+class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
     """The pending result of ``scope.submit(op)``.
 
     ``await fut.wait()`` returns the op's output once the GPU completed the
@@ -102,10 +103,9 @@ class DeviceFuture(Generic[T]):
 
     __slots__ = ("_sub",)
 
-    _sub: Submission
+    _obtain = "use scope.submit()"
 
-    def __init__(self) -> None:
-        raise TypeError("DeviceFuture has no public constructor; use scope.submit()")
+    _sub: Submission
 
     @classmethod
     def _create(cls, sub: Submission) -> DeviceFuture[T]:

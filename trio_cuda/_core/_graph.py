@@ -50,6 +50,7 @@ import trio
 
 from ._array import Allocation, DeviceArray, h2d_source
 from ._errors import CudaError, GraphCaptureError, ScopeClosedError
+from ._final import NoPublicConstructor
 from ._ops import Access, DeviceOp
 from ._submit import EnqueueContext, take_leases
 
@@ -399,7 +400,7 @@ class _GraphLaunch(DeviceOp[Any]):
 
 
 @final
-class CudaGraph:
+class CudaGraph(metaclass=NoPublicConstructor):
     """A captured DeviceOp that can be replayed cheaply.
 
     Create one with ``graph = await gpu.capture(op)``. ``graph.output`` is
@@ -430,6 +431,8 @@ class CudaGraph:
         "_updates",
     )
 
+    _obtain = "use 'await scope.capture(op)'"
+
     _scope: ResourceScope
     _exec: object
     _gen: _Generation
@@ -442,9 +445,6 @@ class CudaGraph:
     _replays: int
     _updates: int
     _thread: int
-
-    def __init__(self) -> None:
-        raise TypeError("CudaGraph has no public constructor; use 'await scope.capture(op)'")
 
     @classmethod
     def _create(cls, scope: ResourceScope, graph_exec: object, gen: _Generation, label: str) -> CudaGraph:

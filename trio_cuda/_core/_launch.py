@@ -23,6 +23,7 @@ import attrs
 import numpy as np
 
 from ._array import DeviceArray
+from ._final import NoPublicConstructor
 from ._ops import Access, DeviceOp
 from ._params import Param, Scalar, Slice
 
@@ -150,18 +151,17 @@ def _output_of(outputs: Sequence[DeviceArray]) -> object:
 
 
 @final
-class KernelLaunch(DeviceOp[Any]):
+class KernelLaunch(DeviceOp[Any], metaclass=NoPublicConstructor):
     """One immutable, reusable kernel launch (a DeviceOp). Its output is the
     array it writes, a tuple of them if several, or None."""
 
     __slots__ = ("_accesses", "_output", "prepared")
 
+    _obtain = "use Kernel.launch() or a builder"
+
     prepared: PreparedLaunch
     _accesses: tuple[tuple[DeviceArray, Access], ...]
     _output: object
-
-    def __init__(self) -> None:
-        raise TypeError("KernelLaunch has no public constructor; use Kernel.launch() or a builder")
 
     @classmethod
     def _create(

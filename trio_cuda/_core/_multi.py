@@ -53,6 +53,7 @@ import trio
 from ._array import Allocation, AllocState, DeviceArray
 from ._driver import MarkerState
 from ._errors import CompletionUnknownError, KernelArgumentError, ScopeClosedError, TrioCudaError
+from ._final import NoPublicConstructor
 from ._ops import Access, DeviceOp
 
 if TYPE_CHECKING:
@@ -340,7 +341,7 @@ def _arrays_of(op: object, out: list[DeviceArray | ResourceScope], depth: int = 
 
 
 @final
-class DevicePool:
+class DevicePool(metaclass=NoPublicConstructor):
     """Scopes on several devices, opened and closed together, with a
     :class:`DevicePolicy` that spreads work over them.
 
@@ -354,11 +355,10 @@ class DevicePool:
 
     __slots__ = ("_policy", "_scopes")
 
+    _obtain = "use 'async with trio_cuda.open_device_pool()'"
+
     _scopes: tuple[ResourceScope, ...]
     _policy: DevicePolicy
-
-    def __init__(self) -> None:
-        raise TypeError("DevicePool has no public constructor; use 'async with trio_cuda.open_device_pool()'")
 
     @classmethod
     def _create(cls, scopes: tuple[ResourceScope, ...], policy: DevicePolicy) -> DevicePool:

@@ -41,6 +41,7 @@ from ._driver import DeviceContext, DeviceInfo
 from ._errors import ScopeClosedError
 from ._export import finish_releases
 from ._extension import ScopeExtension
+from ._final import NoPublicConstructor
 from ._future import DeviceFuture, wrong_caller
 from ._kernel import Kernel
 from ._launch import KernelLaunch
@@ -106,7 +107,7 @@ class ScopeStatistics:
 
 
 @final
-class ResourceScope(Completion, MemoryTable):
+class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
     """A nursery-scoped owner of GPU streams, memory and in-flight work.
 
     Open one with :func:`open_scope`. See the lifetime chapter of the docs for
@@ -140,6 +141,8 @@ class ResourceScope(Completion, MemoryTable):
         "_unobserved",
     )
 
+    _obtain = "use 'async with trio_cuda.open_scope()'"
+
     _driver: DeviceContext
     _info: DeviceInfo
     _batch: bool
@@ -163,9 +166,6 @@ class ResourceScope(Completion, MemoryTable):
     _token: trio.lowlevel.TrioToken
     _thread: int  #: the loop thread; a scope never outlives its Trio run
     _streams: tuple[Stream, ...]
-
-    def __init__(self) -> None:
-        raise TypeError("ResourceScope has no public constructor; use 'async with trio_cuda.open_scope()'")
 
     @classmethod
     def _create(

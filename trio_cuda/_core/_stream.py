@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, final
 
 import attrs
 
+from ._final import NoPublicConstructor
+
 if TYPE_CHECKING:
     from ._driver import StreamHandle
     from ._scope import ResourceScope
@@ -35,7 +37,7 @@ class StreamStatistics:
 
 
 @final
-class Stream:
+class Stream(metaclass=NoPublicConstructor):
     """One stream of a scope's pool. Pass it as ``stream=`` to pin work."""
 
     __slots__ = (
@@ -49,6 +51,8 @@ class Stream:
         "index",
     )
 
+    _obtain = "use scope.streams"
+
     _scope: ResourceScope
     index: int
     handle: StreamHandle
@@ -56,9 +60,6 @@ class Stream:
     _unmarked: list[Submission]
     _in_flight: int
     _completed: int
-
-    def __init__(self) -> None:
-        raise TypeError("Stream has no public constructor; use scope.streams")
 
     @classmethod
     def _create(cls, scope: ResourceScope, index: int, handle: StreamHandle) -> Stream:
