@@ -1,4 +1,4 @@
-"""The lifetime contract of DESIGN.md (rules 1-7, 9, 10) on both backends.
+"""The lifetime contract (docs/lifetimes.rst, rules 1-7, 9, 10) on both backends.
 
 Every test takes the ``backend`` fixture: it runs on the simulated device and,
 where a CUDA device answers (``trio_cuda._backends.probe_cuda()``), on the real

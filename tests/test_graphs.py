@@ -1,4 +1,4 @@
-"""CUDA graphs on the simulated device (DESIGN.md rule 8).
+"""CUDA graphs on the simulated device (rule 8 of docs/lifetimes.rst).
 
 ``gpu.capture(op)`` records what the op enqueues without running it; each
 ``graph.launch()`` replays the recording as one device command. Work is put

@@ -1,4 +1,4 @@
-"""The lifetime rules of DESIGN.md, one section per rule, on the simulated device.
+"""The lifetime rules of docs/lifetimes.rst, one section per rule, on the simulated device.
 
 Work is put really in flight with ``sim.hold()``; each test checks leases,
 retention, ``sim.violations`` and ``sim.live_allocations`` afterwards.
