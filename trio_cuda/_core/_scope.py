@@ -538,6 +538,28 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         self._finish_submission(sub, out)
         return DeviceFuture._create(sub)
 
+    def _enqueue_unsafe(self, op: DeviceOp[T], stream: Stream) -> T:
+        """``unsafe.async_on``: enqueue ``op`` on ``stream`` (of this scope)
+        with no lease, owner or marker; only the checks that need no
+        bookkeeping run."""
+        if type(op) is KernelLaunch:
+            if self._closing or get_ident() != self._thread:
+                self._check_open("async_on")
+            prepared = op.prepared
+            self._driver.launch(stream.handle, self._kernel_function(prepared), prepared)
+            return op._output  # type: ignore[return-value]
+        if not isinstance(op, DeviceOp):
+            from ._builder import LaunchBuilder
+
+            if isinstance(op, LaunchBuilder):
+                raise TypeError(
+                    "op: a LaunchBuilder is inert and cannot be scheduled; call .finalize_unchecked() first"
+                )
+            raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
+        self._check_open("async_on")
+        out: Any = op._enqueue(EnqueueContext(self, stream, None))
+        return out  # type: ignore[no-any-return]
+
     def _submit_launch(self, op: KernelLaunch, stream: Stream | None) -> DeviceFuture[Any]:
         """``submit`` for a single kernel launch, the hot path: the same steps
         as ``EnqueueContext.launch`` without the generic op machinery."""
