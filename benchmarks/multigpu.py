@@ -61,7 +61,7 @@ async def _multigpu(record: Callable[..., float], reps: Callable[[int], int]) ->
     async with trio_cuda.open_device_pool(["cuda:0", "cuda:1"]) as pool:
         a, b = pool
         try:
-            from trio_cuda._backends._cuda_peer import peer_access
+            from trio_cuda._backends.cuda.peer import peer_access
 
             direct = peer_access(a._driver, b._driver)  # type: ignore[arg-type]
         except Exception:  # pragma: no cover - informational only

@@ -75,7 +75,7 @@ class Raw:
     def __init__(self) -> None:
         from cuda.bindings import driver as cu
 
-        from trio_cuda._backends import _cuda_nvrtc
+        from trio_cuda._backends.cuda import nvrtc as _cuda_nvrtc
 
         self.cu = cu
         (err,) = cu.cuInit(0)
@@ -281,7 +281,7 @@ async def _scope_bench(raw: Raw) -> None:
             record(f"core_{tag}:roundtrip", await _roundtrip(gpu, op, s, B), "us")
             rates = [await _many_tasks(gpu, op, 100, 100) for _ in range(reps(5))]
             record(f"core_{tag}:100_tasks", med(rates), "launch/s")
-        gpu._batch, gpu._spin = ctx.batch_markers, ctx.await_spin
+        gpu._batch, gpu._spin = ctx.capabilities.batch_markers, ctx.capabilities.await_spin
 
 
 async def _strategy_bench(

@@ -406,8 +406,8 @@ async def test_nvrtc_disk_cache_hit(tmp_path: Any, monkeypatch: pytest.MonkeyPat
 
 
 async def test_ptx_and_cubin_loading() -> None:
-    from trio_cuda._backends import _cuda_nvrtc
     from trio_cuda._backends import cuda as backend
+    from trio_cuda._backends.cuda import nvrtc as _cuda_nvrtc
 
     async with trio_cuda.open_scope(device="cuda") as gpu:
         cc = gpu.device.compute_capability

@@ -291,7 +291,7 @@ async def test_declared_parameters_that_do_not_match_the_kernel_are_refused() ->
 
 
 async def test_too_few_declared_parameters_are_refused_where_the_driver_counts_them() -> None:
-    from trio_cuda._backends.cuda import _param_count
+    from trio_cuda._backends.cuda.launch import _param_count
 
     short = Kernel.from_source(LAYOUT_SRC, "takes_double", params=[Scalar("f8")])
     async with trio_cuda.open_scope(device="cuda") as gpu:

@@ -32,49 +32,19 @@ from ._arena import (
     _pack,
     _scalar_bytes,
     _slots_for,
-    check_param_layout,
 )
 from ._array import AllocState, DeviceArray
 from ._builder import LaunchBuilder
 from ._config import (
     LaunchConfig,
     cached_config,
-    check_cooperative_occupancy,
-    check_device_limits,
-    modeled_blocks_per_sm,
 )
 from ._errors import KernelArgumentError
 from ._launch import ArgView, KernelLaunch, PreparedLaunch, _merge_accesses
 from ._ops import Access
 from ._params import In, InOut, Out, Param, Scalar, Slice, _check_array, _convert_scalar, _param_label
 
-__all__ = [
-    "Kernel",
-    # Re-exported for modules not yet moved to the new imports:
-    #   _scope.py: KernelLaunch, LaunchBuilder, PreparedLaunch, check_device_limits
-    #   _graph.py: LaunchBuilder, PreparedLaunch
-    #   _multi.py: KernelLaunch
-    #   _submit.py, _driver.py: PreparedLaunch
-    #   _ops.py: _convert_scalar
-    #   unsafe.py: KernelLaunch, LaunchBuilder
-    #   _demo.py: In, InOut, Out, Scalar
-    #   _backends/sim.py: ArgView, PreparedLaunch, check_cooperative_occupancy, modeled_blocks_per_sm
-    #   _backends/cuda.py: PreparedLaunch, check_cooperative_occupancy, check_param_layout
-    "ArgView",
-    "In",
-    "InOut",
-    "KernelLaunch",
-    "LaunchBuilder",
-    "Out",
-    "PreparedLaunch",
-    "Scalar",
-    "Slice",
-    "_convert_scalar",
-    "check_cooperative_occupancy",
-    "check_device_limits",
-    "check_param_layout",
-    "modeled_blocks_per_sm",
-]
+__all__ = ["Kernel"]
 
 
 def _check_params(params: Sequence[object]) -> tuple[Param, ...]:

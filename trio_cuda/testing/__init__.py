@@ -7,13 +7,13 @@ lists memcheck findings and ``live_allocations`` what was never freed.
 cross-device waits).
 """
 
-from .._backends.sim import SimAllocation as SimAllocation
-from .._backends.sim import SimDevice as SimDevice
-from .._backends.sim import SimStatistics as SimStatistics
-from .._backends.sim import TraceEvent as TraceEvent
-from .._backends.sim import Violation as Violation
-from .._backends.sim_multi import SimHost as SimHost
-from .._backends.sim_multi import SimHostStatistics as SimHostStatistics
+from .._backends.sim.device import SimDevice as SimDevice
+from .._backends.sim.host import SimHost as SimHost
+from .._backends.sim.host import SimHostStatistics as SimHostStatistics
+from .._backends.sim.records import SimAllocation as SimAllocation
+from .._backends.sim.records import SimStatistics as SimStatistics
+from .._backends.sim.records import TraceEvent as TraceEvent
+from .._backends.sim.records import Violation as Violation
 
 __all__ = [
     "SimAllocation",

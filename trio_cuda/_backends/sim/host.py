@@ -37,10 +37,15 @@ from typing import TYPE_CHECKING, Any, final
 
 import attrs
 
-from .sim import _BASE_ADDRESS, SimContext, SimDevice, SimStream, Violation, _Cmd
+from .. import _common
+from .context import SimContext
+from .device import _BASE_ADDRESS, SimDevice
+from .engine import SimEngine, _Cmd
+from .records import Violation
 
 if TYPE_CHECKING:
-    from .sim import SimAllocation
+    from .handles import SimStream
+    from .records import SimAllocation
 
 __all__ = ["SimHost", "SimHostStatistics"]
 
@@ -264,7 +269,7 @@ class SimHost:
 # --------------------------------------------------------------------------- engine hooks
 
 
-def wake_waiters(device: SimDevice, waiters: list[SimStream]) -> None:
+def wake_waiters(device: SimEngine, waiters: list[SimStream]) -> None:
     """A marker of ``device`` executed: the streams waiting on it (of any
     device of its host) may run their wait now."""
     host: SimHost = device._host
@@ -282,9 +287,9 @@ def wake_waiters(device: SimDevice, waiters: list[SimStream]) -> None:
 
 def check_copy_peer(ctx: SimContext, dst_context: object, src_context: object) -> None:
     """``SimContext.check_copy_peer``: raise unless the devices can copy."""
-    for label, c in (("dst_context", dst_context), ("src_context", src_context)):
+    for label, c in (("dst", dst_context), ("src", src_context)):
         if not isinstance(c, SimContext):
-            raise TypeError(f"{label}: expected a SimContext, got {type(c).__name__}")
+            raise _common.foreign_context(label, c, "a simulated device")
     assert isinstance(dst_context, SimContext)
     assert isinstance(src_context, SimContext)
     dev = ctx._device
@@ -311,11 +316,11 @@ def copy_peer(
     nbytes: int,
 ) -> object | None:
     """``SimContext.copy_peer``: see the module invariants."""
+    _common.check_peer_contexts(dst_context, src_context, SimContext)
     check_copy_peer(ctx, dst_context, src_context)
     assert isinstance(dst_context, SimContext)
     assert isinstance(src_context, SimContext)
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"nbytes: expected a non-negative int, got {nbytes!r}")
+    nbytes = _common.check_count("nbytes", nbytes)
     dev = ctx._device
     sd = src_context._device
     dd = dst_context._device
@@ -333,7 +338,7 @@ def copy_peer(
     return None
 
 
-def run_peer_copy(device: SimDevice, s: SimStream, cmd: _Cmd) -> None:
+def run_peer_copy(device: SimEngine, s: SimStream, cmd: _Cmd) -> None:
     """Execute a peer copy command on ``device``'s stream ``s``."""
     sd: SimDevice
     dd: SimDevice

@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .._core._errors import CudaError
+from ..._core._errors import CudaError
 
 __all__ = ["CompileResult", "cache_dir", "compile_source", "compile_statistics"]
 

@@ -19,12 +19,16 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from . import cuda as _cuda
+from .. import _common
+from .bindings import cu
+from .context import CudaContext
+from .errors import cuda_error
+from .primary import ctx_lock
 
 if TYPE_CHECKING:
-    from .cuda import CudaContext, CudaStream
+    from .streams import CudaStream
 
 #: (accessing ordinal, peer ordinal) -> whether peer access is enabled
 _peer: dict[tuple[int, int], bool] = {}
@@ -39,9 +43,8 @@ def peer_access(a: CudaContext, b: CudaContext) -> bool:
     known = _peer.get(key)
     if known is not None:
         return known
-    cu: Any = getattr(_cuda, "cu")  # noqa: B009 - the module's driver binding (None without cuda)
     ok = True
-    with _cuda._ctx_lock:
+    with ctx_lock:
         for x, y in ((a, b), (b, a)):
             err, can = cu.cuDeviceCanAccessPeer(x._dev, y._dev)
             if err or not can:
@@ -49,7 +52,7 @@ def peer_access(a: CudaContext, b: CudaContext) -> bool:
                 continue
             (err,) = cu.cuCtxSetCurrent(x._ctx)
             if err:
-                raise _cuda.cuda_error(err, "cuCtxSetCurrent")
+                raise cuda_error(err, "cuCtxSetCurrent")
             (err,) = cu.cuCtxEnablePeerAccess(y._ctx, 0)
             if err and int(err) != _ALREADY_ENABLED:
                 ok = False
@@ -79,14 +82,10 @@ def copy_peer(
 ) -> None:
     """Enqueue on ``s`` (a stream of ``ctx``) a copy of ``nbytes`` from
     ``src`` (memory of ``src_context``) to ``dst`` (memory of ``dst_context``)."""
-    cu: Any = getattr(_cuda, "cu")  # noqa: B009 - the module's driver binding (None without cuda)
-    for label, c in (("dst_context", dst_context), ("src_context", src_context)):
-        if not isinstance(c, _cuda.CudaContext):
-            raise TypeError(f"{label}: expected a CudaContext, got {type(c).__name__}")
-    assert isinstance(dst_context, _cuda.CudaContext)
-    assert isinstance(src_context, _cuda.CudaContext)
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"nbytes: expected a non-negative int, got {nbytes!r}")
+    _common.check_peer_contexts(dst_context, src_context, CudaContext)
+    assert isinstance(dst_context, CudaContext)
+    assert isinstance(src_context, CudaContext)
+    nbytes = _common.check_count("nbytes", nbytes)
     if nbytes == 0:
         return None
     if src_context.ordinal == dst_context.ordinal:
@@ -98,7 +97,7 @@ def copy_peer(
     peer_access(src_context, dst_context)
     (err,) = cu.cuCtxSetCurrent(ctx._ctx)
     if err:
-        raise _cuda.cuda_error(err, "cuCtxSetCurrent")
+        raise cuda_error(err, "cuCtxSetCurrent")
     (err,) = cu.cuMemcpyPeerAsync(dst, dst_context._ctx, src, src_context._ctx, nbytes, s.cu)
     if err:
         ctx._fail(err, "cuMemcpyPeerAsync")

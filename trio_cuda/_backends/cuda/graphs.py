@@ -1,0 +1,199 @@
+"""CUDA graphs on the cuda backend: stream capture, instantiation, replay, update.
+
+Invariants:
+
+* One capture at a time per context, in thread-local mode: potentially unsafe
+  calls from the capturing thread invalidate it. Allocations, markers, waits,
+  gates and synchronising copies on the capturing stream raise
+  ``GraphCaptureError`` before the driver sees them (``_common``);
+  ``_relaxed_capture`` lets one necessary call through (module loading, a
+  pinned allocation).
+* A template (``CUgraph``) is consumed by ``instantiate`` or ``graph_update``,
+  also when they raise. ``instantiate`` pushes and pops this context, so it
+  may run in a worker thread.
+* An executable graph is destroyed by ``destroy_graph`` (once no launch of it
+  can still run) or at close, before the modules its kernel nodes use; a
+  destroyed one raises ``CUDA_ERROR_INVALID_HANDLE`` (``_common``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, final
+
+from ..._core._driver import StreamHandle
+from ..._core._errors import GraphCaptureError
+from .. import _common
+from . import primary as _primary
+from .bindings import cu
+from .errors import check, cuda_error
+from .streams import StreamsMixin
+
+__all__ = ["CudaGraphExec", "CudaGraphTemplate", "GraphsMixin"]
+
+
+@final
+class CudaGraphTemplate:
+    """A captured ``CUgraph`` (from :meth:`CudaContext.end_capture`), consumed
+    by ``instantiate`` or ``graph_update``."""
+
+    __slots__ = ("ctx", "graph")
+
+    def __init__(self, ctx: GraphsMixin, graph: Any) -> None:
+        self.ctx = ctx
+        self.graph: Any = graph
+
+    def __repr__(self) -> str:
+        return f"<CudaGraphTemplate {'consumed' if self.graph is None else 'captured'}>"
+
+
+@final
+class CudaGraphExec:
+    """An executable graph (``CUgraphExec``) of one context."""
+
+    __slots__ = ("__weakref__", "ctx", "destroyed", "handle")
+
+    def __init__(self, ctx: GraphsMixin, handle: Any) -> None:
+        self.ctx = ctx
+        self.handle = handle
+        self.destroyed = False
+
+    def __repr__(self) -> str:
+        return f"<CudaGraphExec 0x{int(self.handle):x}{' destroyed' if self.destroyed else ''}>"
+
+
+class GraphsMixin(StreamsMixin):
+    """The graphs of :class:`~.context.CudaContext`."""
+
+    @contextlib.contextmanager
+    def _relaxed_capture(self) -> Iterator[None]:
+        """While this thread captures, let one potentially unsafe call through
+        (``cuThreadExchangeStreamCaptureMode``); a no-op otherwise."""
+        if self._capturing is None:
+            yield
+            return
+        err, old = cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+        if err:
+            raise cuda_error(err, "cuThreadExchangeStreamCaptureMode")
+        try:
+            yield
+        finally:
+            cu.cuThreadExchangeStreamCaptureMode(old)
+
+    def begin_capture(self, stream: StreamHandle) -> None:
+        """``cuStreamBeginCapture`` in thread-local mode: potentially unsafe
+        calls (allocations, synchronisations) from this thread invalidate the
+        capture, and so do synchronising calls on the stream itself."""
+        s = self._stream(stream)
+        if self._capturing is not None:
+            raise _common.already_capturing(self._capturing.index)
+        if self._sticky is not None:
+            raise self._sticky
+        self._flush_stream(s)  # a deferred marker write of earlier work must not be captured
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        (err,) = cu.cuStreamBeginCapture(s.cu, mode)
+        if err:
+            raise cuda_error(err, "cuStreamBeginCapture")
+        self._capturing = s
+
+    def _end(self, stream: StreamHandle) -> tuple[Any, Any]:
+        s = self._stream(stream)
+        if self._capturing is not s:
+            raise _common.not_capturing(s.index)
+        self._capturing = None
+        return cu.cuStreamEndCapture(s.cu)  # type: ignore[no-any-return]
+
+    def end_capture(self, stream: StreamHandle) -> CudaGraphTemplate:
+        err, graph = self._end(stream)
+        if err:
+            if graph is not None and int(graph):
+                cu.cuGraphDestroy(graph)
+            cause = cuda_error(err, "cuStreamEndCapture")
+            raise GraphCaptureError(
+                f"the capture was invalidated ({cause.name}): an operation during it was not allowed "
+                f"in stream capture (an allocation or a synchronising call)"
+            ) from cause
+        return CudaGraphTemplate(self, graph)
+
+    def abort_capture(self, stream: StreamHandle) -> None:
+        if self._capturing is not stream:
+            return
+        _err, graph = self._end(stream)  # an invalidated capture also leaves capture mode
+        if graph is not None and int(graph):
+            cu.cuGraphDestroy(graph)
+
+    def _template(self, graph: object) -> CudaGraphTemplate:
+        if type(graph) is not CudaGraphTemplate or graph.ctx is not self:
+            raise _common.not_of_this_context("graph", graph, CudaGraphTemplate, "end_capture")
+        if graph.graph is None:
+            raise _common.graph_consumed(graph)
+        return graph
+
+    def instantiate(self, graph: object) -> CudaGraphExec:
+        """``cuGraphInstantiate`` (milliseconds for large graphs: the core
+        calls it in a worker thread, see ``instantiate_in_thread``). Pushes
+        and pops this context, so it runs on any thread."""
+        t = self._template(graph)
+        g, t.graph = t.graph, None
+        check(cu.cuCtxPushCurrent(self._ctx), "cuCtxPushCurrent (cuGraphInstantiate)")
+        try:
+            err, graph_exec = cu.cuGraphInstantiate(g, 0)
+            if err:
+                raise cuda_error(err, "cuGraphInstantiate")
+        finally:
+            cu.cuGraphDestroy(g)
+            cu.cuCtxPopCurrent()
+        ge = CudaGraphExec(self, graph_exec)
+        self._graph_execs[ge] = None  # one dict store: atomic under the GIL
+        return ge
+
+    def _graph_exec(self, graph_exec: object) -> CudaGraphExec:
+        if type(graph_exec) is not CudaGraphExec or graph_exec.ctx is not self:
+            raise _common.not_of_this_context("graph_exec", graph_exec, CudaGraphExec, "instantiate")
+        if graph_exec.destroyed:
+            raise _common.graph_exec_destroyed(graph_exec)
+        return graph_exec
+
+    def graph_launch(self, stream: StreamHandle, graph_exec: object) -> None:
+        s = self._stream(stream)
+        ge = graph_exec if type(graph_exec) is CudaGraphExec and not graph_exec.destroyed else None
+        if ge is None or ge.ctx is not self:
+            ge = self._graph_exec(graph_exec)
+        if _primary.multi_device:
+            cu.cuCtxSetCurrent(self._ctx)
+        (err,) = cu.cuGraphLaunch(ge.handle, s.cu)
+        if err:
+            self._fail(err, "cuGraphLaunch")
+
+    def graph_update(self, graph_exec: object, graph: object) -> None:
+        """``cuGraphExecUpdate``: the parameters of ``graph`` (kernel
+        arguments, copy and fill operands) for later launches, when the
+        topology is the same; ``GraphCaptureError`` naming the reason if not."""
+        ge = self._graph_exec(graph_exec)
+        t = self._template(graph)
+        g, t.graph = t.graph, None
+        try:
+            err, info = cu.cuGraphExecUpdate(ge.handle, g)
+        finally:
+            cu.cuGraphDestroy(g)
+        if err:
+            result = getattr(getattr(info, "result", None), "name", "") or "unknown reason"
+            cause = cuda_error(err, "cuGraphExecUpdate")
+            raise GraphCaptureError(
+                f"cuGraphExecUpdate refused the update ({result}): the new capture must have the "
+                f"same topology (the same kernel launches, copies and fills in the same order)"
+            ) from cause
+
+    def destroy_graph(self, graph_exec: object) -> None:
+        if type(graph_exec) is not CudaGraphExec or graph_exec.ctx is not self:
+            raise _common.not_of_this_context("graph_exec", graph_exec, CudaGraphExec, "instantiate")
+        if graph_exec.destroyed:
+            return
+        graph_exec.destroyed = True
+        self._graph_execs.pop(graph_exec, None)
+        if self._sticky is not None:
+            return  # leak: the context is broken
+        (err,) = cu.cuGraphExecDestroy(graph_exec.handle)
+        if err:
+            raise cuda_error(err, "cuGraphExecDestroy")

@@ -1,0 +1,384 @@
+"""Streams, completion markers and gates of the cuda backend.
+
+Invariants:
+
+* Markers are sequence numbers written by the GPU into pinned, device-mapped
+  host memory (``cuStreamWriteValue32``; per stream one slot on a
+  :class:`_FlagPage`). Polling one is a memory read, not a driver call.
+  Sequence numbers compare modulo 2**32 (``_M32``, ``_HALF``).
+* Writes may be deferred and coalesced (``marker_mode``): the newest sequence
+  number of each stream is written before anything waits on it
+  (``wait_for_progress``, ``wait_marker``, ``create_gate``), which places the
+  write at or after the marker's point in the stream, so a marker never
+  completes early. Markers of one stream complete in the order recorded.
+* A gate is a ``cuStreamWaitValue32`` on the stream's gate slot, opened by the
+  host writing the slot. Gates of a stream open in order; the slot never
+  moves backwards.
+* A context hit by a sticky error polls every pending marker ``UNKNOWN``.
+* Markers, waits and gates on a capturing stream raise ``GraphCaptureError``
+  (``_common.not_capturable``) before the driver sees them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from typing import Any, Final, final
+
+import numpy as np
+
+from ..._core._driver import DONE, PENDING, Gate, Marker, MarkerState, Poll, StreamHandle
+from ..._core._errors import OutOfMemoryError
+from .. import _common
+from . import primary as _primary
+from .bindings import cu
+from .errors import OOM, check, cuda_error
+from .state import ContextState
+
+__all__ = ["CudaGate", "CudaMarker", "CudaStream", "StreamsMixin"]
+
+_M32: Final = 0xFFFFFFFF
+_HALF: Final = 0x80000000
+#: flag slots: per stream one 64-byte line holding the marker slot and, 16
+#: slots (64 bytes) further, the gate slot
+_PAGE_BYTES: Final = 4096
+_SLOTS_PER_PAGE: Final = _PAGE_BYTES // 4
+_STREAMS_PER_PAGE: Final = _SLOTS_PER_PAGE // 32
+_stream_ids = itertools.count(1)
+
+
+# --------------------------------------------------------------------------- handles
+
+
+class _FlagPage:
+    """One page of pinned, device-mapped host memory holding flag slots."""
+
+    __slots__ = ("array", "dptr", "host", "mv", "used")
+
+    def __init__(self) -> None:
+        flags = cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP
+        err, host = cu.cuMemHostAlloc(_PAGE_BYTES, flags)
+        if err:
+            raise cuda_error(err, "cuMemHostAlloc(flags)", OutOfMemoryError if int(err) == OOM else None)
+        self.host = int(host)
+        ctypes.memset(self.host, 0, _PAGE_BYTES)
+        err, dptr = cu.cuMemHostGetDevicePointer(self.host, 0)
+        if err:
+            cu.cuMemFreeHost(self.host)
+            raise cuda_error(err, "cuMemHostGetDevicePointer")
+        self.dptr = int(dptr)
+        carr = (ctypes.c_uint32 * _SLOTS_PER_PAGE).from_address(self.host)
+        self.mv = memoryview(carr).cast("B").cast("I")
+        #: a NumPy view of the same slots (for inspection and tests)
+        self.array: np.ndarray[Any, Any] = np.frombuffer(carr, dtype=np.uint32)  # type: ignore[call-overload]
+        self.used = 0
+
+
+@final
+class CudaStream:
+    """A non-blocking stream of one context, with its marker and gate slots."""
+
+    __slots__ = (
+        "__weakref__",
+        "ctx",
+        "cu",
+        "destroyed",
+        "dirty",
+        "gate_dptr",
+        "gate_seq",
+        "gate_slot",
+        "handle",
+        "hot",
+        "index",
+        "key",
+        "mv",
+        "page",
+        "seq",
+        "slot",
+        "slot_dptr",
+        "watched",
+    )
+
+    def __init__(self, ctx: StreamsMixin, index: int, stream: Any, page: _FlagPage, line: int) -> None:
+        self.ctx = ctx
+        self.index = index
+        self.cu = stream
+        self.handle = int(stream)
+        #: key of this stream's entries in ``PreparedLaunch.cache`` (unique per process)
+        self.key = f"cu:{next(_stream_ids)}"
+        self.page = page
+        self.mv = page.mv
+        self.slot = line * 32
+        self.gate_slot = line * 32 + 16
+        self.slot_dptr = cu.CUdeviceptr(page.dptr + 4 * self.slot)
+        self.gate_dptr = cu.CUdeviceptr(page.dptr + 4 * self.gate_slot)
+        self.seq = 0  # last marker sequence recorded (the GPU writes it when it gets there)
+        self.gate_seq = 0
+        self.watched = False
+        self.destroyed = False
+        self.dirty = False  # a deferred marker write is pending
+        self.hot = False  # a marker was written since the last flush (hybrid mode)
+
+    @property
+    def completed_seq(self) -> int:
+        """The last marker sequence (mod 2**32) the GPU wrote."""
+        return int(self.mv[self.slot])
+
+    def __repr__(self) -> str:
+        return f"<CudaStream {self.index} 0x{self.handle:x} seq={self.seq}>"
+
+
+class CudaMarker:
+    """A point in a stream's order: done once the stream's slot reached ``seq``."""
+
+    __slots__ = ("event", "seq", "stream")
+
+    def __init__(self, stream: CudaStream, seq: int, event: Any = None) -> None:
+        self.stream = stream
+        self.seq = seq
+        self.event = event
+
+    def __repr__(self) -> str:
+        return f"<CudaMarker stream {self.stream.index} seq {self.seq}>"
+
+
+@final
+class _EventMarker(CudaMarker):
+    """A marker that also recorded an event (``record_events``); the event
+    goes back to the context's pool when the marker is dropped."""
+
+    __slots__ = ()
+
+    def __del__(self) -> None:
+        try:
+            self.stream.ctx._marker_events.append(self.event)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+@final
+class CudaGate:
+    """A ``cuStreamWaitValue32`` on the stream's gate slot, opened by the host."""
+
+    __slots__ = ("opened", "seq", "stream")
+
+    def __init__(self, stream: CudaStream, seq: int) -> None:
+        self.stream = stream
+        self.seq = seq
+        self.opened = False
+
+    def __repr__(self) -> str:
+        return f"<CudaGate stream {self.stream.index} seq {self.seq} {'open' if self.opened else 'closed'}>"
+
+
+class StreamsMixin(ContextState):
+    """The streams, markers and gates of :class:`~.context.CudaContext`."""
+
+    def _stream(self, stream: StreamHandle) -> CudaStream:
+        if type(stream) is not CudaStream or stream.ctx is not self:
+            raise _common.wrong_handle("stream", stream, CudaStream, "CUDA")
+        if stream.destroyed:
+            raise _common.stream_destroyed(stream.index)
+        if _primary.multi_device:  # scopes on several devices: each call runs in its own context
+            cu.cuCtxSetCurrent(self._ctx)
+        return stream
+
+    def _new_event(self) -> Any:
+        if self._free_events:
+            return self._free_events.pop()
+        self._make_current_if_needed()  # the event belongs to the current context
+        flags = cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC | cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        ev = check(cu.cuEventCreate(flags), "cuEventCreate")
+        self._all_events.append(ev)
+        return ev
+
+    def _take_event(self) -> Any:
+        if self._marker_events:
+            return self._marker_events.pop()
+        return self._new_event()
+
+    # ------------------------------------------------------------------ streams
+    def create_stream(self, index: int) -> CudaStream:
+        self._check_open()
+        self._make_current_if_needed()
+        page = self._pages[-1] if self._pages and self._pages[-1].used < _STREAMS_PER_PAGE else None
+        if page is None:
+            page = _FlagPage()
+            self._pages.append(page)
+        handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        s = CudaStream(self, index, handle, page, page.used)
+        page.used += 1
+        self._streams[s] = None
+        return s
+
+    def destroy_stream(self, stream: StreamHandle) -> None:
+        s = self._stream(stream)
+        s.destroyed = True
+        self._streams.pop(s, None)
+        if self._sticky is None:
+            (err,) = cu.cuStreamDestroy(s.cu)
+            if err:
+                raise cuda_error(err, "cuStreamDestroy")
+
+    # ------------------------------------------------------------------ ordering
+    def record_marker(self, stream: StreamHandle) -> CudaMarker:
+        s = stream
+        if type(s) is not CudaStream or s.ctx is not self or s.destroyed:
+            s = self._stream(stream)
+        elif _primary.multi_device:
+            cu.cuCtxSetCurrent(self._ctx)
+        seq = s.seq + 1
+        if s is self._capturing:
+            raise _common.not_capturable(f"marker {seq}", s.index)
+        mode = self.marker_mode
+        if mode == "hybrid" and not s.hot and not self.record_events:
+            # first marker since the last flush: write it now
+            (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, seq & _M32, 0)
+            if err:
+                self._fail(err, "cuStreamWriteValue32")
+            s.seq = seq
+            s.hot = True
+            self._hot.append(s)
+            if not s.watched:
+                self._new_head = True
+            return CudaMarker(s, seq)
+        if mode != "eager" and not self.record_events:
+            # Deferred and coalesced: the flag write for the newest marker of
+            # the stream is enqueued by _flush (before anyone waits on it). It
+            # lands at the stream's tail then, i.e. at or after this point.
+            s.seq = seq
+            if not s.dirty:
+                s.dirty = True
+                self._dirty.append(s)
+            if not s.watched:
+                self._new_head = True
+            return CudaMarker(s, seq)
+        (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, seq & _M32, 0)
+        if err:
+            self._fail(err, "cuStreamWriteValue32")
+        s.seq = seq
+        if not s.watched:
+            self._new_head = True
+        if self.record_events:
+            ev = self._take_event()
+            (err,) = cu.cuEventRecord(ev, s.cu)
+            if err:
+                self._marker_events.append(ev)
+                self._fail(err, "cuEventRecord")
+            return _EventMarker(s, seq, ev)
+        return CudaMarker(s, seq)
+
+    def poll_marker(self, marker: Marker) -> Poll:
+        s = marker.stream
+        if ((s.mv[s.slot] - marker.seq) & _M32) < _HALF:  # type: ignore[attr-defined, unused-ignore]
+            return DONE
+        sticky = self._sticky
+        if sticky is not None:
+            return Poll(MarkerState.UNKNOWN, sticky)
+        return PENDING
+
+    def _done(self, marker: CudaMarker) -> bool:
+        s = marker.stream
+        return ((s.mv[s.slot] - marker.seq) & _M32) < _HALF
+
+    def wait_marker(self, stream: StreamHandle, marker: Marker) -> None:
+        s = self._stream(stream)
+        m = marker
+        if not isinstance(m, CudaMarker):
+            raise _common.not_a("marker", m, CudaMarker)
+        other = m.stream
+        if s is self._capturing:
+            raise _common.not_capturable(f"wait stream {other.index} marker {m.seq}", s.index)
+        ev = m.event
+        owner = other.ctx  # another device's context for cross-device waits
+        if owner is not self:  # record (below) in the marker's context, wait in ours
+            cu.cuCtxSetCurrent(owner._ctx)
+            owner._flush_stream(other)
+        if (
+            ev is None
+            and (self.wait_marker_mode == "event" or owner is not self)
+            and m.seq == other.seq
+            and not other.destroyed
+        ):
+            # The marker is the newest point of its stream: an event recorded
+            # now completes with it. Re-recording the scratch event later does
+            # not affect a wait already enqueued. The event belongs to the
+            # recording stream's context; across devices (cuEventRecord there,
+            # cuStreamWaitEvent here) this is the default, flags the fallback.
+            ev = owner._scratch_event
+            if ev is None:
+                ev = owner._scratch_event = owner._new_event()
+            (err,) = cu.cuEventRecord(ev, other.cu)
+            if err:
+                self._fail(err, "cuEventRecord")
+        if owner is not self:
+            cu.cuCtxSetCurrent(self._ctx)
+        if ev is not None:
+            (err,) = cu.cuStreamWaitEvent(s.cu, ev, 0)
+            if err:
+                self._fail(err, "cuStreamWaitEvent")
+            return
+        owner._flush_stream(other)
+        if owner is not self:
+            # Our stream will read the other context's flag page, perhaps after
+            # that context closed: it must never free its pages (a leak of a
+            # few KiB, rather than a wait on freed memory).
+            owner._pages_shared = True
+        geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        (err,) = cu.cuStreamWaitValue32(s.cu, other.slot_dptr, m.seq & _M32, geq)
+        if err:
+            self._fail(err, "cuStreamWaitValue32")
+
+    def _flush(self) -> None:
+        """Enqueue the pending (deferred) marker writes: one
+        ``cuStreamWriteValue32`` per stream, of its newest sequence number."""
+        hot = self._hot
+        while hot:
+            hot.pop().hot = False
+        dirty = self._dirty
+        while dirty:
+            s = dirty.pop()
+            s.dirty = False
+            if s.destroyed:
+                continue
+            (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, s.seq & _M32, 0)
+            if err:
+                self._fail(err, "cuStreamWriteValue32")
+
+    def _flush_stream(self, s: CudaStream) -> None:
+        if s.dirty:
+            s.dirty = False
+            self._dirty.remove(s)
+            (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, s.seq & _M32, 0)
+            if err:
+                self._fail(err, "cuStreamWriteValue32")
+
+    def create_gate(self, stream: StreamHandle) -> CudaGate:
+        s = self._stream(stream)
+        if s is self._capturing:
+            raise _common.not_capturable("gate", s.index)
+        # The marker before a gate must be written before the stream waits on
+        # the host, or the host would wait for the gate it has to open.
+        self._flush_stream(s)
+        seq = s.gate_seq + 1
+        geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        (err,) = cu.cuStreamWaitValue32(s.cu, s.gate_dptr, seq & _M32, geq)
+        if err:
+            self._fail(err, "cuStreamWaitValue32(gate)")
+        s.gate_seq = seq
+        return CudaGate(s, seq)
+
+    def open_gate(self, gate: Gate) -> None:
+        if type(gate) is not CudaGate:
+            raise _common.not_a("gate", gate, CudaGate)
+        if gate.opened:
+            return
+        gate.opened = True
+        s = gate.stream
+        cur = s.mv[s.gate_slot]
+        # gates of a stream open in order; never move the slot backwards
+        if ((gate.seq - cur) & _M32) < _HALF:
+            s.mv[s.gate_slot] = gate.seq & _M32
+
+
+_cuStreamWriteValue32: Any = cu.cuStreamWriteValue32 if cu is not None else None

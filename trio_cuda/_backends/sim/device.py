@@ -1,0 +1,315 @@
+"""The simulated GPU: :class:`SimDevice`, its settings and its test controls.
+
+Invariants:
+
+* One :class:`SimDevice` is one address space and one engine, shared by every
+  :class:`~.context.SimContext` (one per scope) opened on it. Everything is
+  called from one thread (the Trio loop, or synchronous test code); nothing
+  here blocks.
+* The controls have fixed names (DESIGN.md): ``hold``, ``release``,
+  ``complete_next``, ``run_until_idle``, ``inject_fault``, ``violations``,
+  ``live_allocations``. While held, work commands execute only through
+  ``complete_next`` / ``run_until_idle``; bookkeeping still runs.
+* An injected fault hits the next launch (or allocation); one launch consumes
+  at most one fault. What the engine does with it is in ``engine``.
+* Settings are checked when the device is made; records come out as snapshots
+  (``records``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, final
+
+import attrs
+import trio
+
+from ..._core._driver import DeviceInfo
+from .context import SimContext
+from .engine import SimEngine, _Alloc
+from .handles import SimStream
+from .records import FaultKind, SimAllocation, SimStatistics, TraceEvent, Violation
+
+__all__ = ["SimDevice"]
+
+_FAULT_KINDS: tuple[str, ...] = ("launch_error", "out_of_memory", "kernel_fault", "completion_unknown")
+_BASE_ADDRESS = 0x7F00_0000_0000
+_sim_device_ids = iter(range(1 << 30))
+
+
+def _check_memory(_inst: object, _attr: object, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"memory: expected a non-negative int (bytes), got {value!r}")
+
+
+def _check_time(_inst: object, attr: attrs.Attribute[float], value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{attr.name}: expected a non-negative number of seconds, got {value!r}")
+
+
+def _check_cc(_inst: object, _attr: object, value: object) -> None:
+    if not (isinstance(value, tuple) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value)):
+        raise TypeError(f"compute_capability: expected a (major, minor) tuple of ints, got {value!r}")
+
+
+def _check_sms(_inst: object, _attr: object, value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"multiprocessor_count: expected a positive int, got {value!r}")
+
+
+def _check_trace_limit(_inst: object, _attr: object, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"trace_limit: expected None or a non-negative int, got {value!r}")
+
+
+@final
+@attrs.define(eq=False, repr=False)
+class SimDevice(SimEngine):
+    """A simulated GPU, shared by every scope opened on it.
+
+    ``memory`` is the total device memory in bytes. ``kernel_time`` and
+    ``copy_time`` are the simulated seconds each launch / each copy or fill takes
+    while free-running (0: it executes as soon as it is enqueued). ``trace_limit``
+    bounds :attr:`trace` to the most recent events (None: unbounded, 0: off).
+    ``batch_markers`` lets scopes record one completion marker per burst of
+    submissions, as on a real GPU.
+
+    Test controls: :meth:`hold`, :meth:`release`, :meth:`complete_next`,
+    :meth:`run_until_idle`, :meth:`inject_fault`, :attr:`violations`,
+    :attr:`live_allocations`.
+    """
+
+    name: str = "sim0"
+    memory: int = attrs.field(default=8 * 2**30, validator=_check_memory)
+    kernel_time: float = attrs.field(default=0.0, validator=_check_time)
+    copy_time: float = attrs.field(default=0.0, validator=_check_time)
+    trace_limit: int | None = attrs.field(default=100_000, kw_only=True, validator=_check_trace_limit)
+    #: let scopes share one completion marker among a burst of submissions
+    #: (as the CUDA backend does); an error then fails every submission of
+    #: the burst. Off by default so that each error is attributed exactly.
+    batch_markers: bool = attrs.field(default=False, kw_only=True)
+    #: seconds an awaiting task polls its own marker before parking (see
+    #: ``DeviceFuture.wait``); useful with ``kernel_time`` to model a GPU
+    await_spin: float = attrs.field(default=0.0, kw_only=True, validator=_check_time)
+    #: what ``info.compute_capability`` reports; clusters and programmatic
+    #: dependent launch are refused below (9, 0), as on a real GPU
+    compute_capability: tuple[int, int] = attrs.field(default=(9, 0), kw_only=True, validator=_check_cc)
+    #: SMs of the occupancy model that bounds cooperative launches
+    multiprocessor_count: int = attrs.field(default=132, kw_only=True, validator=_check_sms)
+
+    _held: bool = attrs.field(init=False, default=False)
+    _next_ptr: int = attrs.field(init=False, default=_BASE_ADDRESS)
+    _bases: list[int] = attrs.field(init=False, factory=list)
+    _allocs: list[_Alloc] = attrs.field(init=False, factory=list)
+    _live: dict[int, _Alloc] = attrs.field(init=False, factory=dict)
+    _live_bytes: int = attrs.field(init=False, default=0)
+    _violations: list[Violation] = attrs.field(init=False, factory=list)
+    _trace: deque[TraceEvent] = attrs.field(init=False, factory=deque)
+    _faults: dict[str, int] = attrs.field(init=False, factory=dict)
+    _seq: int = attrs.field(init=False, default=0)
+    _busy: dict[SimStream, None] = attrs.field(init=False, factory=dict)
+    _dirty: deque[SimStream] = attrs.field(init=False, factory=deque)
+    _pending: int = attrs.field(init=False, default=0)
+    _timed_pending: int = attrs.field(init=False, default=0)
+    _event: trio.Event | None = attrs.field(init=False, default=None)
+    _pumping: bool = attrs.field(init=False, default=False)
+    _info: DeviceInfo = attrs.field(init=False)
+    _launches: int = attrs.field(init=False, default=0)
+    _copies: int = attrs.field(init=False, default=0)
+    _fills: int = attrs.field(init=False, default=0)
+    _bytes_copied: int = attrs.field(init=False, default=0)
+    _executed: int = attrs.field(init=False, default=0)
+    _kernel_loads: int = attrs.field(init=False, default=0)
+    _kernel_unloads: int = attrs.field(init=False, default=0)
+    _alloc_count: int = attrs.field(init=False, default=0)
+    _free_count: int = attrs.field(init=False, default=0)
+    #: interop: fake stream addresses, and this device's DLPack device id
+    _stream_addrs: dict[SimStream, int] = attrs.field(init=False, factory=dict)
+    _addr_streams: dict[int, SimStream] = attrs.field(init=False, factory=dict)
+    _dl_id: int = attrs.field(init=False, factory=lambda: next(_sim_device_ids))
+    _graphs_made: int = attrs.field(init=False, default=0)
+    _graphs_live: int = attrs.field(init=False, default=0)
+    _graph_launches: int = attrs.field(init=False, default=0)
+    #: the SimHost this device belongs to (see ``host``), or None
+    _host: Any = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        self._info = DeviceInfo(
+            backend="sim",
+            name=self.name,
+            ordinal=0,
+            total_memory=self.memory,
+            compute_capability=self.compute_capability,
+            multiprocessor_count=self.multiprocessor_count,
+            max_shared_memory_per_block_optin=232448,
+            max_threads_per_multiprocessor=2048,
+            max_blocks_per_multiprocessor=32,
+            max_shared_memory_per_multiprocessor=233472,
+            reserved_shared_memory_per_block=1024,
+        )
+        self._trace = deque(maxlen=self.trace_limit)
+
+    def __repr__(self) -> str:
+        mode = "held" if self._held else "free-running"
+        return (
+            f"<SimDevice {self.name!r} {mode} pending={self._pending} "
+            f"live={len(self._live)} ({self._live_bytes} B) violations={len(self._violations)}>"
+        )
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def info(self) -> DeviceInfo:
+        """Static facts about the simulated device."""
+        return self._info
+
+    def open_context(self) -> SimContext:
+        """A new context (one per scope) on this device."""
+        return SimContext(self)
+
+    @property
+    def held(self) -> bool:
+        """True while work commands only execute through complete_next/run_until_idle."""
+        return self._held
+
+    @property
+    def pending(self) -> int:
+        """Commands enqueued on any stream and not executed yet."""
+        return self._pending
+
+    @property
+    def violations(self) -> list[Violation]:
+        """Memcheck records, oldest first (a snapshot); ``[]`` means clean."""
+        return list(self._violations)
+
+    def clear_violations(self) -> None:
+        """Forget the recorded memcheck violations."""
+        self._violations.clear()
+
+    @property
+    def live_allocations(self) -> list[SimAllocation]:
+        """Allocations not yet freed, by address (a snapshot)."""
+        return [SimAllocation(a.ptr, a.nbytes) for a in self._live.values()]
+
+    @property
+    def live_graphs(self) -> int:
+        """Executable graphs instantiated and not yet destroyed."""
+        return self._graphs_live
+
+    @property
+    def graph_launches(self) -> int:
+        """Graph replays executed so far (each runs all its captured commands)."""
+        return self._graph_launches
+
+    @property
+    def trace(self) -> list[TraceEvent]:
+        """Executed commands in execution order (a snapshot; the most recent
+        ``trace_limit`` of them)."""
+        return list(self._trace)
+
+    def clear_trace(self) -> None:
+        """Forget the recorded trace."""
+        self._trace.clear()
+
+    def statistics(self) -> SimStatistics:
+        """Counters of the device (a snapshot)."""
+        return SimStatistics(
+            launches=self._launches,
+            copies=self._copies,
+            fills=self._fills,
+            bytes_copied=self._bytes_copied,
+            commands_executed=self._executed,
+            pending=self._pending,
+            live_allocations=len(self._live),
+            live_bytes=self._live_bytes,
+            violations=len(self._violations),
+            kernel_loads=self._kernel_loads,
+            kernel_unloads=self._kernel_unloads,
+            allocations=self._alloc_count,
+            frees=self._free_count,
+        )
+
+    def peek(self, ptr: int, nbytes: int) -> bytes:
+        """Debug read of device memory, outside any stream order. The range must
+        lie in one live allocation (ValueError otherwise); no violation is recorded."""
+        alloc = self._find_live(ptr, nbytes)
+        if alloc is None:
+            raise ValueError(
+                f"ptr: expected a range inside one live allocation, got {nbytes} bytes at {ptr:#x}"
+            )
+        off = ptr - alloc.ptr
+        return alloc.buf[off : off + nbytes].tobytes()
+
+    def hold(self) -> None:
+        """Stop free-running: from now on work commands execute only through
+        :meth:`complete_next` and :meth:`run_until_idle` (bookkeeping still runs)."""
+        self._held = True
+
+    def release(self) -> None:
+        """Go back to free-running and execute everything runnable (timing allowing)."""
+        self._held = False
+        self._pump()
+        self._wake()  # waiters re-arm: their deadlines may have changed
+
+    def complete_next(self) -> bool:
+        """Execute exactly one runnable work command (the oldest by enqueue order
+        among the stream heads) and the bookkeeping it unblocks. Ignores timing.
+        Returns False if no work command was runnable."""
+        self._settle()
+        best: SimStream | None = None
+        best_seq = 0
+        for s in self._busy:
+            head = s._queue[0]
+            if head.work and (best is None or head.seq < best_seq):
+                best, best_seq = s, head.seq
+        if best is None:
+            return False
+        self._exec_work(best, None)
+        self._settle()
+        if not self._held:
+            self._pump()
+        self._wake()
+        return True
+
+    def run_until_idle(self) -> int:
+        """Execute runnable commands until none is runnable (even while held; the
+        device stays held). Returns the number of work commands executed."""
+        count = 0
+        while self.complete_next():
+            count += 1
+        return count
+
+    def pump(self) -> int:
+        """Free-running: execute every command that is runnable and due now.
+        Returns the number of commands executed (0 while held, apart from
+        bookkeeping)."""
+        return self._pump()
+
+    def inject_fault(self, kind: FaultKind, *, count: int = 1) -> None:
+        """Make the next ``count`` launches (or allocations) fail.
+
+        * ``"launch_error"``: ``launch()`` raises LaunchError 701
+          (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); nothing is enqueued.
+        * ``"out_of_memory"``: ``alloc()`` raises OutOfMemoryError.
+        * ``"kernel_fault"``: the launch enqueues; at execution it does not run and
+          the stream's next marker fails with LaunchError 719
+          (CUDA_ERROR_LAUNCH_FAILED). Not sticky: later work runs normally.
+        * ``"completion_unknown"``: the launch enqueues; at execution it does not
+          run and the stream's next marker polls UNKNOWN forever.
+
+        One launch consumes at most one fault: launch_error first, then
+        completion_unknown, then kernel_fault.
+        """
+        if kind not in _FAULT_KINDS:
+            raise ValueError(
+                f"kind: expected one of {', '.join(repr(k) for k in _FAULT_KINDS)}, got {kind!r}"
+            )
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count: expected a positive int, got {count!r}")
+        self._faults[kind] = self._faults.get(kind, 0) + count

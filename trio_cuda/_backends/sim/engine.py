@@ -1,0 +1,585 @@
+"""The simulated device's engine: its memory and memcheck, and the command queue
+that executes work.
+
+Invariants:
+
+* Addresses come from a bump allocator (256-byte aligned, with a 256-byte red
+  zone between allocations) and are never reused, so every use after free is
+  detectable. ``_free`` poisons the bytes (``0xDB``) and drops the buffer.
+* Memcheck: device addresses are resolved when a command *executes*, not when
+  it is enqueued. A command that touches bytes outside one live allocation is
+  recorded as a :class:`~.records.Violation` and its effect is skipped (the
+  reference kernel does not run). It still counts as executed and is not an
+  error on the stream. A zero-byte access touches nothing; it is a violation
+  only when its address lies in a freed allocation.
+* Streams are FIFO. Bookkeeping commands (markers, satisfied waits, opened
+  gates) at a stream head execute at once, even while held (``_settle``). Work
+  commands (launches, copies, fills, graph replays, peer copies) execute on
+  enqueue when free-running, when due if ``kernel_time`` or ``copy_time`` is
+  positive, and only through ``complete_next`` / ``run_until_idle`` while
+  held. ``_pump`` is not re-entrant.
+* On a capturing stream, work commands are recorded instead of enqueued; any
+  other command raises ``GraphCaptureError`` (``_common.not_capturable``).
+* Errors (an injected ``kernel_fault``, a reference that raises) attach to the
+  stream's next marker, which then polls ``FAILED``; they are not sticky. An
+  injected ``completion_unknown`` skips its launch and makes the stream's next
+  marker poll ``UNKNOWN`` forever. The engine never raises into whoever pumps
+  it.
+* :class:`SimEngine` is the base of :class:`~.device.SimDevice`, whose fields
+  it uses; it holds no state of its own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from bisect import bisect_left, bisect_right
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from ..._core._driver import MarkerState, Poll
+from ..._core._errors import CompletionUnknownError, LaunchError, OutOfMemoryError
+from ..._core._ops import Access
+from .. import _common
+from .records import TraceEvent, Violation, ViolationKind
+
+if TYPE_CHECKING:
+    from ..._core._kernel import Kernel
+    from ..._core._launch import ArgView, PreparedLaunch
+    from .handles import SimFunction, SimGate, SimGraphExec, SimMarker, SimStream
+
+__all__ = ["SimEngine"]
+
+_ALIGN = 256
+_RED_ZONE = 256
+_POISON = 0xDB
+_EMPTY = np.empty(0, dtype=np.uint8)
+_EMPTY.setflags(write=False)
+_WORK_KINDS = frozenset({"launch", "h2d", "d2h", "d2d", "fill", "graph", "peer"})
+
+perf_counter = time.perf_counter
+
+
+def _out_of_memory(text: str) -> OutOfMemoryError:
+    return OutOfMemoryError(2, "CUDA_ERROR_OUT_OF_MEMORY", text, call="cuMemAllocAsync")
+
+
+def _launch_failed(text: str, call: str) -> LaunchError:
+    """A kernel fault, attached to the stream's next marker."""
+    return LaunchError(719, "CUDA_ERROR_LAUNCH_FAILED", text, call=call)
+
+
+class _Alloc:
+    __slots__ = ("buf", "freed", "nbytes", "ptr")
+
+    def __init__(self, ptr: int, nbytes: int, buf: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.buf = buf
+        self.freed = False
+
+
+class _Cmd:
+    """One queued command. ``data`` is the kind's payload: the staged bytes (h2d),
+    the host array (d2h), the pattern (fill), the PreparedLaunch (launch), the
+    marker sequence number (marker), the SimMarker (wait_marker) or the SimGate."""
+
+    __slots__ = (
+        "data",
+        "dst",
+        "duration",
+        "fault",
+        "fn",
+        "kind",
+        "label",
+        "nbytes",
+        "seq",
+        "src",
+        "t_enqueue",
+        "work",
+    )
+
+    def __init__(
+        self,
+        kind: str,
+        seq: int,
+        label: str,
+        duration: float,
+        data: Any = None,
+        dst: int = 0,
+        src: int = 0,
+        nbytes: int = 0,
+        fault: str | None = None,
+        fn: SimFunction | None = None,
+    ) -> None:
+        self.kind = kind
+        self.seq = seq
+        self.label = label
+        self.t_enqueue = perf_counter()
+        self.duration = duration
+        self.data = data
+        self.dst = dst
+        self.src = src
+        self.nbytes = nbytes
+        self.fault = fault
+        self.fn = fn
+        self.work = kind in _WORK_KINDS
+
+
+class SimEngine:
+    """Memory, memcheck, faults and the command engine of :class:`~.device.SimDevice`,
+    whose fields (declared here for the type checker) it uses."""
+
+    if TYPE_CHECKING:  # the fields of SimDevice that the engine uses
+        name: str
+        memory: int
+        trace_limit: int | None
+        _held: bool
+        _next_ptr: int
+        _bases: list[int]
+        _allocs: list[_Alloc]
+        _live: dict[int, _Alloc]
+        _live_bytes: int
+        _violations: list[Violation]
+        _trace: deque[TraceEvent]
+        _faults: dict[str, int]
+        _seq: int
+        _busy: dict[SimStream, None]
+        _dirty: deque[SimStream]
+        _pending: int
+        _timed_pending: int
+        _event: trio.Event | None
+        _pumping: bool
+        _launches: int
+        _copies: int
+        _fills: int
+        _bytes_copied: int
+        _executed: int
+        _alloc_count: int
+        _free_count: int
+        _graph_launches: int
+        _host: Any  # the SimHost of the device (see ``host``), or None
+    else:
+        __slots__ = ()  # SimDevice is slotted: no instance __dict__
+
+    # ------------------------------------------------------------------ faults
+
+    def _take_fault(self, kind: str) -> bool:
+        n = self._faults.get(kind, 0)
+        if n <= 0:
+            return False
+        if n == 1:
+            del self._faults[kind]
+        else:
+            self._faults[kind] = n - 1
+        return True
+
+    def _launch_fault(self, what: str, call: str) -> str | None:
+        """The fault that a launch (or graph replay) of ``what`` takes as it is
+        enqueued: an injected ``launch_error`` raises (nothing is enqueued);
+        else "completion_unknown", "kernel_fault" or None."""
+        if self._take_fault("launch_error"):
+            raise LaunchError(
+                701, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", f"injected launch_error ({what})", call=call
+            )
+        if self._take_fault("completion_unknown"):
+            return "completion_unknown"
+        if self._take_fault("kernel_fault"):
+            return "kernel_fault"
+        return None
+
+    # ------------------------------------------------------------------ memory
+
+    def _alloc(self, nbytes: int) -> int:
+        nbytes = _common.check_count("nbytes", nbytes)
+        if self._take_fault("out_of_memory"):
+            raise _out_of_memory(f"injected out_of_memory (allocating {nbytes} bytes)")
+        if self._live_bytes + nbytes > self.memory:
+            raise _out_of_memory(
+                f"{self.name}: cannot allocate {nbytes} bytes; {self._live_bytes} of "
+                f"{self.memory} bytes are in use"
+            )
+        ptr = self._next_ptr
+        span = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        self._next_ptr = ptr + span + _RED_ZONE
+        alloc = _Alloc(ptr, nbytes, np.zeros(nbytes, dtype=np.uint8) if nbytes else _EMPTY)
+        self._bases.append(ptr)
+        self._allocs.append(alloc)
+        self._live[ptr] = alloc
+        self._live_bytes += nbytes
+        self._alloc_count += 1
+        return ptr
+
+    def _free(self, ptr: int, nbytes: int) -> None:
+        alloc = self._live.get(ptr)
+        if alloc is None:
+            i = bisect_left(self._bases, ptr)
+            freed = i < len(self._bases) and self._bases[i] == ptr and self._allocs[i].freed
+            self._violations.append(
+                Violation("double_free" if freed else "invalid_free", ptr, nbytes, "free", None)
+            )
+            return
+        if nbytes != alloc.nbytes:
+            self._violations.append(
+                Violation(
+                    "invalid_free", ptr, nbytes, f"free (size {nbytes} != allocated {alloc.nbytes})", None
+                )
+            )
+            return
+        del self._live[ptr]
+        self._live_bytes -= alloc.nbytes
+        self._free_count += 1
+        alloc.freed = True
+        if alloc.nbytes:
+            alloc.buf.fill(_POISON)  # stale views see the poison
+        alloc.buf = _EMPTY
+
+    def _find_live(self, addr: int, size: int) -> _Alloc | None:
+        i = bisect_right(self._bases, addr) - 1
+        if i < 0:
+            return None
+        a = self._allocs[i]
+        if a.freed or addr + size > a.ptr + a.nbytes:
+            return None
+        return a
+
+    def _resolve(self, addr: int, size: int, op: str, stream: SimStream) -> _Alloc | None:
+        """The live allocation holding ``[addr, addr + size)``, or None after
+        recording a violation. A zero-byte range outside every allocation gets an
+        empty stand-in."""
+        i = bisect_right(self._bases, addr) - 1
+        kind: ViolationKind
+        if i >= 0:
+            a = self._allocs[i]
+            end = a.ptr + a.nbytes
+            if addr < end or (size == 0 and addr == end):
+                if a.freed:
+                    kind = "use_after_free"
+                elif addr + size > end:
+                    kind = "out_of_bounds"
+                else:
+                    return a
+                self._violations.append(Violation(kind, addr, size, op, stream.index))
+                return None
+        if size == 0:
+            return _Alloc(addr, 0, _EMPTY)
+        self._violations.append(Violation("unallocated", addr, size, op, stream.index))
+        return None
+
+    # ------------------------------------------------------------------ engine
+
+    def _enqueue(self, stream: SimStream, cmd: _Cmd) -> None:
+        capture = stream._capture
+        if capture is not None:
+            if not cmd.work:
+                raise _common.not_capturable(cmd.label, stream.index)
+            capture.append(cmd)  # recorded, not executed
+            return
+        q = stream._queue
+        q.append(cmd)
+        self._pending += 1
+        if cmd.duration > 0.0:
+            self._timed_pending += 1
+        if len(q) == 1:
+            self._busy[stream] = None
+            self._dirty.append(stream)
+            self._pump()
+            if cmd.duration > 0.0:
+                self._wake()  # a new deadline: timed waiters re-arm
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _wake(self) -> None:
+        ev = self._event
+        if ev is not None:
+            self._event = None
+            ev.set()
+
+    def _progress_event(self) -> trio.Event:
+        ev = self._event
+        if ev is None:
+            ev = self._event = trio.Event()
+        return ev
+
+    def _next_due(self) -> float | None:
+        """When the earliest timed work at a stream head is due (free mode only)."""
+        if self._held or not self._timed_pending:
+            return None
+        best: float | None = None
+        for s in self._busy:
+            head = s._queue[0]
+            if head.work:
+                due = max(s._clock, head.t_enqueue) + head.duration
+                if best is None or due < best:
+                    best = due
+        return best
+
+    def _pump(self) -> int:
+        if self._pumping:
+            return 0
+        self._pumping = True
+        try:
+            n = self._settle()
+            if not self._held:
+                now = perf_counter() if self._timed_pending else math.inf
+                while True:
+                    best: SimStream | None = None
+                    best_key = (math.inf, 0)
+                    for s in self._busy:
+                        head = s._queue[0]
+                        if not head.work:
+                            continue
+                        due = max(s._clock, head.t_enqueue) + head.duration
+                        if head.duration > 0.0 and due > now:
+                            continue
+                        key = (due, head.seq)
+                        if best is None or key < best_key:
+                            best, best_key = s, key
+                    if best is None:
+                        break
+                    head = best._queue[0]
+                    self._exec_work(best, best_key[0] if head.duration > 0.0 else None)
+                    n += 1 + self._settle()
+        finally:
+            self._pumping = False
+        if n:
+            self._wake()
+        return n
+
+    def _settle(self) -> int:
+        """Execute runnable bookkeeping at the heads of the dirty streams."""
+        n = 0
+        dirty = self._dirty
+        busy = self._busy
+        while dirty:
+            s = dirty.popleft()
+            q = s._queue
+            while q:
+                cmd = q[0]
+                kind = cmd.kind
+                if kind == "marker":
+                    finish = max(s._clock, cmd.t_enqueue)
+                    self._exec_marker(s, cmd.data)
+                elif kind == "wait_marker":
+                    target: SimMarker = cmd.data
+                    ts = target.stream
+                    if ts._done_seq < target.seq:
+                        ts._waiters[s] = None
+                        break
+                    finish = max(s._clock, cmd.t_enqueue, ts._clock)
+                elif kind == "gate":
+                    gate: SimGate = cmd.data
+                    if not gate.opened:
+                        break
+                    finish = max(s._clock, cmd.t_enqueue, gate._opened_at)
+                else:
+                    break
+                q.popleft()
+                self._pending -= 1
+                self._executed += 1
+                s._clock = finish
+                n += 1
+                self._record(s, cmd, finish, finish)
+            if not q:
+                busy.pop(s, None)
+        return n
+
+    def _exec_marker(self, s: SimStream, seq: int) -> None:
+        if s._unknown:
+            s._results[seq] = Poll(
+                MarkerState.UNKNOWN,
+                CompletionUnknownError(
+                    f"{self.name}: completion of work before marker {seq} on stream {s.index} "
+                    f"cannot be established (injected completion_unknown)"
+                ),
+            )
+        elif s._error is not None:
+            error = s._error
+            if s._extra_errors:
+                error.add_note(f"{s._extra_errors} more error(s) on stream {s.index} before this marker")
+            s._results[seq] = Poll(MarkerState.FAILED, error)
+        s._unknown = False
+        s._error = None
+        s._extra_errors = 0
+        s._done_seq = seq
+        if s._waiters:
+            if self._host is None:
+                self._dirty.extend(s._waiters)
+                s._waiters.clear()
+            else:  # waiters may be streams of other devices of the host
+                from .host import wake_waiters
+
+                waiters = list(s._waiters)
+                s._waiters.clear()
+                wake_waiters(self, waiters)
+
+    def _exec_work(self, s: SimStream, due: float | None) -> None:
+        """Pop and execute the work command at ``s``'s head. ``due`` is its
+        simulated end time (timed free-running), or None to use real time."""
+        q = s._queue
+        cmd = q.popleft()
+        self._pending -= 1
+        if cmd.duration > 0.0:
+            self._timed_pending -= 1
+        if q:
+            self._dirty.append(s)
+        else:
+            del self._busy[s]
+        if due is None:
+            start = perf_counter()
+            self._effect(s, cmd)
+            end = perf_counter()
+        else:
+            start = due - cmd.duration
+            self._effect(s, cmd)
+            end = due
+        s._clock = end
+        self._executed += 1
+        self._record(s, cmd, start, end)
+
+    def _record(self, s: SimStream, cmd: _Cmd, start: float, end: float) -> None:
+        if self.trace_limit != 0:
+            self._trace.append(TraceEvent(cmd.seq, s.index, cmd.kind, cmd.label, cmd.t_enqueue, start, end))
+
+    def _effect(self, s: SimStream, cmd: _Cmd) -> None:
+        kind = cmd.kind
+        if kind == "launch":
+            self._launches += 1
+            self._run_launch(s, cmd)
+        elif kind == "h2d":
+            self._copies += 1
+            dst = self._resolve(cmd.dst, cmd.nbytes, "h2d destination", s)
+            if dst is not None and cmd.nbytes:
+                off = cmd.dst - dst.ptr
+                dst.buf[off : off + cmd.nbytes] = cmd.data
+                self._bytes_copied += cmd.nbytes
+        elif kind == "d2h":
+            self._copies += 1
+            src = self._resolve(cmd.src, cmd.nbytes, "d2h source (host read)", s)
+            if src is not None and cmd.nbytes:
+                off = cmd.src - src.ptr
+                host: np.ndarray[Any, Any] = cmd.data
+                host.reshape(-1).view(np.uint8)[:] = src.buf[off : off + cmd.nbytes]
+                self._bytes_copied += cmd.nbytes
+        elif kind == "d2d":
+            self._copies += 1
+            src = self._resolve(cmd.src, cmd.nbytes, "d2d source", s)
+            dst = self._resolve(cmd.dst, cmd.nbytes, "d2d destination", s)
+            if src is not None and dst is not None and cmd.nbytes:
+                so = cmd.src - src.ptr
+                do = cmd.dst - dst.ptr
+                dst.buf[do : do + cmd.nbytes] = src.buf[so : so + cmd.nbytes]
+                self._bytes_copied += cmd.nbytes
+        elif kind == "fill":
+            self._fills += 1
+            dst = self._resolve(cmd.dst, cmd.nbytes, "fill destination", s)
+            if dst is not None and cmd.nbytes:
+                off = cmd.dst - dst.ptr
+                pattern: bytes = cmd.data
+                unit = np.dtype(f"u{len(pattern)}")
+                dst.buf[off : off + cmd.nbytes].view(unit)[:] = np.frombuffer(pattern, dtype=unit)[0]
+        elif kind == "graph":
+            self._run_graph(s, cmd)
+        elif kind == "peer":
+            from .host import run_peer_copy
+
+            run_peer_copy(self, s, cmd)
+        else:  # pragma: no cover - enqueue only makes the kinds above
+            raise AssertionError(f"unknown command kind {kind!r}")
+
+    def _run_graph(self, s: SimStream, cmd: _Cmd) -> None:
+        """One replay: the captured commands, in capture order. Their device
+        addresses are resolved now, so memcheck covers every replay."""
+        graph_exec: SimGraphExec = cmd.data[0]
+        nodes: tuple[_Cmd, ...] = cmd.data[1]
+        self._graph_launches += 1
+        if graph_exec.destroyed:
+            self._violations.append(
+                Violation(
+                    "use_after_free",
+                    graph_exec.handle,
+                    0,
+                    "graph launch (its executable graph was destroyed)",
+                    s.index,
+                )
+            )
+            return
+        if cmd.fault == "completion_unknown":
+            s._unknown = True
+            return
+        if cmd.fault == "kernel_fault":
+            s._add_error(
+                _launch_failed(f"injected kernel_fault in graph {graph_exec.handle:#x}", "cuGraphLaunch")
+            )
+            return
+        for node in nodes:
+            self._effect(s, node)
+
+    def _run_launch(self, s: SimStream, cmd: _Cmd) -> None:
+        launch: PreparedLaunch = cmd.data
+        kernel = launch.kernel
+        fn = cmd.fn
+        if fn is not None and fn.unloaded:
+            self._violations.append(
+                Violation(
+                    "use_after_free", fn.handle, 0, f"launch {kernel.name} (its module was unloaded)", s.index
+                )
+            )
+            return
+        if cmd.fault == "completion_unknown":
+            s._unknown = True
+            return
+        if cmd.fault == "kernel_fault":
+            s._add_error(_launch_failed(f"injected kernel_fault in kernel {kernel.name}", "cuLaunchKernel"))
+            return
+        args = self._kernel_args(s, kernel, launch.arg_views())
+        if args is None or kernel.reference is None:
+            return
+        try:
+            kernel.reference(*args)
+        except Exception as exc:
+            error = _launch_failed(f"reference of kernel {kernel.name} raised {exc!r}", "")
+            error.__cause__ = exc
+            s._add_error(error)
+        except BaseException as exc:
+            # KeyboardInterrupt, SystemExit...: the device never raises into
+            # whoever happens to pump it; the work fails with the exception
+            # itself, so it reaches the waiter (or the scope's exit) as it is.
+            s._add_error(exc)
+
+    def _kernel_args(self, s: SimStream, kernel: Kernel, views: Sequence[ArgView]) -> list[object] | None:
+        """The reference's arguments, or None if memcheck rejected one."""
+        out: list[object] = []
+        ok = True
+        for i, av in enumerate(views):
+            kind = av.kind
+            if kind == "scalar" or kind == "raw":
+                out.append(av.value)
+                continue
+            dtype = av.dtype if av.dtype is not None else np.dtype(np.uint8)
+            nbytes = av.nbytes
+            alloc = self._resolve(av.ptr, nbytes, f"launch {kernel.name} (argument {i})", s)
+            if alloc is None:
+                ok = False
+                continue
+            if ok:
+                view: np.ndarray[Any, Any]
+                if nbytes:
+                    view = np.ndarray(
+                        av.shape, dtype=dtype, buffer=alloc.buf, offset=av.ptr - alloc.ptr, order=av.order
+                    )
+                else:
+                    view = np.empty(av.shape, dtype=dtype, order=av.order)
+                if av.access is Access.READ:
+                    view.setflags(write=False)
+                out.append(view)
+                if kind == "slice":
+                    len_dtype = av.len_dtype if av.len_dtype is not None else np.dtype(np.uint64)
+                    out.append(len_dtype.type(av.length))
+        return out if ok else None

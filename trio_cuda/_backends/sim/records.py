@@ -1,0 +1,70 @@
+"""What the simulated device records and reports: allocations, memcheck violations,
+trace events and statistics.
+
+Invariants: records are frozen attrs classes, handed out as snapshots; this
+module imports nothing else of the simulator.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+__all__ = ["FaultKind", "SimAllocation", "SimStatistics", "TraceEvent", "Violation", "ViolationKind"]
+
+ViolationKind = Literal["use_after_free", "unallocated", "out_of_bounds", "double_free", "invalid_free"]
+FaultKind = Literal["launch_error", "out_of_memory", "kernel_fault", "completion_unknown"]
+
+
+@attrs.frozen
+class SimAllocation:
+    """A live allocation: its device address and size in bytes."""
+
+    ptr: int
+    nbytes: int
+
+
+@attrs.frozen
+class Violation:
+    """One memcheck record. ``op`` says which command (and which operand) touched
+    the bytes; ``stream`` is the stream index, or None for ``free``."""
+
+    kind: ViolationKind
+    address: int
+    size: int
+    op: str
+    stream: int | None
+
+
+@attrs.frozen
+class TraceEvent:
+    """One executed command. ``seq`` is its global enqueue order; times are
+    ``time.perf_counter()`` values (simulated ones for timed work)."""
+
+    seq: int
+    stream: int
+    kind: str
+    label: str
+    t_enqueue: float
+    t_start: float
+    t_end: float
+
+
+@attrs.frozen
+class SimStatistics:
+    """Counters of a :class:`SimDevice` (executed commands, memory, memcheck)."""
+
+    launches: int
+    copies: int
+    fills: int
+    bytes_copied: int
+    commands_executed: int
+    pending: int
+    live_allocations: int
+    live_bytes: int
+    violations: int
+    kernel_loads: int
+    kernel_unloads: int
+    allocations: int
+    frees: int
