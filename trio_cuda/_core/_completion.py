@@ -150,8 +150,7 @@ class Completion:
             try:
                 while not self._closed:
                     try:
-                        await self._handoff_step()
-                        self._handoff_errors = 0
+                        await self._handoff_loop()
                     except trio.Cancelled:
                         raise
                     except BaseException as exc:
@@ -164,21 +163,27 @@ class Completion:
                 if drain is not None:
                     drain.set()
 
-    async def _handoff_step(self) -> None:
-        # Retiring or running a host closure can complete work on a stream
-        # scanned earlier (a gate opens, the device moves on): rescan until a
-        # pass finds nothing, or that wakeup is lost.
-        while self._scan():
-            pass
-        heads = [s._pending[0].marker for s in self._streams if s._pending]
-        if not heads:
-            drain = self._drain_event
-            if drain is not None:
-                drain.set()
-            idle = self._idle = trio.Event()
-            await idle.wait()
-        else:
-            await self._driver.wait_for_progress(heads)  # type: ignore[arg-type]
+    async def _handoff_loop(self) -> None:
+        """The handoff's work, until it is cancelled at exit or something
+        raises (then ``_handoff`` keeps the error and comes back here)."""
+        streams = self._streams
+        while True:
+            # Retiring or running a host closure can complete work on a stream
+            # scanned earlier (a gate opens, the device moves on): rescan until
+            # a pass finds nothing, or that wakeup is lost.
+            while self._scan():
+                pass
+            if self._handoff_errors:
+                self._handoff_errors = 0  # a pass went through: the driver recovered
+            heads = [s._pending[0].marker for s in streams if s._pending]
+            if not heads:
+                drain = self._drain_event
+                if drain is not None:
+                    drain.set()
+                idle = self._idle = trio.Event()
+                await idle.wait()
+            else:
+                await self._driver.wait_for_progress(heads)  # type: ignore[arg-type]
 
     def _handoff_failed(self, exc: BaseException) -> None:
         """Keep an error raised inside the handoff for the scope's exit."""

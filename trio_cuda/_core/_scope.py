@@ -546,7 +546,10 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             if self._closing or get_ident() != self._thread:
                 self._check_open("async_on")
             prepared = op.prepared
-            self._driver.launch(stream.handle, self._kernel_function(prepared), prepared)
+            fn = self._functions.get(prepared.kernel)
+            if fn is None or prepared.cache.get("checked") is not self._info:
+                fn = self._kernel_function(prepared)
+            self._driver.launch(stream.handle, fn, prepared)
             return op._output  # type: ignore[return-value]
         if not isinstance(op, DeviceOp):
             from ._builder import LaunchBuilder
@@ -566,7 +569,9 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         s = stream if type(stream) is Stream and stream._scope is self else self._pick(op, stream)
         prepared = op.prepared
         kernel = prepared.kernel
-        function = self._kernel_function(prepared)
+        function = self._functions.get(kernel)
+        if function is None or prepared.cache.get("checked") is not self._info:
+            function = self._kernel_function(prepared)
         self._next_id += 1
         sub = Submission(self, s, self._next_id, op)
         take_leases(self, s, sub, op._accesses, kernel.name)
