@@ -1,4 +1,4 @@
-"""Regression tests for the defects of issue 11, on the simulated device.
+"""Regression tests for defects found by attacking the runtime, on the simulated device.
 
 Each section attacks one defect and checks the behaviour the fix promises:
 
