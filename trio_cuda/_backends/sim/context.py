@@ -134,6 +134,9 @@ class SimContext:
                 f"destroying it would lose them"
             )
         s._destroyed = True
+        # Failed markers' errors may carry tracebacks whose frames hold the
+        # scope's arrays: drop them with the stream, or they pin the scope.
+        s._results.clear()
         del self._streams[s]
 
     # ------------------------------------------------------------------ memory

@@ -1,0 +1,143 @@
+"""Adversarial random programs: concurrency, cancellation and hostile actions.
+
+Unlike ``test_stateful.py``, which predicts every outcome of one task's
+sequence of steps, these programs are deliberately hostile and concurrent, and
+check invariants that must hold whatever happens. A seeded generator
+(``tests/_adversary.py``, ``random.Random(seed)``) writes each program: one or
+two segments, each one resource scope, two scopes on one ``SimDevice``, two
+scopes on a two-device ``SimHost`` or a device pool (multiple streams, pinned
+streams, ``conflicts="order"`` or ``"error"``, a ``drain_timeout``, a
+round-robin, least-loaded or garbage-returning scheduling policy), whose main
+task and concurrent tasks (in a nursery, some with deadlines or cancelled
+before they start, some cancelled while they await) mix:
+
+* submissions (``submit``, ``run``, ``await op``, ``pool.run``) of kernel
+  launches, fills, copies (host, device, cross-scope and cross-device), host
+  closures (some raise an ``Exception``, some a ``BaseException``, some close
+  an array), ``zip``/``then``/``map`` chains and then-closures that raise;
+  cancel scopes with random deadlines (0 included) and pre-cancelled ones;
+  futures kept and awaited (with deadlines) or dropped and garbage-collected;
+* arrays closed (``close()``, ``async with arr``), dropped and collected, made
+  read-only; DLPack exports dropped at once or held (to the scope exit),
+  ``borrow`` into the other scope, ``__cuda_array_interface__`` (absent on the
+  simulator);
+* graphs captured (also of work that cannot be captured), replayed, updated,
+  closed and dropped;
+* injected faults (``launch_error``, ``out_of_memory``, ``kernel_fault``,
+  ``completion_unknown``), device holds, releases and single steps, misuse
+  (closed arrays, read-only writes, another scope's arrays, closed graphs);
+* an exit that is normal, raises or is cancelled, on a free device, on a held
+  one with a short ``drain_timeout``, or on a held one released a little later,
+  sometimes right after a last submission.
+
+A NumPy model follows every array: each submission's effect is applied when it
+is submitted (a then-closure on the op tells exactly when, and whether, a
+``run`` submitted it; ``run`` cancelled before it started must not have). An
+array is *unknown* after work that may have taken an injected fault, after a
+submission that failed part-way, or when its source was unknown; writing it
+whole (fill, host copy, copy of a known array) makes it known again.
+
+After every program: ``sim.violations == []`` on every device (also after
+work abandoned by a drain timeout ran on); nothing is live after the exit
+unless a scope reported quarantine, and nothing is quarantined unless a
+``completion_unknown`` fault was injected or a ``ResourceWarning`` reported a
+drain timeout or an export held at exit (each warning must be explained by
+what the program did); no hang (each program runs in ``trio.run`` in a thread
+under a hard limit, ``tests/_guard.py``); every read back of a known array
+equals the model; every error is one the program's hostile actions explain
+(``trio.Cancelled`` never leaks), at each step and in the exit's exception
+group; no unraisable exception; after a ``settle`` step nothing is in
+flight, nothing is pending on the device, and memory with no open handle,
+export or graph is freed; and once a program that quarantined nothing has
+ended, its scopes can be garbage-collected (check ``gc_leak``).
+
+Features that once triggered defects (see ``tests/test_attacks.py``) are generated too; switch
+them off with ``TRIO_CUDA_ADVERSARY_SKIP=base_exception,drain_zero,bad_policy``
+(or ``known`` for all of them; see ``_adversary.KNOWN_DEFECTS``), and the
+``gc_leak`` check with ``TRIO_CUDA_ADVERSARY_SKIP=gc_leak``.
+
+A failure prints its seed and the program. Replay it (or several)::
+
+    TRIO_CUDA_ADVERSARY_SEED=123 pytest tests/test_adversarial.py
+    TRIO_CUDA_ADVERSARY_SEED="123 456" pytest tests/test_adversarial.py
+
+The slow variant runs many programs and prints what they did; it is skipped
+unless it is selected with ``-m slow`` or ``TRIO_CUDA_ADVERSARY_PROGRAMS``::
+
+    pytest -m slow tests/test_adversarial.py -s      # 10,000 programs
+    TRIO_CUDA_ADVERSARY_PROGRAMS=2000 TRIO_CUDA_ADVERSARY_FIRST=50000 \\
+        pytest tests/test_adversarial.py -k many -s
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from _adversary import KNOWN_DEFECTS, Totals, generate, run_program, seeds_from_env, skipped_features
+from _guard import SCALE
+
+#: the fast subset: about 20-30 s on two cores
+FAST_SEEDS = seeds_from_env(list(range(300)))
+#: hard limit of one program, in seconds (times TRIO_CUDA_TEST_TIME_SCALE)
+LIMIT = 5.0
+
+
+@pytest.mark.parametrize("seed", FAST_SEEDS)
+def test_program(seed: int) -> None:
+    res = run_program(generate(seed), limit=LIMIT)
+    if not res.ok:
+        pytest.fail(res.report(), pytrace=False)
+
+
+def test_programs_are_fixed_by_their_seed() -> None:
+    for seed in (0, 1, 12345):
+        assert generate(seed).text() == generate(seed).text()
+    assert generate(1).text() != generate(2).text()
+
+
+def test_known_defect_features_are_generated() -> None:
+    """The generator keeps exercising the known-defect features (unless
+    switched off): they must be covered once the defects are fixed."""
+    text = "\n".join(generate(seed).text() for seed in range(200))
+    skip = skipped_features()
+    markers = {"base_exception": "host base", "drain_zero": "drain_timeout=0.0 ", "bad_policy": "policy=bad"}
+    for name, marker in markers.items():
+        assert name in KNOWN_DEFECTS
+        assert (marker in text) is (name not in skip), name
+
+
+def _slow_selected(config: pytest.Config) -> bool:
+    if os.environ.get("TRIO_CUDA_ADVERSARY_PROGRAMS"):
+        return True
+    markexpr = str(config.getoption("-m", default="") or "")
+    return "slow" in markexpr and "not slow" not in markexpr
+
+
+@pytest.mark.slow
+def test_many_programs(request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]) -> None:
+    """``TRIO_CUDA_ADVERSARY_PROGRAMS`` programs (10,000 by default) from seed
+    ``TRIO_CUDA_ADVERSARY_FIRST`` on (1,000,000 by default, apart from the
+    fast subset); prints what they did, and fails on any hang or failure."""
+    if not _slow_selected(request.config):
+        pytest.skip("slow: select it with -m slow or TRIO_CUDA_ADVERSARY_PROGRAMS=N")
+    count = int(os.environ.get("TRIO_CUDA_ADVERSARY_PROGRAMS", "10000"))
+    first = int(os.environ.get("TRIO_CUDA_ADVERSARY_FIRST", "1000000"))
+    totals = Totals()
+    t0 = time.perf_counter()
+    for seed in range(first, first + count):
+        totals.add(run_program(generate(seed), limit=LIMIT))
+    elapsed = time.perf_counter() - t0
+    summary = (
+        f"{totals.summary()}\nseeds {first}..{first + count - 1} in {elapsed:.0f} s (time scale {SCALE:g})"
+    )
+    with capsys.disabled():
+        print("\n--- adversarial programs ---\n" + summary)
+        for res in totals.failed[:20]:
+            print(f"FAILED seed {res.program.seed}: {res.failures[0].splitlines()[0][:300]}")
+    if totals.failed:
+        reports = "\n\n".join(r.report() for r in totals.failed[:3])
+        seeds = " ".join(str(r.program.seed) for r in totals.failed)
+        head = f"{totals.failures} program(s) failed ({totals.hangs} hang(s)); seeds: {seeds}"
+        pytest.fail(f"{head}\n{summary}\n\n{reports}", pytrace=False)
