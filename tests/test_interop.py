@@ -23,6 +23,21 @@ from trio_cuda._core import _dlpack
 F4 = np.float32
 
 
+_BASE = [0]
+
+
+@pytest.fixture(autouse=True)
+def _export_baseline() -> None:
+    """Capsules still alive from earlier tests (memory quarantined on purpose
+    keeps its capsule forever) are not this test's: count from here."""
+    _BASE[0] = _dlpack.live_exports()
+
+
+def new_exports() -> int:
+    """Capsules made since this test started whose deleter has not run."""
+    return _dlpack.live_exports() - _BASE[0]
+
+
 async def settle() -> None:
     """Let released exports reach the loop and the handoff task retire them."""
     await trio.testing.wait_all_tasks_blocked()
@@ -58,7 +73,7 @@ async def test_dlpack_round_trip_between_scopes_with_leases(sim):
         x = await a.to_device(np.arange(6, dtype=F4))
         y = trio_cuda.borrow(x, "write", scope=b)
         assert (y.borrowed, y.readonly, y.ptr, y.shape) == (True, False, x.ptr, (6,))
-        assert _dlpack.live_exports() == 1
+        assert new_exports() == 1
         await b.run(ops.fill(y[3:], 7.0))
         np.testing.assert_array_equal(await b.to_host(y), [0, 1, 2, 7, 7, 7])
         # while the consumer holds the export, the producer cannot order after it
@@ -72,7 +87,7 @@ async def test_dlpack_round_trip_between_scopes_with_leases(sim):
         # the release reaches the loop, and the next access orders after the consumer
         np.testing.assert_array_equal(await a.to_host(x), [0, 1, 2, 7, 7, 7])
         await settle()
-        assert _dlpack.live_exports() == 0
+        assert new_exports() == 0
         assert a.statistics().leases_held == 0
         await a.run(ops.fill(x, 1.0))
     assert sim.live_allocations == []
@@ -101,7 +116,7 @@ async def test_read_only_export_shares_reads_and_refuses_writes(sim):
         await settle()
         await a.run(ops.fill(x, 5))
         np.testing.assert_array_equal(await a.to_host(x), [5, 5, 5, 5])
-    assert _dlpack.live_exports() == 0
+    assert new_exports() == 0
 
 
 async def test_export_makes_the_consumer_stream_wait_for_in_flight_writes(sim):
@@ -128,7 +143,7 @@ async def test_an_unconsumed_capsule_releases_its_lease(sim):
         del capsule
         await settle()
         assert gpu.statistics().leases_held == 0
-        assert _dlpack.live_exports() == 0
+        assert new_exports() == 0
         await gpu.run(ops.fill(x, 2.0))
 
 
@@ -148,7 +163,7 @@ async def test_scope_exit_quarantines_exports_still_held(sim):
         y.close()
     assert sim.violations == []
     gc.collect()
-    assert _dlpack.live_exports() == 0
+    assert new_exports() == 0
 
 
 async def test_a_capsule_released_after_its_scope_exited_is_harmless(sim):
@@ -158,7 +173,7 @@ async def test_a_capsule_released_after_its_scope_exited_is_harmless(sim):
             capsule = x.__dlpack__(stream=None, max_version=(1, 0))
     del capsule
     gc.collect()
-    assert _dlpack.live_exports() == 0
+    assert new_exports() == 0
     assert sim.violations == []
 
 
@@ -182,7 +197,7 @@ async def test_dlpack_export_bad_input(sim):
         with pytest.raises(ValueError, match=r"^stream: expected the address of a live stream"):
             x.__dlpack__(stream=12345)
         await settle()
-        assert _dlpack.live_exports() == 0
+        assert new_exports() == 0
         assert gpu.statistics().leases_held == 0
 
 
@@ -213,7 +228,7 @@ async def test_borrow_bad_input(sim):
             await settle()
             assert elsewhere.statistics().leases_held == 0
         assert gpu.statistics().live_allocations == 0
-    assert _dlpack.live_exports() == 0
+    assert new_exports() == 0
 
 
 async def test_borrowed_memory_is_never_freed_by_the_borrower(sim):
