@@ -1771,10 +1771,12 @@ class Runner:
                     f"still loaded after the scope(s) exited, with nothing quarantined"
                 )
             self.modules[i] = loaded
+        # abandoned work runs on (on memory that was never freed); work on one
+        # device may wait for the other's
         for sim in self.sims:
-            if sim.held:
-                sim.release()
-            sim.run_until_idle()
+            sim.release()
+        while sum(sim.run_until_idle() for sim in self.sims):
+            pass
         for i, sim in enumerate(self.sims):
             if sim.violations:
                 self.note(f"segment {self.seg_index}: memcheck on device {i}: {sim.violations[:5]}")

@@ -767,3 +767,28 @@ def test_graph_close_from_a_worker_thread_is_handed_to_the_loop(monkeypatch: pyt
     run_bounded(main, limit=5)
     assert destroyed_on == loop_thread * 2
     assert sim.violations == []
+
+
+def test_drain_timeout_zero_finishes_a_released_export() -> None:
+    """An export its consumer released just before the exit is finished, not
+    quarantined, when ``drain_timeout=0`` leaves no time to wait."""
+    import gc
+
+    sim = SimDevice()
+    stats: list[trio_cuda.ScopeStatistics] = []
+
+    async def main() -> None:
+        async with trio_cuda.open_scope(device=sim, drain_timeout=0) as gpu:
+            x = gpu.zeros(4, np.float32)
+            await trio.testing.wait_all_tasks_blocked()
+            capsule = x.__dlpack__(max_version=(1, 0))
+            del capsule
+            gc.collect()
+        stats.append(gpu.statistics())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no quarantine warning
+        run_bounded(main, limit=5)
+    assert stats[0].quarantined_leases == 0
+    assert sim.live_allocations == []
+    assert sim.violations == []

@@ -104,7 +104,13 @@ class ExportRegistry:
         await finish_releases(self.scope)
 
     def abandon(self, timeout: float | None) -> None:
-        """Released exports whose fence did not finish within the timeout."""
+        """Released exports whose fence did not finish within the timeout. One
+        last look first (``drain_timeout=0`` waits for nothing): a release
+        whose fence needs no blocking call is finished now, so that its lease
+        retires like the scope's other work instead of being leaked."""
+        for e in list(self.exports):
+            if e.state is ExportState.RELEASING and not e._blocking_fence():
+                e.finish()
         abandon_exports(self.scope, why=f"not finished when drain_timeout={timeout} s passed")
 
     def close(self) -> None:
