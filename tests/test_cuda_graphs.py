@@ -324,3 +324,84 @@ async def test_scope_exit_destroys_open_graphs() -> None:
     assert graph.closed
     assert graph.statistics().destroyed
     assert not ctx._graph_execs  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- upload, and update off the loop
+
+
+async def test_replays_are_correct_after_upload_and_after_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from trio_cuda._backends.cuda.context import CudaContext
+
+    calls: list[tuple[str, threading.Thread]] = []
+    for name in ("graph_upload", "graph_update"):
+        real = getattr(CudaContext, name)
+
+        def recording(self: Any, *args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls.append((_name, threading.current_thread()))
+            return _real(self, *args)
+
+        monkeypatch.setattr(CudaContext, name, recording)
+    loop_thread = threading.current_thread()
+    async with trio_cuda.open_scope(device="cuda", streams=2) as gpu:
+        await gpu.load(SAXPY, ADD)
+        x = await gpu.to_device(host())
+        y = gpu.zeros(N, F4)
+        y2 = gpu.zeros(N, F4)
+
+        def step(a: float, out: trio_cuda.DeviceArray) -> Any:
+            return ops.fill(out, 1.0).then(lambda out: saxpy(a, x, out)).then(lambda out: add(out, 0.5))
+
+        graph = await gpu.capture(step(2.0, y))
+        # uploaded once, in the worker thread that instantiated it, before any replay
+        assert [c[0] for c in calls] == ["graph_upload"]
+        assert calls[0][1] is not loop_thread
+        np.testing.assert_array_equal(await gpu.to_host(y), host(0.0))  # the upload ran nothing
+        for s in gpu.streams:  # the first replay may go to any stream
+            assert await gpu.run(graph.launch(), stream=s) is y
+            np.testing.assert_allclose(await gpu.to_host(y), 2.0 * host() + 1.5, rtol=1e-6)
+        await graph.update(step(-1.0, y2))  # new scalar and output array
+        assert [c[0] for c in calls] == ["graph_upload", "graph_update"]
+        assert calls[1][1] is not loop_thread  # cuGraphExecUpdate ran off the loop
+        assert graph.statistics().updates == 1
+        assert await gpu.run(graph.launch()) is y2
+        np.testing.assert_allclose(await gpu.to_host(y2), 1.5 - host(), rtol=1e-6)
+        np.testing.assert_allclose(await gpu.to_host(y), 2.0 * host() + 1.5, rtol=1e-6)
+        graph.close()
+        assert graph_execs(gpu) == 0
+
+
+async def test_replays_from_another_task_while_updates_run_off_the_loop() -> None:
+    async with trio_cuda.open_scope(device="cuda", streams=2) as gpu:
+        await gpu.load(ADD)
+        x = gpu.zeros(N, F4)
+
+        def op(value: float) -> Any:
+            chain: Any = ops.fill(x, value)
+            for _ in range(50):
+                chain = chain.then(lambda x: add(x, 1.0))
+            return chain
+
+        graph = await gpu.capture(op(0.0))
+        replays = 0
+
+        async def replayer() -> None:
+            nonlocal replays
+            for _ in range(100):
+                assert await gpu.run(graph.launch()) is x
+                replays += 1
+
+        with trio.fail_after(60 * SLOW):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(replayer)
+                for value in range(1, 21):
+                    await graph.update(op(float(value)))
+        assert replays == 100
+        assert graph.statistics().updates == 20
+        await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(x), host(70.0))  # 20 + 50 x 1
+        await settle(gpu)
+        assert graph.statistics().retained_allocations == 1
+        graph.close()
+        assert graph_execs(gpu) == 0

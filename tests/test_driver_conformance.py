@@ -408,6 +408,10 @@ async def test_graph_capture_instantiate_launch_and_destroy(drv: Driver) -> None
     graph_exec = ctx.instantiate(template)
     with pytest.raises(ValueError, match=r"^graph: .* was already instantiated or used for an update$"):
         ctx.instantiate(template)
+    with pytest.raises(TypeError, match=r"^graph_exec: expected a \w+ of this context from instantiate"):
+        drv.other.graph_upload(graph_exec)
+    ctx.graph_upload(graph_exec)  # returns once uploaded; runs nothing
+    np.testing.assert_array_equal(await download(ctx, s, p), np.zeros(N, dtype=np.uint8))
     ctx.fill(s, p, b"\0", N)
     ctx.graph_launch(s, graph_exec)
     np.testing.assert_array_equal(await download(ctx, s, p), np.full(N, 7, dtype=np.uint8))
@@ -418,12 +422,55 @@ async def test_graph_capture_instantiate_launch_and_destroy(drv: Driver) -> None
     with pytest.raises(CudaError, match=r"was destroyed") as info:
         ctx.graph_launch(s, graph_exec)
     assert info.value.name == "CUDA_ERROR_INVALID_HANDLE"
+    with pytest.raises(CudaError, match=r"was destroyed") as info:
+        ctx.graph_upload(graph_exec)
+    assert info.value.name == "CUDA_ERROR_INVALID_HANDLE"
 
     # an aborted capture runs nothing and leaves the stream usable
     ctx.begin_capture(s)
     ctx.fill(s, p, b"\x09", N)
     ctx.abort_capture(s)
     np.testing.assert_array_equal(await download(ctx, s, p), np.full(N, 7, dtype=np.uint8))
+    ctx.free(p, N)
+
+
+async def test_graph_upload_and_update_run_where_the_capabilities_say(drv: Driver) -> None:
+    """``instantiate``, ``graph_upload`` and ``graph_update`` run in a worker
+    thread where ``instantiate_in_thread`` says so (the core's way), on the
+    loop otherwise; an update changes later launches only."""
+    ctx = drv.ctx
+    s = ctx.create_stream(0)
+    p = ctx.alloc(N, s)
+    await done(ctx, ctx.record_marker(s))
+
+    async def call(fn: Callable[..., Any], *args: Any) -> Any:
+        if ctx.capabilities.instantiate_in_thread:
+            return await trio.to_thread.run_sync(fn, *args)
+        return fn(*args)
+
+    def capture_fill(value: int) -> Any:
+        ctx.begin_capture(s)
+        ctx.fill(s, p, bytes([value]), N)
+        return ctx.end_capture(s)
+
+    graph_exec = await call(ctx.instantiate, capture_fill(3))
+    await call(ctx.graph_upload, graph_exec)
+    ctx.graph_launch(s, graph_exec)
+    np.testing.assert_array_equal(await download(ctx, s, p), np.full(N, 3, dtype=np.uint8))
+    await call(ctx.graph_update, graph_exec, capture_fill(5))
+    ctx.graph_launch(s, graph_exec)
+    np.testing.assert_array_equal(await download(ctx, s, p), np.full(N, 5, dtype=np.uint8))
+
+    deliberate_failure(drv)
+    ctx.begin_capture(s)
+    ctx.fill(s, p, b"\x01", N)
+    ctx.fill(s, p, b"\x02", N)
+    other_topology = ctx.end_capture(s)
+    with pytest.raises(GraphCaptureError):
+        await call(ctx.graph_update, graph_exec, other_topology)
+    ctx.graph_launch(s, graph_exec)  # unchanged
+    np.testing.assert_array_equal(await download(ctx, s, p), np.full(N, 5, dtype=np.uint8))
+    ctx.destroy_graph(graph_exec)
     ctx.free(p, N)
 
 

@@ -22,6 +22,7 @@ from trio.testing import assert_checkpoints
 
 import trio_cuda
 from trio_cuda import GraphCaptureError, ops, unsafe
+from trio_cuda._core._graph import OpenGraphs
 from trio_cuda.testing import SimDevice
 
 F4 = np.float32
@@ -652,3 +653,351 @@ async def test_instantiation_runs_in_a_worker_thread_where_the_driver_asks(sim, 
         graph.close()
     assert len(threads) == 1
     assert threads[0] is not threading.main_thread()
+
+
+# --------------------------------------------------------------------------- upload, and update off the loop
+
+#: host seconds a simulated instantiation or update takes when the test needs
+#: them to run (observably) in a worker thread, as on a GPU
+SLOW_STEP = 0.2
+
+
+async def _pending_in_driver(graph: trio_cuda.CudaGraph) -> None:
+    """Wait until ``graph``'s pending update is inside the driver call."""
+    await until(lambda: graph._pending is not None and graph._pending.lock.locked())
+
+
+@pytest.mark.parametrize("graph_host_time", [0.0, 0.001])
+async def test_each_graph_is_uploaded_once_before_its_first_replay(graph_host_time, monkeypatch):
+    import threading
+
+    from trio_cuda._backends.sim import SimContext
+
+    sim = SimDevice(graph_host_time=graph_host_time)
+    calls: list[tuple[str, threading.Thread]] = []
+    for name in ("instantiate", "graph_upload", "graph_update"):
+        real = getattr(SimContext, name)
+
+        def recording(self, *args, _real=real, _name=name):
+            calls.append((_name, threading.current_thread()))
+            return _real(self, *args)
+
+        monkeypatch.setattr(SimContext, name, recording)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        assert gpu._driver.capabilities.instantiate_in_thread is (graph_host_time > 0)
+        x = gpu.zeros(N, F4)
+        assert sim.graph_uploads == 0
+        graph = await gpu.capture(add(x, 1.0))
+        # uploaded once, right after instantiation, before any replay was submitted
+        assert sim.graph_uploads == 1
+        assert graph._exec.uploads == 1
+        assert sim.graph_launches == 0
+        assert [c[0] for c in calls] == ["instantiate", "graph_upload"]
+        assert calls[0][1] is calls[1][1]  # in the same call (one worker thread where it runs off the loop)
+        for _ in range(3):
+            await gpu.run(graph.launch())
+        await graph.update(add(x, 2.0))
+        await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(x), host(5.0))
+        assert sim.graph_uploads == 1  # replays and updates upload nothing
+        assert graph._exec.uploads == 1
+        assert [c[0] for c in calls] == ["instantiate", "graph_upload", "graph_update"]
+        off_loop = {c[1] is not threading.current_thread() for c in calls}
+        assert off_loop == {graph_host_time > 0}
+        async with await gpu.capture(add(x, 1.0)):
+            assert sim.graph_uploads == 2
+        graph.close()
+    assert sim.live_graphs == 0
+    assert sim.violations == []
+
+
+@pytest.mark.parametrize("graph_host_time", [0.0, 0.001])
+async def test_a_failed_upload_raises_the_driver_error_and_leaks_nothing(graph_host_time, monkeypatch):
+    from trio_cuda._backends.sim import SimContext
+
+    sim = SimDevice(graph_host_time=graph_host_time)
+    real_upload = SimContext.graph_upload
+
+    def failing(self, graph_exec):
+        raise trio_cuda.CudaError(999, "CUDA_ERROR_UNKNOWN", "injected", call="cuGraphUpload")
+
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = await gpu.to_device(host())
+        y = gpu.zeros(N, F4)
+        await settle(gpu)
+        monkeypatch.setattr(SimContext, "graph_upload", failing)
+        with pytest.raises(trio_cuda.CudaError, match="cuGraphUpload") as info:
+            await gpu.capture(saxpy(2.0, x, y))
+        assert type(info.value) is trio_cuda.CudaError
+        assert info.value.name == "CUDA_ERROR_UNKNOWN"
+        assert sim.live_graphs == 0  # the executable graph was destroyed
+        assert sim.graph_uploads == 0
+        # nothing retained: the arrays go as soon as their handles are closed
+        x_ptr = x.ptr
+        x.close()
+        await until(lambda: x_ptr not in live(sim))
+        st = gpu.statistics()
+        assert (st.in_flight, st.leases_held) == (0, 0)
+        monkeypatch.setattr(SimContext, "graph_upload", real_upload)
+        graph = await gpu.capture(add(y, 1.0))
+        await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(y), host(1.0))
+        graph.close()
+    assert sim.live_graphs == 0
+    assert sim.live_allocations == []
+    assert sim.violations == []
+
+
+async def test_update_does_not_block_the_loop():
+    sim = SimDevice(graph_host_time=SLOW_STEP)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await trio.sleep(0.005)
+            ticks += 1
+
+    async with trio_cuda.open_scope(device=sim) as gpu, trio.open_nursery() as nursery:
+        x = gpu.zeros(N, F4)
+        y = gpu.zeros(N, F4)
+        nursery.start_soon(ticker)
+        t0, before = time.perf_counter(), ticks
+        graph = await gpu.capture(add(x, 1.0))  # instantiated off the loop as well
+        assert time.perf_counter() - t0 >= SLOW_STEP
+        assert ticks - before >= 5, "the loop kept running while the graph was instantiated"
+        t0, before = time.perf_counter(), ticks
+        await graph.update(add(y, 2.0))
+        assert time.perf_counter() - t0 >= SLOW_STEP
+        assert ticks - before >= 5, "the loop kept running while the driver updated the graph"
+        assert graph.output is y
+        assert graph._pending is None
+        await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(y), host(2.0))
+        np.testing.assert_array_equal(await gpu.to_host(x), host(0.0))
+        nursery.cancel_scope.cancel()
+        graph.close()
+    assert sim.live_graphs == 0
+    assert sim.live_allocations == []
+    assert sim.violations == []
+
+
+async def test_cancelling_an_update_never_leaves_it_half_done():
+    sim = SimDevice(graph_host_time=SLOW_STEP)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        a = await gpu.to_device(host())
+        b = await gpu.to_device(host(100.0))
+        y = gpu.zeros(N, F4)
+        graph = await gpu.capture(copy(a, y))
+
+        # cancelled before anything was recorded: the graph is unchanged
+        with trio.CancelScope() as cs:
+            cs.cancel()
+            await graph.update(copy(b, y))
+        assert cs.cancelled_caught
+        assert graph.statistics().updates == 0
+        assert graph._pending is None
+
+        # cancelled while the driver works: the update is carried through and applied
+        t0 = time.perf_counter()
+        with trio.move_on_after(0.02) as cs:
+            await graph.update(copy(b, y))
+        assert cs.cancel_called
+        assert time.perf_counter() - t0 >= SLOW_STEP
+        assert graph.statistics().updates == 1
+        assert graph._pending is None
+        assert not gpu._find_extension(OpenGraphs).updating
+        a_ptr = a.ptr
+        a.close()  # only the old generation still held a
+        await until(lambda: a_ptr not in live(sim))
+        assert await gpu.run(graph.launch()) is y
+        np.testing.assert_array_equal(await gpu.to_host(y), host(100.0))
+
+        # cancelled while waiting for another update in progress: nothing recorded
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(graph.update, copy(y, b))
+            await _pending_in_driver(graph)
+            first = graph._pending
+            with trio.move_on_after(0.02) as cs:
+                await graph.update(copy(b, y))
+            assert cs.cancelled_caught
+            assert graph._pending is first  # the cancelled one recorded nothing
+        assert graph.statistics().updates == 2
+        assert graph.statistics().retained_allocations == 2  # y and b: one generation
+        graph.close()
+    assert sim.live_graphs == 0
+    assert sim.live_allocations == []
+    assert sim.violations == []
+
+
+async def test_a_replay_during_an_update_runs_before_or_after_the_driver_step():
+    sim = SimDevice(graph_host_time=SLOW_STEP)
+    async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
+        x = gpu.zeros(N, F4)
+        graph = await gpu.capture(ops.fill(x, 1.0))
+
+        # The driver step has not started (no worker thread free): the replay
+        # goes first and runs the current generation.
+        limiter = trio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = 1
+        async with trio.open_nursery() as nursery, limiter:
+            nursery.start_soon(graph.update, ops.fill(x, 2.0))
+            await trio.testing.wait_all_tasks_blocked()
+            assert graph._pending is not None
+            assert not graph._pending.ran
+            await gpu.run(graph.launch())
+            np.testing.assert_array_equal(await gpu.to_host(x), host(1.0))
+            assert graph.statistics().updates == 0
+            # the limiter's token is given back: the update proceeds
+        assert graph.statistics().updates == 1
+        await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(x), host(2.0))
+
+        # The driver step is running: the replay waits for it, then runs the new work
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(graph.update, ops.fill(x, 3.0))
+            await _pending_in_driver(graph)
+            t0 = time.perf_counter()
+            fut = gpu.submit(graph.launch(), stream=gpu.streams[1])
+            assert time.perf_counter() - t0 > 0.01  # it waited for the driver (a replay must not overlap it)
+            assert graph._pending is None  # the replay applied the update
+            assert graph.statistics().updates == 2
+            await fut.wait()
+            np.testing.assert_array_equal(await gpu.to_host(x), host(3.0))
+        graph.close()
+    assert sim.live_graphs == 0
+    assert sim.live_allocations == []
+    assert sim.violations == []
+
+
+@pytest.mark.parametrize("graph_host_time", [0.0, 0.01])
+async def test_update_while_a_replay_is_in_flight_on_or_off_the_loop(graph_host_time):
+    sim = SimDevice(graph_host_time=graph_host_time)
+    async with trio_cuda.open_scope(device=sim) as gpu, releasing(sim):
+        a = await gpu.to_device(host())
+        b = await gpu.to_device(host(100.0))
+        y = gpu.zeros(N, F4)
+        graph = await gpu.capture(copy(a, y))
+        await settle(gpu)
+        sim.hold()
+        first = gpu.submit(graph.launch())
+        await graph.update(copy(b, y))  # the replay in flight still copies a
+        a_ptr = a.ptr
+        a.close()
+        st = graph.statistics()
+        assert (st.in_flight, st.retained_allocations, st.updates) == (1, 3, 1)
+        assert a_ptr in live(sim)
+        second = gpu.submit(graph.launch())
+        assert sim.complete_next()
+        await first.wait()
+        np.testing.assert_array_equal(np.frombuffer(sim.peek(y.ptr, y.nbytes), F4), host())
+        sim.release()
+        await second.wait()
+        await settle(gpu)
+        assert a_ptr not in live(sim)
+        assert graph.statistics().retained_allocations == 2
+        np.testing.assert_array_equal(await gpu.to_host(y), host(100.0))
+        graph.close()
+    assert sim.live_allocations == []
+    assert sim.violations == []
+
+
+async def test_updates_of_one_graph_run_one_at_a_time():
+    sim = SimDevice(graph_host_time=SLOW_STEP)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(N, F4)
+        graph = await gpu.capture(ops.fill(x, 1.0))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(graph.update, ops.fill(x, 2.0))
+            await _pending_in_driver(graph)
+            first = graph._pending
+            nursery.start_soon(graph.update, ops.fill(x, 3.0))  # waits for the first
+            await trio.testing.wait_all_tasks_blocked()
+            assert graph._pending is first
+        assert graph.statistics().updates == 2
+        await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(x), host(3.0))
+        graph.close()
+    assert sim.live_graphs == 0
+    assert sim.violations == []
+
+
+async def test_a_refused_update_off_the_loop_keeps_the_graph():
+    sim = SimDevice(graph_host_time=0.01)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(N, F4)
+        z = gpu.zeros(N, F4)
+        graph = await gpu.capture(add(x, 1.0))
+        with pytest.raises(GraphCaptureError, match="topology"):
+            await graph.update(add(z, 1.0).then(lambda z: add(z, 1.0)))
+        assert graph._pending is None
+        st = graph.statistics()
+        assert (st.updates, st.retained_allocations) == (0, 1)  # z was not kept
+        await gpu.run(graph.launch())
+        np.testing.assert_array_equal(await gpu.to_host(x), host(1.0))
+        graph.close()
+    assert sim.live_graphs == 0
+    assert sim.live_allocations == []
+    assert sim.violations == []
+
+
+async def test_closing_a_graph_while_it_updates_defers_the_destroy():
+    sim = SimDevice(graph_host_time=SLOW_STEP)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        a = gpu.zeros(N, F4)
+        b = gpu.zeros(N, F4)
+        graph = await gpu.capture(add(a, 1.0))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(graph.update, add(b, 1.0))
+            await _pending_in_driver(graph)
+            graph.close()
+            assert graph.closed
+            with pytest.raises(trio_cuda.ScopeClosedError, match="graph is closed"):
+                graph.launch()
+            # the worker thread still uses the executable graph
+            assert not graph.statistics().destroyed
+            assert sim.live_graphs == 1
+        assert graph.statistics().destroyed
+        assert sim.live_graphs == 0
+        assert graph.statistics().retained_allocations == 0  # both generations released
+        ptrs = {a.ptr, b.ptr}
+        a.close()
+        b.close()
+        await until(lambda: not (ptrs & live(sim)))
+    assert sim.violations == []
+
+
+async def test_scope_exit_waits_for_an_update_in_progress():
+    sim = SimDevice(graph_host_time=SLOW_STEP)
+    async with trio.open_nursery() as outer:
+        async with trio_cuda.open_scope(device=sim) as gpu:
+            x = gpu.zeros(N, F4)
+            graph = await gpu.capture(add(x, 1.0))
+            outer.start_soon(graph.update, add(x, 2.0))  # a task outside the scope
+            await _pending_in_driver(graph)
+        assert graph._pending is None
+        assert graph.statistics().updates == 1
+        assert graph.closed
+        assert graph.statistics().destroyed
+        assert sim.live_graphs == 0
+        assert sim.live_allocations == []
+    assert sim.violations == []
+
+
+async def test_drain_timeout_leaks_a_graph_whose_update_still_runs():
+    sim = SimDevice(graph_host_time=SLOW_STEP)
+    async with trio.open_nursery() as outer:
+        with pytest.warns(ResourceWarning, match="graph update"):
+            async with trio_cuda.open_scope(device=sim, drain_timeout=0.01) as gpu:
+                x = gpu.zeros(N, F4)
+                graph = await gpu.capture(add(x, 1.0))
+                outer.start_soon(graph.update, add(x, 2.0))
+                await _pending_in_driver(graph)
+        assert graph.closed
+        assert not graph.statistics().destroyed  # leaked with the scope's driver state
+        assert sim.live_graphs == 1
+    # the update returned (the outer nursery waited for it) and touched nothing
+    assert graph._pending is None
+    assert not graph.statistics().destroyed
+    assert sim.live_graphs == 1
+    assert sim.violations == []

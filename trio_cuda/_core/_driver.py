@@ -105,7 +105,9 @@ class Capabilities:
     await_spin: float = 0.0
     #: ``load_kernel`` may run in a worker thread (NVRTC and module loading)
     load_in_thread: bool = False
-    #: ``instantiate`` may run in a worker thread (large graphs take milliseconds)
+    #: ``instantiate``, ``graph_upload`` and ``graph_update`` may run in a
+    #: worker thread (large graphs take milliseconds); the core never calls
+    #: another method on the same executable graph meanwhile
     instantiate_in_thread: bool = False
     #: ``foreign_fence(None)`` synchronises the whole device and blocks its caller
     foreign_fence_blocks: bool = False
@@ -271,6 +273,15 @@ class DeviceContext(InteropContext, Protocol):
         the template (also when it raises)."""
         ...
 
+    def graph_upload(self, graph_exec: object) -> None:
+        """Upload a new executable graph to the device, so that its first
+        launch does not pay for it. The core calls it once, right after
+        :meth:`instantiate` and in the same thread, before any launch of it.
+        Returns once the upload has completed, having waited for no other
+        work. Raises ``CudaError``; ``graph_exec`` is still valid then (the
+        core destroys it)."""
+        ...
+
     def graph_launch(self, stream: StreamHandle, graph_exec: object) -> None:
         """Enqueue one replay of an executable graph on ``stream``."""
         ...
@@ -279,7 +290,8 @@ class DeviceContext(InteropContext, Protocol):
         """Give ``graph_exec`` the parameters of the template ``graph`` (same
         topology). Launches already enqueued are not affected. Raises
         ``GraphCaptureError`` when the topology differs (``graph_exec`` is
-        unchanged then). Consumes the template."""
+        unchanged then). Consumes the template. May run in a worker thread
+        (``instantiate_in_thread``)."""
         ...
 
     def destroy_graph(self, graph_exec: object) -> None:

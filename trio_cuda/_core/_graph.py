@@ -36,11 +36,31 @@ Invariants:
   refused with :class:`~trio_cuda.GraphCaptureError`.
 * Graphs still open when their scope exits are closed by the scope after its
   drain, before it frees memory and unloads modules.
+* A new executable graph is uploaded (``graph_upload``) right after it is
+  instantiated, by the same call, in a worker thread where the driver asks
+  (``instantiate_in_thread``), so the first replay does not pay for it. An
+  upload that fails destroys the executable graph and releases the
+  generation before its error is raised: nothing is left behind.
+* ``update()`` records on the loop (between two checkpoints, like a capture)
+  and, where the driver asks, runs ``graph_update`` in a worker thread. The
+  thread is shielded: once recorded, an update is carried through and applied
+  (or, if the driver refused it, its generation released) before ``update()``
+  returns, whatever happens to the caller. While it runs the graph has a
+  *pending update*, and no other driver call touches the executable graph
+  (CUDA graph objects are not thread-safe): another ``update()`` waits for it;
+  ``close()`` defers destroying the executable graph until it ended; a replay
+  enqueued meanwhile takes the pending update's lock, so it either goes first
+  and runs the current generation (the driver step had not started; launches
+  already enqueued are not affected by an update) or comes after the driver
+  step and runs the new one (waiting for it, on the loop, only if the step is
+  running at that moment). The scope's drain waits for pending updates; after
+  ``drain_timeout`` they are leaked with the scope's driver state.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, cast, final
 
@@ -71,17 +91,38 @@ class OpenGraphs:
     """The graphs of one scope not closed yet (its extension object); the
     scope closes them after its drain, before it frees memory."""
 
-    __slots__ = ("graphs", "scope")
+    __slots__ = ("graphs", "scope", "updating")
 
     def __init__(self, scope: ResourceScope) -> None:
         self.scope = scope
         self.graphs: dict[CudaGraph, None] = {}
+        #: updates whose driver step runs (or may still run) in a worker thread
+        self.updating: dict[_PendingUpdate, None] = {}
 
     async def drain(self) -> None:
-        await trio.lowlevel.checkpoint()
+        """Wait for the updates in progress: their worker threads use the
+        executable graphs (and the driver context) until they return."""
+        if not self.updating:
+            await trio.lowlevel.checkpoint()
+            return
+        for pending in list(self.updating):
+            await pending.finished.wait()
 
     def abandon(self, timeout: float | None) -> None:
-        pass  # a replay still in flight keeps its graph (and is quarantined with it)
+        # A replay still in flight keeps its graph (and is quarantined with it).
+        # An update still running in a worker thread uses its executable graph
+        # and the driver context: leak them with the scope's driver state.
+        if not self.updating:
+            return
+        self.scope._timed_out += 1  # leak modules, streams and the context (see _release_everything)
+        warnings.warn(
+            ResourceWarning(
+                f"trio_cuda scope {self.scope!r} exited while {len(self.updating)} graph update(s) still "
+                f"ran in a worker thread after drain_timeout={timeout} s; their executable graphs and the "
+                f"scope's driver state are leaked (never destroyed)"
+            ),
+            stacklevel=3,
+        )
 
     def close(self) -> None:
         """Close every graph still open. Errors are kept for the exit's group."""
@@ -361,6 +402,39 @@ class _Replay:
 
 
 @final
+class _PendingUpdate:
+    """An update whose driver step (``graph_update``) runs in a worker thread.
+
+    ``lock`` is held by the worker for the driver call, and on the loop by a
+    replay enqueued meanwhile for its launch call, so that the two never
+    overlap on the executable graph. ``ran`` and ``skipped`` change under it.
+    """
+
+    __slots__ = ("applied", "error", "finished", "gen", "lock", "ran", "skipped")
+
+    def __init__(self, gen: _Generation) -> None:
+        self.gen = gen
+        self.lock = threading.Lock()
+        self.ran = False  #: the driver step returned (``error`` says how)
+        self.skipped = False  #: the step never started, and never will
+        self.error: BaseException | None = None
+        self.applied = False  #: settled on the loop (``CudaGraph._apply``)
+        self.finished = trio.Event()  #: the updating task is done with it
+
+    def step(self, driver: DeviceContext, graph_exec: object, template: object) -> None:
+        """The worker thread's part. Errors are kept for the loop."""
+        with self.lock:
+            if self.skipped:
+                return
+            try:
+                driver.graph_update(graph_exec, template)
+            except BaseException as exc:
+                self.error = exc
+            finally:
+                self.ran = True
+
+
+@final
 class _GraphLaunch(DeviceOp[Any]):
     __slots__ = ("_graph",)
 
@@ -381,6 +455,22 @@ class _GraphLaunch(DeviceOp[Any]):
                 f"graph.launch(): expected a submission on the scope that captured the graph, "
                 f"got one on {ctx.scope!r}"
             )
+        pending = g._pending
+        if pending is None:
+            return self._replay(ctx, g)
+        # An update's driver step may run in a worker thread: the launch call
+        # must not overlap it. Holding the lock, either the step returned (the
+        # executable graph has the new parameters: apply the update now and
+        # replay the new generation), or it has not started and waits for this
+        # replay, which runs the current generation (an update does not affect
+        # launches already enqueued). The lock is only contended, and the loop
+        # only waits, while the driver step runs.
+        with pending.lock:
+            if pending.ran:
+                g._apply(pending)
+            return self._replay(ctx, g)
+
+    def _replay(self, ctx: EnqueueContext, g: CudaGraph) -> object:
         gen = g._gen
         ctx.use(gen.accesses, what=f"graph.launch() of {g._label}")
         for other in gen.after:
@@ -425,6 +515,7 @@ class CudaGraph(metaclass=NoPublicConstructor):
         "_label",
         "_launch",
         "_old",
+        "_pending",
         "_replays",
         "_scope",
         "_thread",
@@ -437,6 +528,7 @@ class CudaGraph(metaclass=NoPublicConstructor):
     _exec: object
     _gen: _Generation
     _old: list[_Generation]
+    _pending: _PendingUpdate | None
     _label: str
     _launch: _GraphLaunch
     _closed: bool
@@ -453,6 +545,7 @@ class CudaGraph(metaclass=NoPublicConstructor):
         self._exec = graph_exec
         self._gen = gen
         self._old = []
+        self._pending = None
         self._label = label
         self._launch = _GraphLaunch(self)
         self._closed = False
@@ -519,23 +612,77 @@ class CudaGraph(metaclass=NoPublicConstructor):
         differ: kernel arguments, the arrays used, the host data of
         host-to-device copies (e.g. new inputs copied into the captured
         buffers before the kernels run). On the GPU this is
-        ``cuGraphExecUpdate``. If the topology differs,
+        ``cuGraphExecUpdate``, run in a worker thread so that a large update
+        never blocks the event loop. If the topology differs,
         :class:`~trio_cuda.GraphCaptureError` is raised and the graph is
         unchanged. Replays already submitted run the old work; its resources
-        are released once they retired.
+        are released once they retired. A replay submitted while an update
+        is in progress runs the old work if the driver has not started
+        updating yet, and otherwise the new work, once the driver is done.
+
+        Updates of one graph run one at a time (a second one waits for the
+        first). A cancellation before the op is recorded leaves the graph
+        unchanged; one that arrives while the driver works does not interrupt
+        it: the update is applied, and ``update()`` returns normally.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
+        while self._pending is not None:  # one update at a time
+            await self._pending.finished.wait()
         if self._closed:
             raise ScopeClosedError(f"update: the graph is closed ({self!r})")
         scope = self._scope
+        driver = scope._driver
         gen, template = _record(scope, op, stream, "update")
+        error: BaseException | None = None
+        if driver.capabilities.instantiate_in_thread:
+            error = await self._update_in_thread(driver, gen, template)
+        else:
+            try:
+                driver.graph_update(self._exec, template)
+            except BaseException as exc:
+                error = exc
+                gen.release()
+            else:
+                self._install(gen)
+        if error is not None:
+            if _is_capture_error(error):
+                why = f"update: op {_label(op)}: cannot update {self!r}: {error}"
+                raise GraphCaptureError(why) from error
+            raise error
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def _update_in_thread(
+        self, driver: DeviceContext, gen: _Generation, template: object
+    ) -> BaseException | None:
+        """Run ``graph_update`` in a worker thread and apply its result;
+        return the driver's error, if any.
+
+        The wait is shielded (and the thread never abandoned): a cancellation
+        cannot stop the driver call, and giving up on it would leave the
+        executable graph with parameters that the graph's current generation
+        does not retain (or release a generation that replays use), so the
+        caller waits for the step, and its result is applied on the way out.
+        Should the thread never start (an error of ``to_thread`` itself), the
+        step is marked skipped under its lock and never runs; its template is
+        then left to the garbage collector."""
+        pending = _PendingUpdate(gen)
+        self._pending = pending
+        updating = self._scope._extension(OpenGraphs).updating
+        updating[pending] = None
         try:
-            scope._driver.graph_update(self._exec, template)
-        except BaseException as exc:
-            gen.release()
-            if _is_capture_error(exc):
-                raise GraphCaptureError(f"update: op {_label(op)}: cannot update {self!r}: {exc}") from exc
-            raise
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(pending.step, driver, self._exec, template)
+        finally:
+            with pending.lock:  # free at once, unless the thread is in the driver call
+                if not pending.ran:
+                    pending.skipped = True
+            self._apply(pending)  # unless a replay applied it already
+            updating.pop(pending, None)
+            pending.finished.set()
+        return pending.error
+
+    def _install(self, gen: _Generation) -> None:
+        """Make ``gen`` current (its update succeeded)."""
         old = self._gen
         self._gen = gen
         self._updates += 1
@@ -543,7 +690,23 @@ class CudaGraph(metaclass=NoPublicConstructor):
             self._old.append(old)
         else:
             old.release()
-        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def _apply(self, pending: _PendingUpdate) -> None:
+        """Settle an update whose driver step returned (or never ran), once,
+        on the loop: by the updating task, or by a replay that came first."""
+        if pending.applied:
+            return
+        pending.applied = True
+        if self._pending is pending:
+            self._pending = None
+        if self._scope._closed:
+            return  # exited past drain_timeout: the graph was leaked with the driver state
+        if pending.ran and pending.error is None:
+            self._install(pending.gen)
+        else:
+            pending.gen.release()
+        if self._closed:  # closed meanwhile: release what it deferred
+            self._release_closed()
 
     def _replay_done(self, gen: _Generation) -> None:
         """A replay of ``gen`` retired (its token was released)."""
@@ -580,6 +743,11 @@ class CudaGraph(metaclass=NoPublicConstructor):
         graphs = self._scope._find_extension(OpenGraphs)
         if graphs is not None:
             graphs.graphs.pop(self, None)
+        self._release_closed()
+
+    def _release_closed(self) -> None:
+        """The graph is closed: release the generations no replay uses, and
+        destroy the executable graph once no replay is in flight."""
         for gen in (self._gen, *self._old):
             if not gen.in_flight:
                 gen.release()
@@ -588,8 +756,8 @@ class CudaGraph(metaclass=NoPublicConstructor):
             self._destroy()
 
     def _destroy(self) -> None:
-        if self._destroyed:
-            return
+        if self._destroyed or self._pending is not None:
+            return  # an update's worker thread may use it: its end destroys it (``_apply``)
         self._destroyed = True
         graph_exec, self._exec = self._exec, None
         self._scope._driver.destroy_graph(graph_exec)
@@ -611,19 +779,39 @@ class CudaGraph(metaclass=NoPublicConstructor):
 # --------------------------------------------------------------------------- scope side
 
 
+def _instantiate(driver: DeviceContext, template: object) -> tuple[object, Exception | None]:
+    """``instantiate``, then ``graph_upload`` of the new executable graph, in
+    one call (so in one worker thread where the driver asks). An upload error
+    comes back with the executable graph, which the loop destroys."""
+    graph_exec = driver.instantiate(template)
+    try:
+        driver.graph_upload(graph_exec)
+    except Exception as exc:
+        return graph_exec, exc
+    return graph_exec, None
+
+
 async def capture_graph(scope: ResourceScope, op: DeviceOp[Any], stream: Stream | None) -> CudaGraph:
     """``scope.capture`` after its first checkpoint: record now, then
-    instantiate, in a worker thread where the driver asks for it (milliseconds
-    for large graphs on a GPU). The thread is shielded: its result is kept (or
-    destroyed) whatever happens to the caller."""
+    instantiate and upload, in a worker thread where the driver asks for it
+    (milliseconds for large graphs on a GPU). The thread is shielded: its
+    result is kept (or destroyed) whatever happens to the caller. A failed
+    upload destroys the executable graph and releases what the capture
+    retained, then raises the driver's error."""
     gen, template = _record(scope, op, stream, "capture")
     driver = scope._driver
     try:
         if driver.capabilities.instantiate_in_thread:
             with trio.CancelScope(shield=True):
-                graph_exec = await trio.to_thread.run_sync(driver.instantiate, template)
+                graph_exec, failed = await trio.to_thread.run_sync(_instantiate, driver, template)
         else:
-            graph_exec = driver.instantiate(template)
+            graph_exec, failed = _instantiate(driver, template)
+        if failed is not None:
+            try:
+                driver.destroy_graph(graph_exec)
+            except Exception as exc:  # pragma: no cover - best effort
+                failed.add_note(f"destroying the executable graph failed too: {exc!r}")
+            raise failed
     except BaseException:
         gen.release()
         raise

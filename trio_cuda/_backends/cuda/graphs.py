@@ -9,8 +9,11 @@ Invariants:
   ``_relaxed_capture`` lets one necessary call through (module loading, a
   pinned allocation).
 * A template (``CUgraph``) is consumed by ``instantiate`` or ``graph_update``,
-  also when they raise. ``instantiate`` pushes and pops this context, so it
-  may run in a worker thread.
+  also when they raise. ``instantiate``, ``graph_upload`` and ``graph_update``
+  push and pop this context, so they may run in a worker thread (the core
+  serialises every call on one executable graph).
+* ``graph_upload`` uploads on a private stream and waits for it in its own
+  (worker) thread: the executable graph reaches the loop already uploaded.
 * An executable graph is destroyed by ``destroy_graph`` (once no launch of it
   can still run) or at close, before the modules its kernel nodes use; a
   destroyed one raises ``CUDA_ERROR_INVALID_HANDLE`` (``_common``).
@@ -130,23 +133,64 @@ class GraphsMixin(StreamsMixin):
             raise _common.graph_consumed(graph)
         return graph
 
+    @contextlib.contextmanager
+    def _pushed(self, call: str) -> Iterator[None]:
+        """This context, current on the calling thread (any thread) meanwhile."""
+        check(cu.cuCtxPushCurrent(self._ctx), f"cuCtxPushCurrent ({call})")
+        try:
+            yield
+        finally:
+            cu.cuCtxPopCurrent()
+
     def instantiate(self, graph: object) -> CudaGraphExec:
         """``cuGraphInstantiate`` (milliseconds for large graphs: the core
         calls it in a worker thread, see ``instantiate_in_thread``). Pushes
         and pops this context, so it runs on any thread."""
         t = self._template(graph)
         g, t.graph = t.graph, None
-        check(cu.cuCtxPushCurrent(self._ctx), "cuCtxPushCurrent (cuGraphInstantiate)")
-        try:
-            err, graph_exec = cu.cuGraphInstantiate(g, 0)
-            if err:
-                raise cuda_error(err, "cuGraphInstantiate")
-        finally:
-            cu.cuGraphDestroy(g)
-            cu.cuCtxPopCurrent()
+        with self._pushed("cuGraphInstantiate"):
+            try:
+                err, graph_exec = cu.cuGraphInstantiate(g, 0)
+                if err:
+                    raise cuda_error(err, "cuGraphInstantiate")
+            finally:
+                cu.cuGraphDestroy(g)
         ge = CudaGraphExec(self, graph_exec)
         self._graph_execs[ge] = None  # one dict store: atomic under the GIL
         return ge
+
+    def graph_upload(self, graph_exec: object) -> None:
+        """``cuGraphUpload`` of a new executable graph, so that its first
+        ``cuGraphLaunch`` does not upload it; the core calls it right after
+        :meth:`instantiate`, in the same worker thread.
+
+        The upload is not ordered on one of the scope's streams: the first
+        replay may go to any of them (the policy picks it at submit time),
+        and a stream-ordered upload would have to be ordered before it with an
+        extra event, or could be captured into another graph by a capture
+        that the loop begins on that stream meanwhile. Instead it goes on a
+        private non-blocking stream, made for it, which this (worker) thread
+        synchronises: it holds nothing else (the graph was never launched, so
+        the upload waits for nothing), and the executable graph reaches the
+        loop only once the upload has completed, so every replay comes after
+        it. Errors are the driver's ``CudaError`` (``cuda_error``; no sticky
+        state is set from this thread: the loop finds a broken context
+        itself); the caller destroys ``graph_exec`` then."""
+        ge = self._graph_exec(graph_exec)
+        if self._sticky is not None:
+            raise self._sticky
+        with self._pushed("cuGraphUpload"):
+            flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+            stream = check(cu.cuStreamCreate(flags), "cuStreamCreate (cuGraphUpload)")
+            try:
+                (err,) = cu.cuGraphUpload(ge.handle, stream)
+                if err:
+                    raise cuda_error(err, "cuGraphUpload")
+                (err,) = cu.cuStreamSynchronize(stream)
+                if err:
+                    raise cuda_error(err, "cuStreamSynchronize (cuGraphUpload)")
+            finally:
+                cu.cuStreamDestroy(stream)
 
     def _graph_exec(self, graph_exec: object) -> CudaGraphExec:
         if type(graph_exec) is not CudaGraphExec or graph_exec.ctx is not self:
@@ -169,14 +213,18 @@ class GraphsMixin(StreamsMixin):
     def graph_update(self, graph_exec: object, graph: object) -> None:
         """``cuGraphExecUpdate``: the parameters of ``graph`` (kernel
         arguments, copy and fill operands) for later launches, when the
-        topology is the same; ``GraphCaptureError`` naming the reason if not."""
+        topology is the same; ``GraphCaptureError`` naming the reason if not.
+        Pushes and pops this context: the core calls it in a worker thread
+        (``instantiate_in_thread``), and no other call on ``graph_exec`` runs
+        meanwhile (CUDA graph objects are not thread-safe)."""
         ge = self._graph_exec(graph_exec)
         t = self._template(graph)
         g, t.graph = t.graph, None
-        try:
-            err, info = cu.cuGraphExecUpdate(ge.handle, g)
-        finally:
-            cu.cuGraphDestroy(g)
+        with self._pushed("cuGraphExecUpdate"):
+            try:
+                err, info = cu.cuGraphExecUpdate(ge.handle, g)
+            finally:
+                cu.cuGraphDestroy(g)
         if err:
             result = getattr(getattr(info, "result", None), "name", "") or "unknown reason"
             cause = cuda_error(err, "cuGraphExecUpdate")

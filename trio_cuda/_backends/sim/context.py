@@ -12,7 +12,10 @@ Invariants:
   gates and synchronising copies, ...).
 * ``load_kernel`` hands out a module with a unique fake address; a launch that
   executes after ``unload_kernel`` is a ``use_after_free`` at that address.
-  Destroyed executable graphs likewise.
+  Destroyed executable graphs likewise. ``graph_upload`` only counts
+  (``SimDevice.graph_uploads``); ``instantiate`` and ``graph_update`` take
+  ``SimDevice.graph_host_time`` of host time, in a worker thread when it is
+  set (the contexts then declare ``instantiate_in_thread``).
 * Closing a context leaves streams with queued commands in the engine: they
   still execute, and their memory is never touched here.
 * Foreign streams (interop) are streams of any context of the same device,
@@ -21,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, final
 
@@ -83,7 +87,11 @@ class SimContext:
     @property
     def capabilities(self) -> Capabilities:
         dev = self._device
-        return Capabilities(batch_markers=dev.batch_markers, await_spin=dev.await_spin)
+        return Capabilities(
+            batch_markers=dev.batch_markers,
+            await_spin=dev.await_spin,
+            instantiate_in_thread=dev.graph_host_time > 0,
+        )
 
     @property
     def closed(self) -> bool:
@@ -458,12 +466,29 @@ class SimContext:
             self._end(s)
 
     def instantiate(self, graph: object) -> SimGraphExec:
+        """An executable graph of the captured commands. Takes
+        ``graph_host_time`` (then the core calls it in a worker thread)."""
         g = self._graph(graph)
         g.consumed = True
         dev = self._device
-        dev._graphs_made += 1
-        dev._graphs_live += 1
-        return SimGraphExec(self, g.nodes, _GRAPH_BASE + dev._graphs_made * _ALIGN)
+        if dev.graph_host_time:
+            time.sleep(dev.graph_host_time)
+        with dev._graph_lock:
+            dev._graphs_made += 1
+            dev._graphs_live += 1
+            handle = _GRAPH_BASE + dev._graphs_made * _ALIGN
+        return SimGraphExec(self, g.nodes, handle)
+
+    def graph_upload(self, graph_exec: object) -> None:
+        """Nothing to upload on the simulator: the upload is counted
+        (``SimDevice.graph_uploads`` and the executable graph's ``uploads``),
+        so that tests see the core upload each graph once, before its first
+        replay."""
+        ge = self._exec(graph_exec)
+        dev = self._device
+        with dev._graph_lock:
+            ge.uploads += 1
+            dev._graph_uploads += 1
 
     def graph_launch(self, stream: StreamHandle, graph_exec: object) -> None:
         s = self._stream(stream)
@@ -479,10 +504,14 @@ class SimContext:
 
     def graph_update(self, graph_exec: object, graph: object) -> None:
         """Take the parameters of ``graph``: it must have the same topology (the
-        same command kinds in the same order, fills of the same element size)."""
+        same command kinds in the same order, fills of the same element size).
+        Takes ``graph_host_time`` (then the core calls it in a worker thread)."""
         ge = self._exec(graph_exec)
         g = self._graph(graph)
         g.consumed = True
+        dev = self._device
+        if dev.graph_host_time:
+            time.sleep(dev.graph_host_time)
         old, new = ge.nodes, g.nodes
         if len(old) != len(new):
             raise GraphCaptureError(
@@ -507,7 +536,8 @@ class SimContext:
             return
         ge.destroyed = True
         ge.nodes = ()  # drop the captured launches (and the arrays they name)
-        dev._graphs_live -= 1
+        with dev._graph_lock:
+            dev._graphs_live -= 1
 
     def _graph(self, graph: object) -> SimGraph:
         if not isinstance(graph, SimGraph) or graph.context is not self:

@@ -14,11 +14,16 @@ Invariants:
   at most one fault. What the engine does with it is in ``engine``.
 * Settings are checked when the device is made; records come out as snapshots
   (``records``).
+* The one exception to "one thread": with ``graph_host_time`` set, the core
+  instantiates, uploads and updates graphs in worker threads (as on a GPU).
+  Those calls touch only their own graph objects and the graph counters,
+  which ``_graph_lock`` guards.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from typing import Any, final
 
@@ -102,6 +107,11 @@ class SimDevice(SimEngine):
     compute_capability: tuple[int, int] = attrs.field(default=(9, 0), kw_only=True, validator=_check_cc)
     #: SMs of the occupancy model that bounds cooperative launches
     multiprocessor_count: int = attrs.field(default=132, kw_only=True, validator=_check_sms)
+    #: host seconds that instantiating and updating a graph each take (a
+    #: ``time.sleep`` where the driver would work on the CPU). When it is not
+    #: 0, the contexts declare ``instantiate_in_thread``, so the core runs
+    #: both in a worker thread, as it does on a GPU
+    graph_host_time: float = attrs.field(default=0.0, kw_only=True, validator=_check_time)
 
     _held: bool = attrs.field(init=False, default=False)
     _next_ptr: int = attrs.field(init=False, default=_BASE_ADDRESS)
@@ -136,6 +146,9 @@ class SimDevice(SimEngine):
     _graphs_made: int = attrs.field(init=False, default=0)
     _graphs_live: int = attrs.field(init=False, default=0)
     _graph_launches: int = attrs.field(init=False, default=0)
+    _graph_uploads: int = attrs.field(init=False, default=0)
+    #: the graph counters, which a worker thread changes too (``graph_host_time``)
+    _graph_lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     #: the SimHost this device belongs to (see ``host``), or None
     _host: Any = attrs.field(init=False, default=None)
 
@@ -206,6 +219,12 @@ class SimDevice(SimEngine):
     def graph_launches(self) -> int:
         """Graph replays executed so far (each runs all its captured commands)."""
         return self._graph_launches
+
+    @property
+    def graph_uploads(self) -> int:
+        """Executable graphs uploaded so far (``graph_upload``: the core
+        uploads each one once, after instantiating it, before any replay)."""
+        return self._graph_uploads
 
     @property
     def trace(self) -> list[TraceEvent]:

@@ -151,13 +151,15 @@ class SimGraphExec:
     of it that executes after :meth:`SimContext.destroy_graph` is a
     ``use_after_free`` violation at that handle."""
 
-    __slots__ = ("context", "destroyed", "handle", "nodes")
+    __slots__ = ("context", "destroyed", "handle", "nodes", "uploads")
 
     def __init__(self, context: SimContext, nodes: tuple[_Cmd, ...], handle: int) -> None:
         self.context = context
         self.nodes = nodes
         self.handle = handle
         self.destroyed = False
+        #: ``graph_upload`` calls so far
+        self.uploads = 0
 
     def __repr__(self) -> str:
         state = " destroyed" if self.destroyed else ""
