@@ -126,7 +126,7 @@ class Segment:
     streams: int
     conflicts: str
     drain_timeout: float | None
-    policy: str  # rr | least | bad
+    policy: str  # rr | default | least | bad
     steps: list[Step]
     exit_kind: str  # normal | raise | cancel
     exit_policy: str  # free | held_timeout | late_release
@@ -438,7 +438,7 @@ def generate(seed: int, skip: frozenset[str] | None = None) -> Program:
             drain = r.choice(choices)
             if exit_policy == "late_release" and drain is not None and drain < 0.5:
                 drain = None
-        policy = r.choice(["rr", "rr", "least"])
+        policy = r.choice(["rr", "default", "least"])
         if "bad_policy" not in skip and r.random() < 0.08:
             policy = "bad"
         seg = Segment(
@@ -567,6 +567,11 @@ class FlakyPolicy:
         return streams[self.i % len(streams)]
 
 
+#: the stream policy of each ``Segment.policy`` but "bad"; "default" is absent
+#: (None: the scope's default, FollowWriter)
+_STREAM_POLICIES: dict[str, type[Any]] = {"rr": trio_cuda.RoundRobin, "least": trio_cuda.LeastLoaded}
+
+
 def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         out: list[BaseException] = []
@@ -656,7 +661,8 @@ class Runner:
         def policy() -> Any:
             if seg.policy == "bad":
                 return FlakyPolicy()
-            return trio_cuda.LeastLoaded() if seg.policy == "least" else None
+            cls = _STREAM_POLICIES.get(seg.policy)
+            return None if cls is None else cls()  # None: the default (FollowWriter)
 
         kw = {"streams": seg.streams, "conflicts": seg.conflicts, "drain_timeout": seg.drain_timeout}
         self.pool: trio_cuda.DevicePool | None = None
@@ -667,7 +673,7 @@ class Runner:
                     self.host,
                     **kw,
                     policy=trio_cuda.RoundRobinDevices() if seg.policy == "rr" else None,
-                    stream_policy=FlakyPolicy if seg.policy == "bad" else None,
+                    stream_policy=FlakyPolicy if seg.policy == "bad" else _STREAM_POLICIES.get(seg.policy),
                 )
             )
             self.pool = pool

@@ -6,9 +6,9 @@ check invariants that must hold whatever happens. A seeded generator
 (``tests/_adversary.py``, ``random.Random(seed)``) writes each program: one or
 two segments, each one resource scope, two scopes on one ``SimDevice``, two
 scopes on a two-device ``SimHost`` or a device pool (multiple streams, pinned
-streams, ``conflicts="order"`` or ``"error"``, a ``drain_timeout``, a
-round-robin, least-loaded or garbage-returning scheduling policy), whose main
-task and concurrent tasks (in a nursery, some with deadlines or cancelled
+streams, ``conflicts="order"`` or ``"error"``, a ``drain_timeout``, the
+default, a round-robin, least-loaded or garbage-returning scheduling policy), whose
+main task and concurrent tasks (in a nursery, some with deadlines or cancelled
 before they start, some cancelled while they await) mix:
 
 * submissions (``submit``, ``run``, ``await op``, ``pool.run``) of kernel

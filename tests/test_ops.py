@@ -547,8 +547,8 @@ async def test_pinned_submissions_count_on_their_stream(sim):
         np.testing.assert_array_equal(await gpu.to_host(x), np.full(N, 6, F4))
 
 
-async def test_round_robin_is_the_default(sim):
-    async with trio_cuda.open_scope(device=sim, streams=3) as gpu:
+async def test_round_robin_takes_streams_in_turn(sim):
+    async with trio_cuda.open_scope(device=sim, streams=3, policy=trio_cuda.RoundRobin()) as gpu:
         picks = [gpu.submit(ops.value(i)).stream.index for i in range(7)]
         assert picks == [0, 1, 2, 0, 1, 2, 0]
     async with trio_cuda.open_scope(device=sim, streams=2, policy=trio_cuda.RoundRobin()) as gpu:

@@ -41,6 +41,7 @@ from ._core._params import InOut as InOut
 from ._core._params import Out as Out
 from ._core._params import Scalar as Scalar
 from ._core._params import Slice as Slice
+from ._core._policy import FollowWriter as FollowWriter
 from ._core._policy import LeastLoaded as LeastLoaded
 from ._core._policy import RoundRobin as RoundRobin
 from ._core._policy import SchedulingPolicy as SchedulingPolicy

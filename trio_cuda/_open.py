@@ -18,7 +18,7 @@ from typing import Literal
 
 from ._backends import open_device, probe_cuda
 from ._core._multi import DevicePolicy, LeastLoadedDevice, PoolManager
-from ._core._policy import SchedulingPolicy
+from ._core._policy import FollowWriter, SchedulingPolicy
 from ._core._scope import ScopeManager, scope_manager
 
 __all__ = ["open_device_pool", "open_scope"]
@@ -41,8 +41,13 @@ def open_scope(
     conflicts become device-side waits) or "error" (they raise
     :class:`~trio_cuda.AccessConflictError`). ``drain_timeout`` bounds the
     wait at exit (None or ``math.inf``: no bound); what is still in flight then
-    is quarantined. ``policy`` chooses the stream of work not pinned to one.
-    The manager opens one scope once.
+    is quarantined. ``policy`` (a :class:`~trio_cuda.SchedulingPolicy`)
+    chooses the stream of work not pinned to one; the default,
+    :class:`~trio_cuda.FollowWriter`, puts independent work on the least-loaded
+    stream so that it overlaps, and a kernel that depends on the last work of
+    a stream after that work. :class:`~trio_cuda.RoundRobin` and
+    :class:`~trio_cuda.LeastLoaded` are the alternatives. The manager opens one
+    scope once.
     """
     return scope_manager(functools.partial(open_device, device), streams, conflicts, drain_timeout, policy)
 
@@ -85,7 +90,8 @@ def open_device_pool(
     of what ``open_scope(device=...)`` accepts. One scope is opened per entry,
     in order, each with ``streams``, ``conflicts`` and ``drain_timeout``, and a
     fresh ``stream_policy()`` (a :class:`~trio_cuda.SchedulingPolicy` class;
-    round-robin by default). ``policy`` places ops that name no array
+    :class:`~trio_cuda.FollowWriter` by default, as for ``open_scope``).
+    ``policy`` places ops that name no array
     (:class:`~trio_cuda.LeastLoadedDevice` by default). On exit the scopes exit
     in reverse order, each by its own rules.
     """
@@ -97,6 +103,6 @@ def open_device_pool(
         raise TypeError(f"stream_policy: expected a SchedulingPolicy class, got {stream_policy!r}")
     managers = []
     for device in _resolve_devices(devices):
-        sp = stream_policy() if stream_policy is not None else None
+        sp = stream_policy() if stream_policy is not None else FollowWriter()
         managers.append(open_scope(device, streams, conflicts, drain_timeout, policy=sp))
     return PoolManager(managers, policy)

@@ -48,7 +48,7 @@ from ._launch import KernelLaunch
 from ._memory import MemoryTable
 from ._multi import foreign_lease_count
 from ._ops import Access, DeviceOp, _Copy, _Fill, _ZeroBytes
-from ._policy import RoundRobin, SchedulingPolicy
+from ._policy import FollowWriter, SchedulingPolicy
 from ._stream import Stream
 from ._submit import EnqueueContext, Submission, take_leases
 
@@ -851,7 +851,7 @@ def scope_manager(
             raise ValueError(f"drain_timeout: expected None or a number >= 0, got {drain_timeout!r}")
         drain_timeout = None if math.isinf(drain_timeout) else float(drain_timeout)
     if policy is None:
-        policy = RoundRobin()
+        policy = FollowWriter()
     elif not callable(getattr(policy, "choose", None)):
         raise TypeError(f"policy: expected a SchedulingPolicy (with a choose() method), got {policy!r}")
     return ScopeManager(opener, streams, conflicts, drain_timeout, policy)
