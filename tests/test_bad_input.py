@@ -450,7 +450,7 @@ async def test_closed_scope_refuses_everything(sim):
     with nothing_happens(sim):
         with pytest.raises(ScopeClosedError, match=r"^submit: the scope is closed$"):
             gpu.submit(op)
-        with pytest.raises(ScopeClosedError, match=r"^submit: the scope is closed$"):
+        with pytest.raises(ScopeClosedError, match=r"^run: the scope is closed$"):
             await gpu.run(op)
         with pytest.raises(ScopeClosedError, match=r"^empty: the scope is closed$"):
             gpu.empty(8, F4)

@@ -7,6 +7,7 @@ retention, ``sim.violations`` and ``sim.live_allocations`` afterwards.
 import gc
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -779,21 +780,51 @@ async def test_batched_marker_error_fails_the_whole_burst():
     assert sim.live_allocations == []
 
 
-async def test_inline_spin_returns_before_retirement_and_retires_in_order():
+async def test_waiter_observes_and_retires_its_own_completion():
+    # Rule 10: the awaiting task saw its marker complete and retired the work
+    # itself, in stream order: leases are released when wait() returns, with
+    # no pass of the handoff task in between.
     sim = SimDevice(kernel_time=0.0005, await_spin=0.05)
     async with trio_cuda.open_scope(device=sim, streams=1) as gpu:
         a = await gpu.to_device(host(16))
+        before = gpu.statistics().retired_by_waiters
         fut = gpu.submit(add(a, 1.0))
         assert await fut.wait() is a
-        # the waiter polled its own marker and never parked on the handoff's event
-        assert fut._sub.event is None
-        await trio.testing.wait_all_tasks_blocked()
-        assert gpu.statistics().leases_held == 0
-        np.testing.assert_array_equal(await gpu.to_host(a), host(16) + 1)  # finisher path: no spin
+        assert fut._sub.waiter is None
+        st = gpu.statistics()
+        assert (st.leases_held, st.in_flight) == (0, 0)  # no checkpoint since the wait returned
+        assert st.retired_by_waiters == before + 1
+        assert await gpu.run(add(a, 1.0)) is a
+        assert gpu.statistics().retired_by_waiters == before + 2
+        np.testing.assert_array_equal(await gpu.to_host(a), host(16) + 2)  # finisher path
     assert sim.live_allocations == []
 
 
-async def test_inline_spin_gives_up_on_held_work_and_parks():
+async def test_waiter_retires_the_completed_prefix_of_every_stream_in_order():
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
+        s0, s1 = gpu.streams
+        a = await gpu.to_device(host(16))
+        b = await gpu.to_device(host(16))
+        sim.hold()
+        dropped = [gpu.submit(add(b, 1.0), stream=s1) for _ in range(3)]
+        first = gpu.submit(add(a, 1.0), stream=s0)
+        mine = gpu.submit(add(a, 1.0), stream=s0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mine.wait)
+            await trio.testing.wait_all_tasks_blocked()
+            assert mine._sub.waiter is not None  # parked: its marker is pending
+            assert sim.run_until_idle() == 5  # done on the device, nothing retired yet
+            assert gpu.statistics().in_flight == 5
+        # whoever looked first retired all five, in stream order, exactly once
+        assert all(f.done() for f in [*dropped, first, mine])
+        st = gpu.statistics()
+        assert (st.in_flight, st.completed - st.failed, st.leases_held) == (0, st.completed, 0)
+        sim.release()
+    assert sim.violations == []
+
+
+async def test_waiter_parks_when_its_work_is_held_and_is_rescheduled():
     sim = SimDevice(await_spin=0.001)
     async with trio_cuda.open_scope(device=sim) as gpu, trio.open_nursery() as nursery:
         a = await gpu.to_device(host(16))
@@ -801,9 +832,68 @@ async def test_inline_spin_gives_up_on_held_work_and_parks():
         nursery.start_soon(release_after, sim, 0.05)
         t0 = time.perf_counter()
         fut = gpu.submit(add(a, 1.0))
+        parked = []
+
+        async def watch() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            parked.append(fut._sub.waiter)
+
+        nursery.start_soon(watch)
         await fut.wait()
         assert time.perf_counter() - t0 >= 0.04
-        assert fut._sub.event is not None  # it parked after the spin budget
+        assert parked  # the watcher ran while the waiter was blocked
+        assert parked[0] is not None  # it parked after the spin budget
+        assert fut._sub.waiter is None
+
+
+async def test_two_tasks_awaiting_one_future_both_wake():
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        a = await gpu.to_device(host(16))
+        sim.hold()
+        fut = gpu.submit(add(a, 1.0))
+        got = []
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(lambda: _append(got, fut.wait()))
+                await trio.testing.wait_all_tasks_blocked()
+                assert isinstance(fut._sub.waiter, list)
+                assert len(fut._sub.waiter) == 3
+                sim.release()
+        finally:
+            sim.release()
+        assert got == [a, a, a]
+
+
+async def test_cancelled_parked_waiter_is_taken_off_its_submission():
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        a = await gpu.to_device(host(16))
+        sim.hold()
+        try:
+            fut = gpu.submit(add(a, 1.0))
+            got = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: _append(got, fut.wait()))
+                await trio.testing.wait_all_tasks_blocked()
+                other = fut._sub.waiter
+                assert isinstance(other, trio.lowlevel.Task)
+                with trio.move_on_after(0.01) as cs:
+                    await fut.wait()
+                assert cs.cancelled_caught
+                w = fut._sub.waiter  # only the other task is left to reschedule
+                assert (w if isinstance(w, list) else [w]) == [other]
+                assert gpu.statistics().leases_held == 1  # still held: the GPU has not run it
+                sim.release()
+            assert got == [a]
+        finally:
+            sim.release()
+    assert sim.violations == []
+
+
+async def _append(out: list[object], aw: Any) -> None:
+    out.append(await aw)
 
 
 async def test_scope_whose_body_never_yields_exits():

@@ -23,28 +23,53 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
-from typing import TYPE_CHECKING
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
 
 import trio
+from trio.lowlevel import Abort, checkpoint, current_task, reschedule, wait_task_rescheduled
 
 from ._array import Allocation, AllocState
 from ._driver import MarkerState, Poll
 from ._errors import CompletionUnknownError
 from ._multi import release_foreign
-from ._submit import HostStep, Submission, SubState
+from ._submit import TERMINAL, HostStep, Submission, SubState
 
 if TYPE_CHECKING:
     from ._driver import DeviceContext
     from ._extension import ScopeExtension
     from ._stream import Stream
 
-__all__ = ["Completion"]
+__all__ = ["Completion", "others_runnable"]
+
+
+def _find_run_context() -> Any:
+    """Trio's run context, to read the run queue without the ~2 µs of
+    ``current_statistics()``; None on Trio versions without it."""
+    try:
+        from trio._core import _run
+    except ImportError:  # pragma: no cover
+        return None
+    return getattr(_run, "GLOBAL_RUN_CONTEXT", None)
+
+
+_RUN_CONTEXT: Any = _find_run_context()
+
+
+def others_runnable() -> bool:
+    """True when other Trio tasks are ready to run (then an awaiting task
+    checkpoints between looks instead of busy-polling its marker)."""
+    try:
+        return bool(_RUN_CONTEXT.runner.runq)
+    except AttributeError:  # pragma: no cover - another Trio layout: assume busy
+        return True
 
 
 class Completion:
     """Part of :class:`~trio_cuda.ResourceScope`: how its work completes."""
 
     __slots__ = (
+        "_by_waiters",
         "_completed",
         "_drain_event",
         "_failed",
@@ -66,6 +91,7 @@ class Completion:
     _handoff_errors: int
     _in_flight: int
     _completed: int
+    _by_waiters: int
     _failed: int
     _host_steps: int
     _timed_out: int
@@ -73,6 +99,8 @@ class Completion:
     if TYPE_CHECKING:
         _driver: DeviceContext
         _batch: bool
+        _spin: float
+        _look_budget: float
         _streams: tuple[Stream, ...]
         _closed: bool
         _quarantine: list[Submission]
@@ -84,12 +112,15 @@ class Completion:
 
         def _release_handle(self, alloc: Allocation) -> None: ...
         def _maybe_free(self, alloc: Allocation) -> None: ...
+        def _free(self, alloc: Allocation) -> None: ...
 
     # ------------------------------------------------------------------ markers
-    def _finish_submission(self, sub: Submission, out: object) -> None:
+    def _finish_submission(self, sub: Submission, out: object, *, wake: bool = True) -> None:
         """Put an enqueued submission in flight. Its completion marker is
         recorded now, or, when the driver batches markers, once for every
-        submission of the stream since the last one (see :meth:`_flush`)."""
+        submission of the stream since the last one (see :meth:`_flush`).
+        ``wake=False`` (``run``: its waiter observes the completion itself,
+        or wakes the handoff when it cannot) leaves the handoff asleep."""
         s = sub.stream
         sub.output = out
         sub.state = SubState.IN_FLIGHT
@@ -101,10 +132,11 @@ class Completion:
         if not self._batch:
             self._flush(s)
         self._driver.notify_submitted()
-        idle = self._idle
-        if idle is not None:
-            self._idle = None
-            idle.set()
+        if wake:
+            idle = self._idle
+            if idle is not None:
+                self._idle = None
+                idle.set()
 
     def _flush(self, s: Stream) -> None:
         """Record one completion marker after the stream's unmarked
@@ -135,6 +167,109 @@ class Completion:
         if idle is not None:
             self._idle = None
             idle.set()
+
+    # ------------------------------------------------------------------ waiters
+    async def _observe(self, sub: Submission) -> None:
+        """Wait until ``sub`` settled: the waiter's side of rule 10.
+
+        The waiter checkpoints while the GPU runs (a lone waiter records its
+        marker first, so it queues right behind the work; with other tasks
+        runnable the first look records one marker per stream for everyone).
+        Then it looks at its marker; once it completed, the waiter retires
+        the completed prefix of every stream itself, in stream order, with no
+        await between the look and the retirement, and returns without waking
+        the handoff. While the marker is pending it looks again after each
+        checkpoint (other tasks runnable: up to ``_look_budget`` seconds) or
+        busy-polls it (nobody else runnable: up to ``_spin``). It parks, and
+        the handoff takes over, when its marker is still pending after that,
+        when a host closure is due, or when it is cancelled (the submission
+        stays retained; the handoff retires it)."""
+        try:
+            if sub.marker is None and not self._host_steps and not others_runnable():
+                self._flush(sub.stream)
+            await checkpoint()
+            deadline = 0.0
+            spun = False
+            poll = self._driver.poll_marker
+            pending = MarkerState.PENDING
+            while sub.state is SubState.IN_FLIGHT:
+                if self._host_steps:
+                    break  # a host closure is due: only the handoff runs them
+                marker = sub.marker
+                if marker is None:
+                    self._flush_all()  # one marker per stream for this pass
+                    continue  # (recording it may have quarantined the submission)
+                try:
+                    state = poll(marker).state
+                except Exception:  # the driver cannot tell: let the scan settle it
+                    state = MarkerState.UNKNOWN
+                if state is not pending:
+                    done = self._completed
+                    while self._scan():
+                        pass
+                    self._by_waiters += self._completed - done
+                    continue
+                if others_runnable():
+                    now = perf_counter()
+                    if not deadline:
+                        deadline = now + self._look_budget
+                    elif now >= deadline:
+                        break
+                    await checkpoint()
+                elif spun or self._spin <= 0:
+                    break
+                else:  # nobody else wants the loop: busy-poll a little
+                    spun = True
+                    end = perf_counter() + self._spin
+                    while poll(marker).state is pending and perf_counter() < end:
+                        pass
+            else:
+                return
+            await self._park(sub)
+        except BaseException:
+            if sub.state is SubState.IN_FLIGHT:
+                self._wake()  # cancelled or failed: the handoff is the backstop
+            raise
+
+    def _observe_nowait(self, sub: Submission) -> bool:
+        """``_observe`` without waiting: look once; True if ``sub`` settled."""
+        if sub.state is SubState.IN_FLIGHT and not self._host_steps:
+            if sub.marker is None:
+                self._flush_all()
+            marker = sub.marker
+            if marker is not None:
+                try:
+                    state = self._driver.poll_marker(marker).state
+                except Exception:
+                    state = MarkerState.UNKNOWN
+                if state is not MarkerState.PENDING:
+                    while self._scan():
+                        pass
+        return sub.state in TERMINAL
+
+    async def _park(self, sub: Submission) -> None:
+        """Sleep until ``sub`` settles; whoever retires it reschedules us.
+        Cancellation takes the task off the submission first, so no later
+        retirement reschedules a task that no longer waits."""
+        task = current_task()
+        waiter = sub.waiter
+        if waiter is None:
+            sub.waiter = task
+        elif isinstance(waiter, list):
+            waiter.append(task)
+        else:  # a second task awaits the same future
+            sub.waiter = [waiter, task]
+        self._wake()
+
+        def abort(_: object) -> Abort:
+            w = sub.waiter
+            if w is task:
+                sub.waiter = None
+            elif isinstance(w, list) and task in w:
+                w.remove(task)
+            return Abort.SUCCEEDED
+
+        await wait_task_rescheduled(abort)
 
     @trio.lowlevel.enable_ki_protection  # Ctrl-C goes to the program's tasks, never here
     async def _handoff(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -192,7 +327,9 @@ class Completion:
             self._orphan_errors.append(exc)
 
     def _scan(self) -> bool:
-        """Retire what completed, per stream in order; True if anything did."""
+        """Retire what completed, per stream in order. True when a host
+        closure ran: opening its gate can complete work on a stream scanned
+        before, so the caller scans again; retiring alone never does."""
         self._flush_all()
         progressed = False
         gc = self._gc_releases
@@ -211,8 +348,8 @@ class Completion:
                 if p.state is MarkerState.PENDING:
                     break
                 pending.popleft()
-                progressed = True
                 if type(head) is HostStep:
+                    progressed = True
                     self._run_host_step(head, p)
                 else:
                     self._retire(head, p)
@@ -249,25 +386,28 @@ class Completion:
                 sub.error = err
             elif sub.error is not err:
                 self._orphan_errors.append(err)
-        elif sub.error is None:
+        elif sub.error is None and sub.finishers is not None:
             for fin in sub.finishers:
                 try:
                     fin()
                 except BaseException as exc:
                     sub.error = exc
                     break
+        live = AllocState.LIVE
         for alloc in sub.leases:
             alloc.active -= 1
             if alloc.last_writer is sub:
                 alloc.last_writer = None
-            alloc.readers.pop(sub, None)
+            if alloc.readers:
+                alloc.readers.pop(sub, None)
             if alloc.scope is self:
-                self._maybe_free(alloc)
+                # MemoryTable._maybe_free, inline
+                if not alloc.active and alloc.handles <= 0 and alloc.state is live:
+                    self._free(alloc)
             else:  # a cross-scope copy's lease on another scope's memory
                 release_foreign(alloc)
-        sub.owners.clear()
-        sub.finishers.clear()
-        sub.leases.clear()
+        sub.owners = sub.finishers = None
+        sub.leases = ()
         sub.op = None  # a kept future must not pin the op's arrays
         self._settle(sub, SubState.FAILED if sub.error is not None else SubState.DONE)
 
@@ -282,9 +422,14 @@ class Completion:
             self._failed += 1
             if not sub.observed:
                 self._unobserved[sub] = None
-        event = sub.event
-        if event is not None:
-            event.set()
+        waiter = sub.waiter
+        if waiter is not None:
+            sub.waiter = None
+            if isinstance(waiter, list):
+                for task in waiter:
+                    reschedule(task)
+            else:
+                reschedule(waiter)
 
     def _quarantine_submission(
         self, sub: Submission, cause: BaseException | None, *, report: bool = True

@@ -101,8 +101,12 @@ class Capabilities:
     #: the core records one completion marker per burst of submissions on a
     #: stream (markers are cheap to coalesce on this backend)
     batch_markers: bool = False
-    #: seconds an awaiting task may poll its own marker before it parks
+    #: seconds an awaiting task may busy-poll its own marker, while no other
+    #: task is runnable, before it parks
     await_spin: float = 0.0
+    #: seconds an awaiting task keeps looking at its marker between
+    #: checkpoints, while other tasks run, before it parks
+    await_budget: float = 0.0
     #: ``load_kernel`` may run in a worker thread (NVRTC and module loading)
     load_in_thread: bool = False
     #: ``instantiate``, ``graph_upload`` and ``graph_update`` may run in a
@@ -315,8 +319,10 @@ class DeviceContext(InteropContext, Protocol):
     def open_gate(self, gate: Gate) -> None: ...
 
     async def wait_for_progress(self, pending: Sequence[Marker]) -> None:
-        """Sleep until some of ``pending`` may have completed. Never blocks the
-        loop; may return early (spurious wakeups are fine)."""
+        """Sleep until some of ``pending`` may have completed; return at once
+        (after a checkpoint) if one of them completed before the call: an
+        awaiting task may have observed it meanwhile. Never blocks the loop;
+        may return early (spurious wakeups are fine)."""
         ...
 
     def notify_submitted(self) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, final
 import attrs
 import numpy as np
 
-from ._array import DeviceArray
+from ._array import Allocation, DeviceArray
 from ._final import NoPublicConstructor
 from ._ops import Access, DeviceOp
 from ._params import Param, Scalar, Slice
@@ -155,12 +155,15 @@ class KernelLaunch(DeviceOp[Any], metaclass=NoPublicConstructor):
     """One immutable, reusable kernel launch (a DeviceOp). Its output is the
     array it writes, a tuple of them if several, or None."""
 
-    __slots__ = ("_accesses", "_output", "prepared")
+    __slots__ = ("_accesses", "_allocs", "_output", "prepared")
 
     _obtain = "use Kernel.launch() or a builder"
 
     prepared: PreparedLaunch
     _accesses: tuple[tuple[DeviceArray, Access], ...]
+    #: the allocations it leases, shared by every submission of this launch
+    #: (made by its first safe submission, ``take_launch_leases``)
+    _allocs: tuple[Allocation, ...] | None
     _output: object
 
     @classmethod
@@ -174,6 +177,7 @@ class KernelLaunch(DeviceOp[Any], metaclass=NoPublicConstructor):
         setattr_ = object.__setattr__
         setattr_(self, "prepared", prepared)
         setattr_(self, "_accesses", accesses)
+        setattr_(self, "_allocs", None)
         setattr_(self, "_output", _output_of(outputs))
         return self
 

@@ -47,10 +47,10 @@ from ._kernel import Kernel
 from ._launch import KernelLaunch
 from ._memory import MemoryTable
 from ._multi import foreign_lease_count
-from ._ops import Access, DeviceOp, _Copy, _Fill, _ZeroBytes
+from ._ops import Access, DeviceOp, _Copy, _Fill, _ZeroBytes, resolve_output
 from ._policy import FollowWriter, SchedulingPolicy
 from ._stream import Stream
-from ._submit import EnqueueContext, Submission, take_leases
+from ._submit import EnqueueContext, Submission, take_launch_leases, take_leases
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -101,6 +101,10 @@ class ScopeStatistics:
     #: leases that other scopes' in-flight work (cross-device copies) holds on
     #: this scope's allocations; exit waits for them (see :doc:`multigpu`)
     foreign_leases: int = 0
+    #: of ``completed``: retired by an awaiting task that observed the
+    #: completion itself (the rest by the completion-handoff task, the exit,
+    #: or ``wait_nowait``)
+    retired_by_waiters: int = 0
 
 
 # --------------------------------------------------------------------------- scope
@@ -129,6 +133,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         "_gc_releases",
         "_info",
         "_load_in_thread",
+        "_look_budget",
         "_next_id",
         "_orphan_errors",
         "_policy",
@@ -147,6 +152,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
     _info: DeviceInfo
     _batch: bool
     _spin: float
+    _look_budget: float
     _load_in_thread: bool
     _exports_releasing: bool
     _extensions: dict[object, ScopeExtension]
@@ -181,6 +187,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         caps = driver.capabilities
         self._batch = caps.batch_markers
         self._spin = caps.await_spin
+        self._look_budget = caps.await_budget
         self._load_in_thread = caps.load_in_thread
         #: an export's consumer released it and its fence is not finished yet
         self._exports_releasing = False
@@ -200,6 +207,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         self._quarantined_leases = 0
         self._in_flight = 0
         self._completed = 0
+        self._by_waiters = 0
         self._failed = 0
         self._host_steps = 0
         self._next_id = 0
@@ -273,6 +281,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             pending_errors=len(self._unobserved) + len(self._orphan_errors),
             host_closures_pending=self._host_steps,
             foreign_leases=foreign_lease_count(self),
+            retired_by_waiters=self._by_waiters,
         )
 
     def __repr__(self) -> str:
@@ -505,9 +514,20 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         retained until it completed. Nothing is enqueued if the op is invalid
         from the start.
         """
+        sub = self._submit(op, stream, "submit")
+        idle = self._idle  # nobody may await it: the handoff is its retirer
+        if idle is not None:
+            self._idle = None
+            idle.set()
+        return DeviceFuture._create(sub)
+
+    def _submit(self, op: DeviceOp[Any], stream: Stream | None, what: str) -> Submission:
+        """Enqueue ``op`` as one submission, in flight when this returns. The
+        handoff is not woken (the caller does, or awaits the work itself),
+        except after a partial error, whose work nobody awaits."""
         if type(op) is KernelLaunch and not (self._closing or self._enqueuing):
             if get_ident() != self._thread:
-                raise wrong_caller("submit", self)
+                raise wrong_caller(what, self)
             return self._submit_launch(op, stream)
         if not isinstance(op, DeviceOp):
             from ._builder import LaunchBuilder
@@ -517,9 +537,9 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
                     "op: a LaunchBuilder is inert and cannot be scheduled; call .finalize_unchecked() first"
                 )
             raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
-        self._check_open("submit")
+        self._check_open(what)
         if self._enqueuing:
-            raise RuntimeError("submit: cannot submit from inside a then/map closure of another submission")
+            raise RuntimeError(f"{what}: cannot submit from inside a then/map closure of another submission")
         s = self._pick(op, stream)
         sub = self._new_submission(s, op)
         ctx = EnqueueContext(self, s, sub)
@@ -535,8 +555,8 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
                 self._finish_submission(sub, None)
             raise
         self._enqueuing = False
-        self._finish_submission(sub, out)
-        return DeviceFuture._create(sub)
+        self._finish_submission(sub, out, wake=False)
+        return sub
 
     def _enqueue_unsafe(self, op: DeviceOp[T], stream: Stream) -> T:
         """``unsafe.async_on``: enqueue ``op`` on ``stream`` (of this scope)
@@ -563,19 +583,18 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         out: Any = op._enqueue(EnqueueContext(self, stream, None))
         return out  # type: ignore[no-any-return]
 
-    def _submit_launch(self, op: KernelLaunch, stream: Stream | None) -> DeviceFuture[Any]:
-        """``submit`` for a single kernel launch, the hot path: the same steps
-        as ``EnqueueContext.launch`` without the generic op machinery."""
+    def _submit_launch(self, op: KernelLaunch, stream: Stream | None) -> Submission:
+        """``_submit`` for a single kernel launch, the hot path: the same steps
+        as ``EnqueueContext.launch`` without the generic op machinery, and
+        leases from the launch's access plan (``take_launch_leases``)."""
         s = stream if type(stream) is Stream and stream._scope is self else self._pick(op, stream)
         prepared = op.prepared
-        kernel = prepared.kernel
-        function = self._functions.get(kernel)
+        function = self._functions.get(prepared.kernel)
         if function is None or prepared.cache.get("checked") is not self._info:
             function = self._kernel_function(prepared)
         self._next_id += 1
         sub = Submission(self, s, self._next_id, op)
-        take_leases(self, s, sub, op._accesses, kernel.name)
-        sub.owners += (prepared, function)
+        take_launch_leases(self, s, sub, op)
         try:
             self._driver.launch(s.handle, function, prepared)
         except BaseException as exc:
@@ -584,8 +603,8 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             self._finish_submission(sub, None)
             raise
         sub.dirty = True
-        self._finish_submission(sub, op._output)
-        return DeviceFuture._create(sub)
+        self._finish_submission(sub, op._output, wake=False)
+        return sub
 
     async def run(self, op: DeviceOp[T], *, stream: Stream | None = None) -> T:
         """Submit ``op`` and wait for its output. If the calling task is
@@ -593,15 +612,23 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         waiting, ``Cancelled`` is raised promptly and the scope keeps the
         submission until the GPU finished it.
 
-        A single kernel launch whose kernel this scope has not loaded yet is
-        loaded first, as :meth:`load` does (off the loop on a real GPU)."""
+        The calling task observes the completion itself where it can, and
+        retires the completed work in stream order (rule 10 of the lifetime
+        chapter). A single kernel launch whose kernel this scope has not
+        loaded yet is loaded first, as :meth:`load` does (off the loop on a
+        real GPU)."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if type(op) is KernelLaunch and op.prepared.kernel not in self._functions and self._load_in_thread:
             await self.load(op.prepared.kernel)
         if self._exports_releasing:
             await finish_releases(self)  # an access after a consumer released an export
-        fut = self.submit(op, stream=stream)
-        return await fut.wait()
+        sub = self._submit(op, stream, "run")
+        await self._observe(sub)
+        if sub.error is not None:
+            sub.observed = True
+            self._unobserved.pop(sub, None)
+            raise sub.error
+        return resolve_output(sub.output)  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ graphs
     async def capture(self, op: DeviceOp[Any], *, stream: Stream | None = None) -> CudaGraph:

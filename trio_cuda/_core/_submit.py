@@ -31,7 +31,7 @@ from ._errors import AccessConflictError, CompletionUnknownError, KernelArgument
 from ._ops import Access, HostResult
 
 if TYPE_CHECKING:
-    from ._launch import PreparedLaunch
+    from ._launch import KernelLaunch, PreparedLaunch
     from ._scope import ResourceScope
     from ._stream import Stream
 
@@ -57,9 +57,7 @@ class Submission:
     __slots__ = (
         "__weakref__",
         "dirty",
-        "early",
         "error",
-        "event",
         "finishers",
         "id",
         "leases",
@@ -72,26 +70,32 @@ class Submission:
         "state",
         "stream",
         "unknown",
+        "waiter",
     )
 
     def __init__(self, scope: ResourceScope, stream: Stream, sid: int, op: object) -> None:
         self.scope = scope
         self.stream = stream
         self.id = sid
+        #: the op; it retains a launch's argument storage until retirement
         self.op = op
         self.state = SubState.ENQUEUING
         self.marker: Marker | None = None
-        self.owners: list[object] = []
-        self.finishers: list[Finisher] = []
-        self.leases: dict[Allocation, Access] = {}
+        #: made on first use: a kernel launch needs none (its module is kept by
+        #: the scope's function table, which unloads only after the drain)
+        self.owners: list[object] | None = None
+        self.finishers: list[Finisher] | None = None
+        #: allocation -> strongest access; a single launch keeps its kernel
+        #: launch's shared tuple of allocations instead (``take_launch_leases``)
+        self.leases: dict[Allocation, Access] | tuple[Allocation, ...] = ()
         self.error: BaseException | None = None
         self.observed = False
         self.output: object = None
-        self.event: trio.Event | None = None
+        #: the task parked on this submission (``Completion._observe``); the
+        #: retirer reschedules it, its cancellation removes it
+        self.waiter: trio.lowlevel.Task | list[trio.lowlevel.Task] | None = None
         #: True once any driver call of this submission enqueued something
         self.dirty = False
-        #: its waiter saw the marker complete before the handoff retired it
-        self.early = False
         #: set when a marker of this submission reported unknown completion
         self.unknown: BaseException | None = None
 
@@ -157,13 +161,19 @@ class EnqueueContext:
         """Keep ``obj`` alive until the submission retired."""
         sub = self.submission
         if sub is not None:
-            sub.owners.append(obj)
+            if sub.owners is None:
+                sub.owners = [obj]
+            else:
+                sub.owners.append(obj)
 
     def on_retire(self, fn: Finisher) -> None:
         """Run ``fn`` at retirement, once the work completed successfully."""
         sub = self.submission
         if sub is not None:
-            sub.finishers.append(fn)
+            if sub.finishers is None:
+                sub.finishers = [fn]
+            else:
+                sub.finishers.append(fn)
 
     def _enqueued(self) -> None:
         sub = self.submission
@@ -202,7 +212,7 @@ class EnqueueContext:
         self.use(accesses, what=prepared.kernel.name)
         sub = self.submission
         if sub is not None:
-            sub.owners += (prepared, function)
+            self.retain(prepared)  # the argument storage (the module: the scope's table)
         self.driver.launch(self.stream.handle, function, prepared)
         if sub is not None:
             sub.dirty = True
@@ -324,6 +334,9 @@ def take_leases(
             wait_marker(handle, other.marker)
         sub.dirty = True
     leases = sub.leases
+    if type(leases) is not dict:
+        assert not leases, "a single launch's leases are taken once"
+        leases = sub.leases = {}
     for arr, access in accesses:
         alloc = arr._alloc
         prev = leases.get(alloc)
@@ -392,3 +405,51 @@ def _conflict(
         waits = {}
     waits[other.id] = other
     return waits
+
+
+#: the access-plan fast path of ``take_launch_leases`` (tests turn it off to
+#: check that both paths agree)
+FAST_LEASES = True
+
+
+def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op: KernelLaunch) -> None:
+    """``take_leases`` for a single kernel launch, from its access plan (one
+    entry per allocation, merged when the launch was made): when every array
+    is a live, usable array of this scope and no other stream holds a
+    conflicting lease, the leases are recorded with no per-submission
+    allocation (``sub.leases`` is the launch's shared tuple). Anything else (a
+    conflict to order or refuse, a read-only, closed, quarantined or foreign
+    array, an export) takes the general path, which gives the same result or
+    raises the same error (``tests/test_lease_paths.py`` checks both agree)."""
+    accesses = op._accesses
+    if FAST_LEASES:
+        live = AllocState.LIVE
+        write = Access.WRITE
+        for arr, access in accesses:
+            alloc = arr._alloc
+            if arr._closed or alloc.state is not live or alloc.scope is not scope:
+                break
+            w = alloc.last_writer
+            if w is not None and w.stream is not stream:
+                break
+            if access is write and (
+                arr._readonly or (alloc.readers and any(r.stream is not stream for r in alloc.readers))
+            ):
+                break
+        else:
+            for arr, access in accesses:
+                alloc = arr._alloc
+                alloc.active += 1
+                if access is write:
+                    alloc.last_writer = sub
+                    if alloc.readers:
+                        alloc.readers.clear()
+                else:
+                    alloc.readers[sub] = None
+            allocs = op._allocs
+            if allocs is None:
+                allocs = tuple(a._alloc for a, _ in accesses)
+                object.__setattr__(op, "_allocs", allocs)
+            sub.leases = allocs
+            return
+    take_leases(scope, stream, sub, accesses, op.prepared.kernel.name)

@@ -111,7 +111,7 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin):
         self.record_events = False
         self.spin_budget = 200e-6
         self.inline_spin = 20e-6
-        #: the core's per-await spin budget (``DeviceFuture.wait``) and marker
+        #: the core's per-await spin and look budgets (``Completion._observe``) and marker
         #: batching; load_kernel makes the context current in its thread, so it
         #: may run in a worker thread, and so may instantiate.
         #: foreign_fence(None) synchronises the context: the core runs it in a
@@ -120,6 +120,7 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin):
         self.capabilities = Capabilities(
             batch_markers=True,
             await_spin=50e-6,
+            await_budget=500e-6,
             load_in_thread=True,
             instantiate_in_thread=True,
             foreign_fence_blocks=True,

@@ -331,7 +331,9 @@ class SimContext:
 
     async def wait_for_progress(self, pending: Sequence[Marker]) -> None:
         dev = self._device
-        if dev._timed_pending and not dev._held and dev._pump():
+        if (dev._timed_pending and not dev._held and dev._pump()) or any(
+            self.poll_marker(m) is not PENDING for m in pending
+        ):  # progress, or a marker that completed before the call
             await trio.lowlevel.checkpoint()
             return
         event = dev._progress_event()
