@@ -224,7 +224,7 @@ def bench_raw(raw: Raw) -> None:
         if err and flags:
             continue
 
-        def flag_rt(flags: int = flags) -> None:
+        def flag_rt(flags: int = flags, tag: str = tag) -> None:
             L(fn, 1, 1, 1, 1, 1, 1, 0, fst, params, 0)
             fl.seq[0] += 1
             seq = fl.seq[0]

@@ -915,3 +915,47 @@ async def test_load_compiles_ahead_and_is_a_checkpoint(sim):
         assert sim.statistics().kernel_loads == 2
         with pytest.raises(TypeError, match=r"kernels\[0\]: expected a Kernel, got str"):
             await gpu.load("add_f4")
+
+
+async def test_many_awaiting_tasks_retire_their_own_work_without_the_handoff():
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        arrs = [await gpu.to_device(host(16)) for _ in range(8)]
+        before = gpu.statistics()
+
+        async def worker(a: trio_cuda.DeviceArray) -> None:
+            for _ in range(5):
+                await gpu.run(add(a, 1.0))
+
+        async with trio.open_nursery() as nursery:
+            for a in arrs:
+                nursery.start_soon(worker, a)
+        st = gpu.statistics()
+        assert st.completed - before.completed == 40
+        assert st.retired_by_waiters - before.retired_by_waiters == 40  # every one by its waiter
+        assert (st.in_flight, st.leases_held) == (0, 0)
+        for a in arrs:
+            np.testing.assert_array_equal(await gpu.to_host(a), host(16) + 5)
+    assert sim.violations == []
+
+
+async def test_partial_error_in_run_wakes_the_handoff():
+    # run() leaves the handoff asleep; a submission that fails part-way has
+    # work in flight that nobody awaits, so it must wake the handoff itself.
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        a = await gpu.to_device(host(16))
+        sim.hold()
+
+        def boom(_: object) -> trio_cuda.DeviceOp[object]:
+            raise ValueError("then closure failed")
+
+        with pytest.raises(ValueError, match="then closure failed"):
+            await gpu.run(add(a, 1.0).then(boom))
+        assert gpu.statistics().leases_held == 1  # the enqueued kernel still uses a
+        sim.release()
+        with trio.fail_after(5):
+            while gpu.statistics().in_flight:  # noqa: ASYNC110 - polling the scope's counters
+                await trio.sleep(0.001)  # retired with no waiter: the handoff did it
+        assert gpu.statistics().leases_held == 0
+    assert sim.violations == []

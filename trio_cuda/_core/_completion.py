@@ -30,6 +30,7 @@ import trio
 from trio.lowlevel import Abort, checkpoint, current_task, reschedule, wait_task_rescheduled
 
 from ._array import Allocation, AllocState
+from ._driver import PENDING as _PENDING
 from ._driver import MarkerState, Poll
 from ._errors import CompletionUnknownError
 from ._multi import release_foreign
@@ -338,13 +339,17 @@ class Completion:
         poll = self._driver.poll_marker
         for stream in self._streams:
             pending = stream._pending
+            last: object = None  # a burst shares one marker: poll it once
+            p = _PENDING
             while pending:
                 head = pending[0]
-                assert head.marker is not None
-                try:
-                    p = poll(head.marker)
-                except Exception as exc:  # the driver cannot tell: completion unknown
-                    p = Poll(MarkerState.UNKNOWN, exc)
+                marker = head.marker
+                if marker is not last:
+                    last = marker
+                    try:
+                        p = poll(marker)  # type: ignore[arg-type]
+                    except Exception as exc:  # the driver cannot tell: completion unknown
+                        p = Poll(MarkerState.UNKNOWN, exc)
                 if p.state is MarkerState.PENDING:
                     break
                 pending.popleft()

@@ -514,7 +514,10 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         retained until it completed. Nothing is enqueued if the op is invalid
         from the start.
         """
-        sub = self._submit(op, stream, "submit")
+        if type(op) is KernelLaunch and not (self._closing or self._enqueuing or get_ident() != self._thread):
+            sub = self._submit_launch(op, stream)  # the hot path
+        else:
+            sub = self._submit(op, stream, "submit")
         idle = self._idle  # nobody may await it: the handoff is its retirer
         if idle is not None:
             self._idle = None
