@@ -50,7 +50,7 @@ from ._multi import foreign_lease_count
 from ._ops import Access, DeviceOp, _Copy, _Fill, _ZeroBytes, resolve_output
 from ._policy import FollowWriter, SchedulingPolicy
 from ._stream import Stream
-from ._submit import EnqueueContext, Submission, take_launch_leases, take_leases
+from ._submit import EnqueueContext, Submission, SubState, take_launch_leases, take_leases
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -605,8 +605,19 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             sub.observed = True
             self._finish_submission(sub, None)
             raise
+        # _finish_submission(sub, op._output, wake=False), inline: the hot path
         sub.dirty = True
-        self._finish_submission(sub, op._output, wake=False)
+        sub.output = op._output
+        sub.state = _IN_FLIGHT
+        s._in_flight += 1
+        self._in_flight += 1
+        unmarked = s._unmarked
+        if not unmarked:
+            self._unflushed.append(s)
+        unmarked.append(sub)
+        if not self._batch:
+            self._flush(s)
+        self._driver.notify_submitted()
         return sub
 
     async def run(self, op: DeviceOp[T], *, stream: Stream | None = None) -> T:
@@ -750,6 +761,7 @@ _ALLOC_OP = _Alloc()
 
 
 _CONFLICTS = ("order", "error")
+_IN_FLIGHT = SubState.IN_FLIGHT
 
 
 @final
