@@ -108,10 +108,31 @@ def _plain(dims: object) -> bool:
     return t is int or (t is tuple and all(type(d) is int for d in dims))  # type: ignore[attr-defined]
 
 
+#: the common case (int grid and block, no cluster, no modes), keyed on
+#: (grid, block, shared_mem) of exact ints
+_SIMPLE_CONFIGS: dict[tuple[int, int, int], LaunchConfig] = {}
+
+
 def cached_config(
     grid: object, block: object, shared_mem: object, cluster: object, cooperative: object, pdl: object
 ) -> LaunchConfig:
     """``make_config`` memoised on hashable arguments (the launch hot path)."""
+    if (
+        cluster is None
+        and cooperative is False
+        and pdl is False
+        and type(grid) is int
+        and type(block) is int
+        and type(shared_mem) is int
+    ):
+        key3 = (grid, block, shared_mem)
+        config = _SIMPLE_CONFIGS.get(key3)
+        if config is None:
+            config = make_config(grid, block, shared_mem)
+            if len(_SIMPLE_CONFIGS) >= 4096:
+                _SIMPLE_CONFIGS.clear()
+            _SIMPLE_CONFIGS[key3] = config
+        return config
     if not (
         _plain(grid)
         and _plain(block)

@@ -3,20 +3,22 @@
 Invariants:
 
 * A :class:`Kernel` is device-independent; each scope loads it at most once.
-  Its arena plan and fast packer are built once, when it is made.
+  Its arena plan and its fast path (generated for its parameter list) are
+  built once, when it is made.
 * ``Kernel.launch`` checks everything (arity, dtypes, scalar ranges, access
   modes, closed or read-only arrays, launch configuration) before it returns a
   :class:`KernelLaunch`; a launch that fails these checks never reaches a stream.
-* The fast path (:func:`_launch_fast`) either returns the launch the checked
+* The fast path (:func:`_compile_fast`) either returns the launch the checked
   path would build, or None; then the checked path runs, and raises the
   precise error.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, final
+from typing import Literal, final
 
 import attrs
 import numpy as np
@@ -35,16 +37,16 @@ from ._arena import (
 )
 from ._array import AllocState, DeviceArray
 from ._builder import LaunchBuilder
-from ._config import (
-    LaunchConfig,
-    cached_config,
-)
+from ._config import LaunchConfig, cached_config
 from ._errors import KernelArgumentError
-from ._launch import ArgView, KernelLaunch, PreparedLaunch, _merge_accesses
+from ._launch import ArgView, KernelLaunch, PreparedLaunch, _LaunchUnderConstruction, _merge_accesses
 from ._ops import Access
 from ._params import In, InOut, Out, Param, Scalar, Slice, _check_array, _convert_scalar, _param_label
 
 __all__ = ["Kernel"]
+
+#: a kernel's generated fast path, ``fast(args, config)`` (see :func:`_compile_fast`)
+FastLauncher = Callable[[tuple[object, ...], LaunchConfig], "KernelLaunch | None"]
 
 
 def _check_params(params: Sequence[object]) -> tuple[Param, ...]:
@@ -74,15 +76,14 @@ class Kernel:
     options: tuple[str, ...] = ()
     reference: Callable[..., object] | None = None
     _plan: ParamPlan = attrs.field(init=False, repr=False)
-    _fast: tuple[tuple[Any, ...], ...] | None = attrs.field(init=False, repr=False)
-    _struct: struct.Struct | None = attrs.field(init=False, repr=False)
+    _fast: FastLauncher | None = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         layout: list[tuple[int, int]] = []
         for p in self.params:
             layout.extend(_slots_for(p))
         self._plan = ParamPlan.from_layout(layout)
-        self._fast, self._struct = _fast_packer(self.params, self._plan)
+        self._fast = _compile_fast(self)
 
     @classmethod
     def from_source(
@@ -162,8 +163,8 @@ class Kernel:
         naming the offending argument; nothing is enqueued."""
         config = cached_config(grid, block, shared_mem, cluster, cooperative, pdl)
         fast = self._fast
-        if fast is not None and len(args) == len(fast):
-            made = _launch_fast(self, fast, args, config)
+        if fast is not None:
+            made = fast(args, config)
             if made is not None:
                 return made
         return self._launch_checked(args, config)
@@ -225,65 +226,119 @@ class Kernel:
 # --------------------------------------------------------------------------- fast path
 
 _LIVE = AllocState.LIVE
+#: every int of this magnitude converts to a double exactly, so NumPy and
+#: ``struct`` round it to a narrower float the same way
+_EXACT_INT_FLOAT = 2**53
+#: with up to this many arrays, a shared allocation is found by comparing
+#: pairs; with more, by a set
+_PAIRWISE = 6
 
 
-def _launch_fast(
-    kernel: Kernel, table: tuple[tuple[Any, ...], ...], args: tuple[object, ...], config: LaunchConfig
-) -> KernelLaunch | None:
-    """Validate and pack the common case; None sends the caller to the
-    checked path, which raises the precise error (or handles the rest)."""
-    flat: list[object] = []
-    accesses: list[tuple[DeviceArray, Access]] = []
-    outputs: list[DeviceArray] = []
-    write = Access.WRITE
-    for (kind, dt, lo, hi, access), v in zip(table, args):
-        t = type(v)
-        if kind in (_K_ARRAY, _K_SLICE):
-            if t is not DeviceArray:
-                return None
-            arr: DeviceArray = v  # type: ignore[assignment]
-            if arr._closed or arr._alloc.state is not _LIVE or not (arr._dtype is dt or arr._dtype == dt):
-                return None
-            if access is write:
-                if arr._readonly:
-                    return None
-                outputs.append(arr)
-            accesses.append((arr, access))
-            flat.append(arr._alloc.ptr + arr._offset)
-            if kind == _K_SLICE:
-                n = arr.size
-                if n > hi:
-                    return None
-                flat.append(n)
-        elif kind == _K_INT:
-            if t is int:
-                if not lo <= v <= hi:
-                    return None
-            elif t is not dt:
-                return None
-            flat.append(v)
-        elif kind == _K_FLOAT:
-            if t is not float and t is not dt and t is not int:
-                return None
-            flat.append(v)
-        else:
-            if t is not bool and t is not dt:
-                return None
-            flat.append(v)
-    st = kernel._struct
-    assert st is not None
-    try:
-        arena = st.pack(*flat)
-    except (struct.error, OverflowError):
+def _compile_fast(kernel: Kernel) -> FastLauncher | None:
+    """The kernel's fast path: a function ``fast(args, config)`` specialised
+    to its parameter list, that returns the launch the checked path would
+    build, or None (then the checked path raises the precise error, or
+    handles the case). None when a parameter needs the general path.
+
+    Each check is specialised to its parameter, and ``struct.Struct.pack``
+    itself refuses an int (or a slice's length) out of its C type's range and
+    a finite float that overflows it. The source is generated from the
+    kernel's own parameter kinds only; every value in it is a name bound in
+    its namespace or a constant of this module (never text from the user)."""
+    table, packer = _fast_packer(kernel.params, kernel._plan)
+    if table is None or packer is None:
         return None
-    prepared = PreparedLaunch(kernel, config, kernel._plan, arena, None, args)
-    n = len(accesses)
-    if n > 1 and (
-        accesses[0][0]._alloc is accesses[1][0]._alloc
-        if n == 2
-        else len({id(a._alloc) for a, _ in accesses}) < n
-    ):
-        merged = _merge_accesses(accesses)
+    ns: dict[str, object] = {
+        "DeviceArray": DeviceArray,
+        "LIVE": _LIVE,
+        "StructError": struct.error,
+        "pack": packer.pack,
+        "prod": math.prod,
+        "merge": _merge_accesses,
+        "new": object.__new__,
+        "PreparedLaunch": PreparedLaunch,
+        "KernelLaunch": KernelLaunch,
+        "UnderConstruction": _LaunchUnderConstruction,
+        "kernel": kernel,
+        "plan": kernel._plan,
+    }
+    names = [f"a{i}" for i in range(len(table))]
+    # (a wrong number of arguments: the checked path names it)
+    if names:
+        body = [f"    try:\n        {', '.join(names)}, = args\n    except ValueError:\n        return None"]
     else:
-        merged = tuple(accesses)
-    return KernelLaunch._create(prepared, merged, outputs)
+        body = ["    if args:\n        return None"]
+    packed: list[str] = []
+    accesses: list[str] = []
+    allocs: list[str] = []
+    outputs: list[str] = []
+    for i, (kind, dt, _lo, _hi, access) in enumerate(table):
+        a = names[i]
+        ns[f"dt{i}"] = dt
+        if kind in (_K_ARRAY, _K_SLICE):
+            m = f"m{i}"
+            body.append(
+                f"    if type({a}) is not DeviceArray or {a}._closed:\n        return None\n"
+                f"    {m} = {a}._alloc\n"
+                f"    if {m}.state is not LIVE or {m}.scope._closed:\n        return None\n"
+                f"    d = {a}._dtype\n"
+                f"    if d is not dt{i} and d != dt{i}:\n        return None"
+            )
+            if access is Access.WRITE:
+                body.append(f"    if {a}._readonly:\n        return None")
+                outputs.append(a)
+            packed.append(f"{m}.ptr + {a}._offset")
+            if kind == _K_SLICE:  # (``pack`` refuses a length out of its range)
+                body.append(f"    n{i} = prod({a}._shape)")
+                packed.append(f"n{i}")
+            ns[f"access{i}"] = access
+            accesses.append(f"({a}, access{i})")
+            allocs.append(m)
+            continue
+        body.append(f"    t = type({a})")
+        if kind == _K_INT:  # (``pack`` refuses an int out of range)
+            body.append(f"    if t is not int and t is not dt{i}:\n        return None")
+        elif kind == _K_FLOAT:
+            # NaN: NumPy keeps payloads that ``struct`` may not (half floats,
+            # NumPy scalars' signalling NaNs), so the checked path packs them
+            half = np.dtype(dt).itemsize == 2
+            body.append(
+                "    if t is float:\n"
+                + (f"        if {a} != {a}:\n            return None\n" if half else "        pass\n")
+                + "    elif t is int:\n"
+                f"        if not {-_EXACT_INT_FLOAT} <= {a} <= {_EXACT_INT_FLOAT}:\n            return None\n"
+                f"    elif t is dt{i}:\n        if {a} != {a}:\n            return None\n"
+                "    else:\n        return None"
+            )
+        else:
+            body.append(f"    if t is not bool and t is not dt{i}:\n        return None")
+        packed.append(a)
+    body.append(
+        f"    try:\n        arena = pack({', '.join(packed)})\n"
+        f"    except (StructError, OverflowError):\n        return None"
+    )
+    body.append(f"    accesses = ({''.join(x + ', ' for x in accesses)})")
+    n = len(allocs)
+    if n > 1:
+        if n <= _PAIRWISE:
+            same = " or ".join(f"{allocs[i]} is {allocs[j]}" for i in range(n) for j in range(i + 1, n))
+        else:
+            same = f"len({{{', '.join(f'id({m})' for m in allocs)}}}) < {n}"
+        body.append(f"    if {same}:\n        accesses = merge(accesses)")
+    output = "None" if not outputs else outputs[0] if len(outputs) == 1 else f"({', '.join(outputs)},)"
+    body.append(
+        "    p = new(PreparedLaunch)\n"
+        "    p.kernel = kernel\n    p.config = config\n    p.plan = plan\n"
+        "    p.arena = arena\n    p.args = None\n    p.values = args\n    p.cache = {}\n"
+        # (as ``_launch._make_launch`` does)
+        "    launch = new(UnderConstruction)\n"
+        "    launch.prepared = p\n    launch._accesses = accesses\n    launch._allocs = None\n"
+        f"    launch._output = {output}\n"
+        "    launch.__class__ = KernelLaunch\n"
+        "    return launch"
+    )
+    source = "def fast(args, config):\n" + "\n".join(body) + "\n"
+    exec(compile(source, f"<trio_cuda fast launch of {kernel.name}>", "exec"), ns)
+    fast: FastLauncher = ns["fast"]  # type: ignore[assignment]
+    fast.__doc__ = source  # for debugging: the generated source
+    return fast

@@ -71,6 +71,14 @@ class PreparedLaunch:
 
     __slots__ = ("arena", "args", "cache", "config", "kernel", "plan", "values")
 
+    kernel: Kernel
+    config: LaunchConfig
+    plan: ParamPlan
+    arena: bytes
+    args: tuple[ArgView, ...] | None
+    values: tuple[object, ...]
+    cache: dict[str, Any]
+
     def __init__(
         self,
         kernel: Kernel,
@@ -80,13 +88,15 @@ class PreparedLaunch:
         args: tuple[ArgView, ...] | None = None,
         values: tuple[object, ...] = (),
     ) -> None:
+        # (the typed launch's generated fast path sets these same fields
+        # directly, see ``_kernel._compile_fast``)
         self.kernel = kernel
         self.config = config
         self.plan = plan
         self.arena = arena
         self.args = args
         self.values = values
-        self.cache: dict[str, Any] = {}
+        self.cache = {}
 
     def arg_views(self) -> tuple[ArgView, ...]:
         """One :class:`ArgView` per kernel parameter (cached)."""
@@ -173,13 +183,7 @@ class KernelLaunch(DeviceOp[Any], metaclass=NoPublicConstructor):
         accesses: tuple[tuple[DeviceArray, Access], ...],
         outputs: Sequence[DeviceArray],
     ) -> KernelLaunch:
-        self = object.__new__(cls)
-        setattr_ = object.__setattr__
-        setattr_(self, "prepared", prepared)
-        setattr_(self, "_accesses", accesses)
-        setattr_(self, "_allocs", None)
-        setattr_(self, "_output", _output_of(outputs))
-        return self
+        return _make_launch(prepared, accesses, _output_of(outputs))
 
     @property
     def kernel(self) -> Kernel:
@@ -201,3 +205,25 @@ class KernelLaunch(DeviceOp[Any], metaclass=NoPublicConstructor):
     def _enqueue(self, ctx: EnqueueContext) -> object:
         ctx.launch(self.prepared, self._accesses)
         return self._output
+
+
+class _LaunchUnderConstruction(DeviceOp[Any]):
+    """A :class:`KernelLaunch` being made: the same slots (hence the same
+    object layout), without the immutability. :func:`_make_launch` fills one
+    with plain attribute stores, then makes it a ``KernelLaunch`` by setting
+    its class (cheaper than four ``object.__setattr__`` calls); nothing else
+    ever sees one."""
+
+    __slots__ = KernelLaunch.__slots__
+
+
+def _make_launch(
+    prepared: PreparedLaunch, accesses: tuple[tuple[DeviceArray, Access], ...], output: object
+) -> KernelLaunch:
+    self = object.__new__(_LaunchUnderConstruction)
+    self.prepared = prepared  # type: ignore[attr-defined]
+    self._accesses = accesses  # type: ignore[attr-defined]
+    self._allocs = None  # type: ignore[attr-defined]
+    self._output = output  # type: ignore[attr-defined]
+    self.__class__ = KernelLaunch  # type: ignore[assignment]
+    return self  # type: ignore[return-value]
