@@ -331,12 +331,16 @@ class SimContext:
 
     async def wait_for_progress(self, pending: Sequence[Marker]) -> None:
         dev = self._device
-        if (dev._timed_pending and not dev._held and dev._pump()) or any(
-            self.poll_marker(m) is not PENDING for m in pending
+        # Register for the wakeup before looking: polling can itself complete
+        # timed work, and progress made while we look must not be lost.
+        event = dev._progress_event()
+        if (
+            (dev._timed_pending and not dev._held and dev._pump())
+            or any(self.poll_marker(m) is not PENDING for m in pending)
+            or event.is_set()
         ):  # progress, or a marker that completed before the call
             await trio.lowlevel.checkpoint()
             return
-        event = dev._progress_event()
         due = dev._next_due()
         if due is None:
             await event.wait()
