@@ -379,8 +379,8 @@ async def _scope_bench(raw: Raw) -> None:
 
         # safe submit: bursts, then let the handoff retire everything
         record("safe_submit", await _submit_burst(gpu, op, s, B), "us")
-        # the same, round-robin over the 4 streams
-        record("safe_submit_round_robin", await _submit_burst(gpu, op, None, B), "us")
+        # the same, unpinned: the default policy picks among the 4 streams
+        record("safe_submit_default_policy", await _submit_burst(gpu, op, None, B), "us")
         # one task: await run round trip
         record("await_run_roundtrip", await _roundtrip(gpu, op, s, B), "us")
 
