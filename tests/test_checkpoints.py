@@ -198,11 +198,12 @@ async def test_cancellation_at_scope_exit_loses_no_error(dev):
             dev.inject_fault("kernel_fault")
             gpu.submit(add(x, 1.0))  # dropped; fails on the device
             cs.cancel()
-    # The default policy puts the kernel behind the zero fill it depends on, on
-    # that fill's stream; with batched markers the fill shares the kernel's
-    # failed burst and reports the same error. Nothing else may come out.
+    # The allocation, its zero fill (on the allocation's stream) and the kernel
+    # (the default policy puts it behind the fill it depends on) share one
+    # stream; with batched markers all three share the kernel's failed burst
+    # and report the same error. Nothing else may come out.
     errors = info.value.exceptions
-    assert [type(e) for e in errors] == [trio_cuda.LaunchError] * (2 if dev.batch_markers else 1)
+    assert [type(e) for e in errors] == [trio_cuda.LaunchError] * (3 if dev.batch_markers else 1)
     assert all("kernel_fault in kernel add_f4" in str(e) for e in errors)
     assert gpu.statistics().in_flight == 0
     assert dev.live_allocations == []

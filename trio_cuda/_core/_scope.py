@@ -347,6 +347,13 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         """A new uninitialised device array, allocated in stream order and
         owned by this scope. ``order`` is "C" (row-major) or "F"
         (column-major); ``dtype`` may be a structured NumPy dtype."""
+        return self._empty(shape, dtype, order, stream)[0]
+
+    def _empty(
+        self, shape: object, dtype: object, order: Literal["C", "F"], stream: Stream | None
+    ) -> tuple[DeviceArray, Stream]:
+        """``empty``, and the stream it was allocated on: work that
+        initialises the array goes there (the policy is asked once)."""
         self._check_open("empty")
         shp = normalize_shape(shape)
         dt = normalize_dtype(dtype)
@@ -354,7 +361,8 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         nbytes = math.prod(shp) * dt.itemsize
         s = self._pick(_ALLOC_OP, stream)
         ptr = self._driver.alloc(nbytes, s.handle)
-        return self._adopt(Allocation(self, ptr, nbytes), shp, dt, layout, s, _ALLOC_OP, "empty", track=True)
+        arr = self._adopt(Allocation(self, ptr, nbytes), shp, dt, layout, s, _ALLOC_OP, "empty", track=True)
+        return arr, s
 
     def _adopt(
         self,
@@ -390,9 +398,9 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
     ) -> DeviceArray:
         """A new device array of zero bytes (the fill is enqueued); any dtype,
         structured ones included."""
-        arr = self.empty(shape, dtype, order=order, stream=stream)
+        arr, s = self._empty(shape, dtype, order, stream)
         try:
-            self.submit(_ZeroBytes(arr), stream=stream)
+            self.submit(_ZeroBytes(arr), stream=s)
         except BaseException:
             arr.close()
             raise
@@ -411,9 +419,9 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         from ._ops import fill_pattern
 
         pattern = fill_pattern(normalize_dtype(dtype), fill_value)  # checked before allocating
-        arr = self.empty(shape, dtype, order=order, stream=stream)
+        arr, s = self._empty(shape, dtype, order, stream)
         try:
-            self.submit(_Fill(arr, pattern), stream=stream)
+            self.submit(_Fill(arr, pattern), stream=s)
         except BaseException:
             arr.close()
             raise
