@@ -959,3 +959,24 @@ async def test_partial_error_in_run_wakes_the_handoff():
                 await trio.sleep(0.001)  # retired with no waiter: the handoff did it
         assert gpu.statistics().leases_held == 0
     assert sim.violations == []
+
+
+async def test_wait_nowait_observes_and_retires_a_completion():
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        a = await gpu.to_device(host(16))
+        sim.hold()
+        try:
+            fut = gpu.submit(add(a, 1.0))
+            with pytest.raises(trio.WouldBlock):
+                fut.wait_nowait()
+            assert sim.run_until_idle() == 1  # done on the device; nobody looked yet
+            assert not fut.done()
+            assert gpu.statistics().leases_held == 1
+            assert fut.wait_nowait() is a  # looked, observed, retired: no checkpoint
+            assert fut.done()
+            assert gpu.statistics().leases_held == 0
+        finally:
+            sim.release()
+        np.testing.assert_array_equal(await gpu.to_host(a), host(16) + 1)
+    assert sim.violations == []
