@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import trio_cuda
 from trio_cuda._core._driver import DONE, PENDING, Capabilities, DeviceInfo, Poll
-from trio_cuda._core._scope import scope_manager
+from trio_cuda._core._manager import scope_manager
 
 perf = time.perf_counter
 LAUNCH = 1.8e-6

@@ -17,9 +17,9 @@ from collections.abc import Iterable
 from typing import Literal
 
 from ._backends import open_device, probe_cuda
+from ._core._manager import ScopeManager, scope_manager
 from ._core._multi import DevicePolicy, LeastLoadedDevice, PoolManager
 from ._core._policy import FollowWriter, SchedulingPolicy
-from ._core._scope import ScopeManager, scope_manager
 
 __all__ = ["open_device_pool", "open_scope"]
 

@@ -60,7 +60,8 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from ._future import DeviceFuture
-    from ._scope import ResourceScope, ScopeManager, ScopeStatistics
+    from ._manager import ScopeManager
+    from ._scope import ResourceScope, ScopeStatistics
     from ._stream import Stream
     from ._submit import EnqueueContext, Submission
 

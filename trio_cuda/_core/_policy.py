@@ -67,17 +67,7 @@ class LeastLoaded:
 
     def choose(self, streams: Sequence[Stream], op: DeviceOp[Any]) -> Stream:
         """The stream with the fewest submissions in flight."""
-        best = streams[0]
-        load = best._in_flight
-        if load:  # a plain loop: this runs on every unpinned submission
-            for s in streams:
-                n = s._in_flight
-                if n < load:
-                    best = s
-                    if not n:
-                        break
-                    load = n
-        return best
+        return _least_loaded(streams)
 
 
 @final
@@ -113,14 +103,20 @@ class FollowWriter:
                         i = s.index
                         if i < len(streams) and streams[i] is s:
                             return s
-        best = streams[0]  # LeastLoaded, inlined
-        load = best._in_flight
-        if load:
-            for s in streams:
-                n = s._in_flight
-                if n < load:
-                    best = s
-                    if not n:
-                        break
-                    load = n
-        return best
+        return _least_loaded(streams)
+
+
+def _least_loaded(streams: Sequence[Stream]) -> Stream:
+    """The stream with the fewest submissions in flight, the lowest index on
+    ties; a plain loop, as this runs on every unpinned submission."""
+    best = streams[0]
+    load = best._in_flight
+    if load:
+        for s in streams:
+            n = s._in_flight
+            if n < load:
+                best = s
+                if not n:
+                    break
+                load = n
+    return best

@@ -1,0 +1,173 @@
+"""The manager that ``open_scope`` returns: it opens one scope once.
+
+Invariants:
+
+* A :class:`ScopeManager` is single-use: entering it again raises
+  ``RuntimeError``.
+* Options are checked when the manager is made, before any device is opened.
+* Exit drains the scope (shielded) whatever the reason, then releases what it
+  owns; errors nobody observed come out as one ``BaseExceptionGroup``, with the
+  body's own exception first. ``Cancelled`` is never wrapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import math
+import numbers
+from collections.abc import Callable
+from typing import TYPE_CHECKING, final
+
+import trio
+
+from ._policy import FollowWriter, SchedulingPolicy
+from ._scope import ResourceScope, _current
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from ._driver import DeviceContext
+
+__all__ = ["ScopeManager", "scope_manager"]
+
+log = logging.getLogger("trio_cuda")
+
+
+_CONFLICTS = ("order", "error")
+
+
+@final
+class ScopeManager:
+    """What :func:`~trio_cuda.open_scope` returns: an async context manager
+    that opens one :class:`ResourceScope` once. The device is opened on
+    entry, by ``opener`` (``trio_cuda._open`` picks the backend)."""
+
+    __slots__ = (
+        "_conflicts",
+        "_drain_timeout",
+        "_entered",
+        "_nursery_cm",
+        "_opener",
+        "_policy",
+        "_scope",
+        "_streams",
+        "_token",
+    )
+
+    _nursery_cm: contextlib.AbstractAsyncContextManager[trio.Nursery]
+    _token: contextvars.Token[ResourceScope]
+
+    def __init__(
+        self,
+        opener: Callable[[], DeviceContext],
+        streams: int,
+        conflicts: str,
+        drain_timeout: float | None,
+        policy: SchedulingPolicy,
+    ) -> None:
+        self._opener = opener
+        self._streams = streams
+        self._conflicts = conflicts
+        self._drain_timeout = drain_timeout
+        self._policy = policy
+        self._scope: ResourceScope | None = None
+        self._entered = False
+
+    async def __aenter__(self) -> ResourceScope:
+        await trio.lowlevel.checkpoint()
+        if self._entered:
+            raise RuntimeError(
+                "open_scope(): this manager was already entered; it opens one scope once "
+                "(call open_scope() again for another scope)"
+            )
+        self._entered = True
+        driver = self._opener()
+        try:
+            scope = ResourceScope._create(driver, self._streams, self._conflicts, self._policy)
+        except BaseException:
+            driver.close()
+            raise
+        self._nursery_cm = trio.open_nursery()
+        nursery = await self._nursery_cm.__aenter__()
+        nursery.start_soon(scope._handoff)
+        self._scope = scope
+        self._token = _current.set(scope)
+        log.debug("opened %r", scope)
+        return scope
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        scope = self._scope
+        assert scope is not None
+        _current.reset(self._token)
+        scope._closing = True
+        timeout = self._drain_timeout
+        internal: list[BaseException] = []
+        try:
+            with trio.CancelScope(shield=True):
+                await scope._drain(timeout)
+                for ext in list(scope._extensions.values()):
+                    ext.abandon(timeout)  # still held when drain_timeout passed
+                if scope._work_remains():
+                    scope._abandon_in_flight(timeout)
+                scope._release_everything()
+        finally:
+            scope._closed = True
+            if scope._handoff_cs is not None:
+                scope._handoff_cs.cancel()
+            try:
+                await self._nursery_cm.__aexit__(None, None, None)
+            except trio.Cancelled:
+                if exc is None:
+                    raise
+            except BaseException as nursery_exc:  # the handoff task crashed
+                internal.append(nursery_exc)
+        errors: list[BaseException] = [s.error for s in scope._unobserved if s.error is not None]
+        errors.extend(scope._orphan_errors)
+        errors.extend(internal)
+        scope._unobserved.clear()
+        scope._orphan_errors.clear()
+        if not errors:
+            if exc is None:
+                await trio.lowlevel.checkpoint()
+            return False
+        if exc is not None:
+            errors.insert(0, exc)
+        raise BaseExceptionGroup(
+            "errors from trio_cuda scope (work nobody awaited, or that failed late)", errors
+        )
+
+
+def scope_manager(
+    opener: Callable[[], DeviceContext],
+    streams: int = 4,
+    conflicts: str = "order",
+    drain_timeout: float | None = None,
+    policy: SchedulingPolicy | None = None,
+) -> ScopeManager:
+    """Check the options of :func:`~trio_cuda.open_scope` up front and make
+    its manager; ``opener`` opens the device on entry."""
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise ValueError(f"streams: expected an int >= 1, got {streams!r}")
+    if conflicts not in _CONFLICTS:
+        raise ValueError(f"conflicts: expected 'order' or 'error', got {conflicts!r}")
+    if drain_timeout is not None:
+        if (
+            isinstance(drain_timeout, bool)
+            or not isinstance(drain_timeout, numbers.Real)
+            or math.isnan(drain_timeout)
+            or drain_timeout < 0
+        ):
+            raise ValueError(f"drain_timeout: expected None or a number >= 0, got {drain_timeout!r}")
+        drain_timeout = None if math.isinf(drain_timeout) else float(drain_timeout)
+    if policy is None:
+        policy = FollowWriter()
+    elif not callable(getattr(policy, "choose", None)):
+        raise TypeError(f"policy: expected a SchedulingPolicy (with a choose() method), got {policy!r}")
+    return ScopeManager(opener, streams, conflicts, drain_timeout, policy)
