@@ -792,3 +792,46 @@ def test_drain_timeout_zero_finishes_a_released_export() -> None:
     assert stats[0].quarantined_leases == 0
     assert sim.live_allocations == []
     assert sim.violations == []
+
+
+# --------------------------------------------------------------------------- waiter-side completion
+
+
+def test_failing_free_inside_a_retirement_neither_hangs_nor_half_retires(sim, monkeypatch):
+    # Retirement (by an awaiting task or the handoff) frees memory whose last
+    # lease it releases; a free that fails there (its ResourceWarning raised
+    # as an error by a warnings filter) must not leave the submission
+    # half-retired, which would hang the scope's exit.
+    async def body() -> None:
+        with pytest.RaisesGroup(ResourceWarning):
+            async with trio_cuda.open_scope(device=sim) as gpu:
+                a = gpu.zeros(16, np.float32)
+
+                def failing_free(self: object, ptr: int, nbytes: int) -> None:
+                    raise RuntimeError("free refused")
+
+                monkeypatch.setattr(type(gpu._driver), "free", failing_free)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", ResourceWarning)
+                    a.close()  # freed when the zero fill's lease retires
+                    assert await gpu.run(ops.value(1)) == 1
+                    await trio.testing.wait_all_tasks_blocked()
+                    st = gpu.statistics()
+                    assert (st.in_flight, st.leases_held) == (0, 0)
+
+    run_bounded(body, limit=10)
+
+
+def test_wait_nowait_from_a_worker_thread_is_refused(sim):
+    async def body() -> None:
+        async with trio_cuda.open_scope(device=sim) as gpu:
+            sim.hold()
+            try:
+                fut = gpu.submit(trio_cuda.ops.fill(gpu.empty(8, np.float32), 1.0))
+                with pytest.raises(RuntimeError, match="wait_nowait: expected a call from the Trio run"):
+                    await trio.to_thread.run_sync(fut.wait_nowait)
+                assert not fut.done()
+            finally:
+                sim.release()
+
+    run_bounded(body, limit=10)

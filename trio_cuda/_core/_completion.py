@@ -408,7 +408,10 @@ class Completion:
             if alloc.scope is self:
                 # MemoryTable._maybe_free, inline
                 if not alloc.active and alloc.handles <= 0 and alloc.state is live:
-                    self._free(alloc)
+                    try:
+                        self._free(alloc)
+                    except BaseException as exc:  # a warning raised as an error: never half-retire
+                        self._orphan_errors.append(exc)
             else:  # a cross-scope copy's lease on another scope's memory
                 release_foreign(alloc)
         sub.owners = sub.finishers = None
