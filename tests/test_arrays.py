@@ -152,19 +152,25 @@ async def test_non_contiguous_and_fancy_views_are_refused(sim):
         assert x._alloc.handles == before  # nothing was created
 
 
-async def test_a_views_lease_conflicts_with_its_parents(sim):
+async def test_a_views_lease_covers_its_bytes_only(sim):
     async with trio_cuda.open_scope(device=sim, streams=2, conflicts="error") as gpu:
         s0, s1 = gpu.streams
         x = await gpu.to_device(np.zeros(8, F4))
         tail = x[4:]
         sim.hold()
-        gpu.submit(ops.fill(x[:4], 1.0), stream=s0)  # writes the head only
-        # ...but leases are per allocation: the tail conflicts too
+        head_fill = gpu.submit(ops.fill(x[:4], 1.0), stream=s0)  # writes the head only
+        # the tail is disjoint from the head: no conflict, on any stream
+        tail_read = gpu.submit(ops.copy(np.zeros(4, F4), tail), stream=s1)
+        # the parent overlaps the head: read-after-write, refused
         with pytest.raises(AccessConflictError, match="read-after-write"):
-            gpu.submit(ops.copy(np.zeros(4, F4), tail), stream=s1)
-        # reads through a read-only view on two streams never conflict
+            gpu.submit(ops.copy(np.zeros(8, F4), x), stream=s1)
+        # so does a view that straddles the boundary by one element
+        with pytest.raises(AccessConflictError, match=r"bytes \[0, 16\)"):
+            gpu.submit(ops.copy(np.zeros(2, F4), x[3:5]), stream=s1)
         sim.release()
-        await gpu.run(ops.value(None), stream=s0)
+        await head_fill.wait()
+        await tail_read.wait()
+        # reads through a read-only view on two streams never conflict
         ro = tail.as_readonly()
         sim.hold()
         f0 = gpu.submit(ops.copy(np.zeros(4, F4), ro), stream=s0)
@@ -172,6 +178,7 @@ async def test_a_views_lease_conflicts_with_its_parents(sim):
         sim.release()
         await f0.wait()
         await f1.wait()
+    assert sim.violations == []
 
 
 async def test_view_write_on_another_stream_is_ordered_after_the_parent_read(sim):

@@ -403,7 +403,7 @@ async def test_exporting_memory_another_scope_is_writing_orders_after_that_write
             src = await b.to_device(np.ones(6, dtype=F4))
             sim.hold()
             fut = b.submit(ops.copy(x, src))  # b's copy writes a's x, in flight
-            assert x._alloc.last_writer.scope is b
+            assert [w.scope for w in x._alloc.writers] == [b]
             capsule = x.__dlpack__(max_version=(1, 0))  # exported by a, ordered after b's copy
             assert not fut.done()
             sim.release()

@@ -162,7 +162,7 @@ def _same_launch(fast: KernelLaunch, checked: KernelLaunch) -> None:
     else:
         assert fast._output is checked._output
     assert [_view_key(v) for v in fp.arg_views()] == [_view_key(v) for v in cp.arg_views()]
-    assert fast._allocs is None
+    assert fast._lease_plan is None
     assert set(fp.cache) <= {"views"}  # its own scratch space, unused so far
     with pytest.raises(AttributeError):
         fast._output = None  # type: ignore[misc]

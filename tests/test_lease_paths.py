@@ -10,7 +10,7 @@ and submitted again later, on policy-chosen or pinned streams, with
 ``conflicts="order"`` or ``"error"``, a held device stepped at random,
 injected faults) twice on fresh simulated devices, once with each setting,
 and compares after every step: the exceptions (type and message), every
-allocation's lease table (``active``, ``last_writer``, ``readers``, state,
+allocation's lease table (``active``, ``writers``, ``readers`` with their extents, state,
 handles), the commands queued on every stream (cross-stream
 ``wait_marker`` commands included), the scope's statistics; at the end the
 device trace and counters, the memory contents and the exit's errors. Both
@@ -131,7 +131,6 @@ class Run:
     def snapshot(self, gpu: trio_cuda.ResourceScope, what: Any, outcome: Any) -> None:
         allocs = []
         for alloc in gpu._allocs:
-            w = alloc.last_writer
             allocs.append(
                 (
                     alloc.ptr,
@@ -139,8 +138,8 @@ class Run:
                     alloc.state.value,
                     alloc.handles,
                     alloc.active,
-                    None if w is None else w.id,
-                    tuple(sorted(r.id for r in alloc.readers)),
+                    tuple(sorted((w.id, e) for w, e in alloc.writers.items())),
+                    tuple(sorted((r.id, e) for r, e in alloc.readers.items())),
                 )
             )
         queues = tuple(tuple((c.seq, c.kind, c.label) for c in s.handle._queue) for s in gpu.streams)
@@ -256,8 +255,7 @@ def _why_general(scope: Any, stream: Any, op: Any) -> str:
             return f"{alloc.state.value} memory"
         if write and arr._readonly:  # pragma: no cover - k.launch refuses it
             return "read-only write"
-        w = alloc.last_writer
-        if w is not None and w.stream is not stream:
+        if any(w.stream is not stream for w in alloc.writers):
             return "writer on another stream"
         if write and any(r.stream is not stream for r in alloc.readers):
             return "reader on another stream"

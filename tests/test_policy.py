@@ -183,8 +183,7 @@ async def test_default_follows_only_a_writer_on_a_stream_of_its_own_scope():
         await trio.testing.wait_all_tasks_blocked()
         with held(sim):
             b.submit(ops.copy(y, src), stream=b.streams[2])
-            writer = y._alloc.last_writer
-            assert writer is not None
+            [writer] = y._alloc.writers
             assert writer.stream is b.streams[2]
             fut = a.submit(read(y))
             assert fut.stream is a.streams[0]  # least-loaded, with a device-side wait

@@ -11,9 +11,11 @@ Invariants:
   the free is deferred to the retirement of the last use. Garbage collection
   never mutates runtime state directly: it queues the release for the scope's
   completion-handoff task.
-* Leases are per allocation: views, slices and read-only handles share their
-  allocation's lease table, so work through any of them is ordered against
-  work through all the others.
+* Leases are kept in the allocation's lease table, each with the byte extent
+  of the view it was taken through (``_extent``): work through any view,
+  slice or read-only handle is ordered against work through every other view
+  whose extent overlaps it, and never against disjoint ones. ``active`` counts
+  leases per allocation, so freeing stays per allocation.
 * A handle is C- or F-contiguous (``order``); views that would not be are
   refused. ``_offset`` is the handle's byte offset into its allocation.
 * A borrowed allocation (``borrowed``) is never freed: "freeing" it drops the
@@ -44,6 +46,7 @@ from ._ops import Access
 if TYPE_CHECKING:
     from types import TracebackType
 
+    from ._extent import Extent
     from ._scope import ResourceScope
     from ._submit import Submission
 
@@ -64,13 +67,13 @@ class Allocation:
         "borrowed",
         "exports",
         "handles",
-        "last_writer",
         "nbytes",
         "owner",
         "ptr",
         "readers",
         "scope",
         "state",
+        "writers",
     )
 
     def __init__(self, scope: ResourceScope, ptr: int, nbytes: int) -> None:
@@ -81,9 +84,10 @@ class Allocation:
         self.state = AllocState.LIVE
         #: number of in-flight submissions holding a lease on it
         self.active = 0
-        #: in-flight work later accesses must order after
-        self.last_writer: Submission | None = None
-        self.readers: dict[Submission, None] = {}
+        #: in-flight work later accesses must order after, with the extent of
+        #: its write or read; an entry covered by a later write is dropped
+        self.writers: dict[Submission, Extent] = {}
+        self.readers: dict[Submission, Extent] = {}
         #: exports a foreign consumer still holds (see ``_export``)
         self.exports = 0
         #: "" for own memory; "read" or "write" for another library's memory

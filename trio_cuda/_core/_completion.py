@@ -401,8 +401,8 @@ class Completion:
         live = AllocState.LIVE
         for alloc in sub.leases:
             alloc.active -= 1
-            if alloc.last_writer is sub:
-                alloc.last_writer = None
+            if alloc.writers:
+                alloc.writers.pop(sub, None)
             if alloc.readers:
                 alloc.readers.pop(sub, None)
             if alloc.scope is self:

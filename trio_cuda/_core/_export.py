@@ -8,7 +8,8 @@ when the consumer releases it.
 Invariants:
 
 * Opening an export takes a read lease (read-only handle) or a write lease
-  (writable handle) exactly as a submission would: earlier conflicting work on
+  (writable handle) on the exported view's bytes exactly as a submission
+  would: earlier conflicting work on
   other streams becomes a device-side wait on the export's stream, and the
   consumer's stream is made to wait, device-side, for that stream (DLPack), or
   the exported ``stream`` names it (CAI). Nothing blocks the host.
@@ -45,8 +46,9 @@ import trio
 
 from ._array import AllocState
 from ._errors import AccessConflictError, CompletionUnknownError
+from ._extent import array_extent
 from ._ops import Access, DeviceOp
-from ._submit import TERMINAL, Submission, SubState, take_leases
+from ._submit import TERMINAL, Submission, SubState, overlapping, take_leases
 
 if TYPE_CHECKING:
     from ._array import DeviceArray
@@ -299,13 +301,15 @@ class Export:
 
 
 def in_flight_conflicts(arr: DeviceArray, access: Access) -> bool:
-    """True if in-flight work a consumer with ``access`` must wait for exists."""
+    """True if in-flight work a consumer with ``access`` of ``arr``'s bytes
+    must wait for exists (work on disjoint bytes of the allocation does not
+    count)."""
     alloc = arr._alloc
-    w = alloc.last_writer
-    if w is not None and w.state not in TERMINAL:
+    ext = array_extent(arr)
+    if any(w.state not in TERMINAL for w in overlapping(alloc.writers, ext)):
         return True
     if access is Access.WRITE:
-        return any(r.state not in TERMINAL for r in alloc.readers)
+        return any(r.state not in TERMINAL for r in overlapping(alloc.readers, ext))
     return False
 
 
@@ -324,12 +328,16 @@ def open_export(
     if scope._enqueuing:
         raise RuntimeError(f"{what}: cannot export from inside a then/map closure of a submission")
     reg = _registry(scope)
-    w = alloc.last_writer
-    # The consumer orders after the last writer's stream when it is one of this
-    # scope's; another scope's writer (a cross-scope copy) becomes a
-    # device-side wait on the export's own stream (take_leases, below).
-    own = w is not None and w.scope is scope and w.state is SubState.IN_FLIGHT
-    stream = w.stream if own else scope._streams[0]  # type: ignore[union-attr]
+    # The consumer orders after the stream of the latest in-flight writer of
+    # the exported bytes when it is one of this scope's; other writers (other
+    # streams, another scope's cross-scope copy) become device-side waits on
+    # the export's own stream (take_leases, below).
+    own = [
+        w
+        for w in overlapping(alloc.writers, array_extent(arr))
+        if w.scope is scope and w.state is SubState.IN_FLIGHT
+    ]
+    stream = own[-1].stream if own else scope._streams[0]
     pending = in_flight_conflicts(arr, access)
     export = Export(arr, access, kind, consumer, stream)
     scope._next_id += 1

@@ -177,8 +177,10 @@ class _Generation:
 
     def __init__(self, scope: ResourceScope) -> None:
         self.scope = scope
-        #: one internal handle and the strongest access per captured allocation
-        self.leases: dict[Allocation, tuple[DeviceArray, Access]] = {}
+        #: one internal handle and the strongest access per captured view
+        #: extent (allocation, byte offset, bytes): each replay leases exactly
+        #: the bytes the captured work touches
+        self.leases: dict[tuple[Allocation, int, int], tuple[DeviceArray, Access]] = {}
         self.accesses: tuple[tuple[DeviceArray, Access], ...] = ()
         self.handles: list[DeviceArray] = []
         self.owners: list[object] = []
@@ -194,13 +196,14 @@ class _Generation:
         leases = self.leases
         for arr, access in accesses:
             alloc = arr._alloc
-            held = leases.get(alloc)
+            key = (alloc, arr._offset, arr.nbytes)
+            held = leases.get(key)
             if held is None:
-                handle = DeviceArray._create(alloc, arr.shape, arr.dtype, offset=arr._offset)
+                handle = DeviceArray._create(alloc, arr.shape, arr.dtype, order=arr.order, offset=arr._offset)
                 self.handles.append(handle)
-                leases[alloc] = (handle, access)
+                leases[key] = (handle, access)
             elif access is Access.WRITE and held[1] is not Access.WRITE:
-                leases[alloc] = (held[0], access)
+                leases[key] = (held[0], access)
 
     def seal(self, output: object) -> None:
         self.output = output
@@ -208,7 +211,11 @@ class _Generation:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.leases)
+        return sum(a.nbytes for a in self.allocations())
+
+    def allocations(self) -> set[Allocation]:
+        """The allocations the captured work touches."""
+        return {key[0] for key in self.leases}
 
     def release(self) -> None:
         """Drop everything (idempotent). The allocations are freed once no
@@ -583,8 +590,8 @@ class CudaGraph(metaclass=NoPublicConstructor):
             replays=self._replays,
             in_flight=self._in_flight,
             updates=self._updates,
-            retained_allocations=len({a for g in gens for a in g.leases}),
-            retained_bytes=sum(a.nbytes for a in {a for g in gens for a in g.leases}),
+            retained_allocations=len(allocs := {a for g in gens for a in g.allocations()}),
+            retained_bytes=sum(a.nbytes for a in allocs),
             closed=self._closed,
             destroyed=self._destroyed,
         )

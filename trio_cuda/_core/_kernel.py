@@ -332,7 +332,7 @@ def _compile_fast(kernel: Kernel) -> FastLauncher | None:
         "    p.arena = arena\n    p.args = None\n    p.values = args\n    p.cache = {}\n"
         # (as ``_launch._make_launch`` does)
         "    launch = new(UnderConstruction)\n"
-        "    launch.prepared = p\n    launch._accesses = accesses\n    launch._allocs = None\n"
+        "    launch.prepared = p\n    launch._accesses = accesses\n    launch._lease_plan = None\n"
         f"    launch._output = {output}\n"
         "    launch.__class__ = KernelLaunch\n"
         "    return launch"

@@ -6,9 +6,9 @@ Invariants:
   assignment) and reusable. Its parameters are packed exactly once, into the
   arena of its :class:`PreparedLaunch`, and reused by every submission of the
   same launch.
-* A launch's accesses hold one entry per allocation, with the strongest mode
-  (:func:`_merge_accesses`); its output is the array it writes, a tuple of
-  them, or None.
+* A launch's accesses hold one entry per view extent (an allocation and a
+  byte range), with the strongest mode (:func:`_merge_accesses`); its output
+  is the array it writes, a tuple of them, or None.
 * A :class:`PreparedLaunch` is immutable by convention; only ``cache``, the
   backends' scratch space, is filled (on first launch). Its
   argument views are given, or derived once from the argument values.
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, final
 import attrs
 import numpy as np
 
-from ._array import Allocation, DeviceArray
+from ._array import DeviceArray
 from ._final import NoPublicConstructor
 from ._ops import Access, DeviceOp
 from ._params import Param, Scalar, Slice
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ._arena import ParamPlan
     from ._config import LaunchConfig
     from ._kernel import Kernel
-    from ._submit import EnqueueContext
+    from ._submit import EnqueueContext, LeasePlan
 
 
 @attrs.frozen
@@ -142,10 +142,12 @@ def _views_of(params: Sequence[Param], values: Sequence[object]) -> tuple[ArgVie
 def _merge_accesses(
     accesses: Sequence[tuple[DeviceArray, Access]],
 ) -> tuple[tuple[DeviceArray, Access], ...]:
-    """One entry per allocation, with the strongest access."""
-    merged: dict[int, tuple[DeviceArray, Access]] = {}
+    """One entry per allocation and byte extent, with the strongest access
+    (views of one allocation with different extents keep their own entries:
+    their leases cover different bytes)."""
+    merged: dict[tuple[int, int, int], tuple[DeviceArray, Access]] = {}
     for arr, access in accesses:
-        key = id(arr._alloc)
+        key = (id(arr._alloc), arr._offset, arr.nbytes)
         prev = merged.get(key)
         if prev is None or (access is Access.WRITE and prev[1] is Access.READ):
             merged[key] = (arr, access)
@@ -165,15 +167,16 @@ class KernelLaunch(DeviceOp[Any], metaclass=NoPublicConstructor):
     """One immutable, reusable kernel launch (a DeviceOp). Its output is the
     array it writes, a tuple of them if several, or None."""
 
-    __slots__ = ("_accesses", "_allocs", "_output", "prepared")
+    __slots__ = ("_accesses", "_lease_plan", "_output", "prepared")
 
     _obtain = "use Kernel.launch() or a builder"
 
     prepared: PreparedLaunch
     _accesses: tuple[tuple[DeviceArray, Access], ...]
-    #: the allocations it leases, shared by every submission of this launch
-    #: (made by its first safe submission, ``take_launch_leases``)
-    _allocs: tuple[Allocation, ...] | None
+    #: the allocations it leases (each once) and one (allocation, access,
+    #: extent, whole) entry per access, shared by every submission of this
+    #: launch (made by its first safe submission, ``take_launch_leases``)
+    _lease_plan: LeasePlan | None
     _output: object
 
     @classmethod
@@ -223,7 +226,7 @@ def _make_launch(
     self = object.__new__(_LaunchUnderConstruction)
     self.prepared = prepared  # type: ignore[attr-defined]
     self._accesses = accesses  # type: ignore[attr-defined]
-    self._allocs = None  # type: ignore[attr-defined]
+    self._lease_plan = None  # type: ignore[attr-defined]
     self._output = output  # type: ignore[attr-defined]
     self.__class__ = KernelLaunch  # type: ignore[assignment]
     return self  # type: ignore[return-value]

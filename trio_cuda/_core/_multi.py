@@ -53,6 +53,7 @@ import trio
 from ._array import Allocation, AllocState, DeviceArray
 from ._driver import MarkerState
 from ._errors import CompletionUnknownError, KernelArgumentError, ScopeClosedError, TrioCudaError
+from ._extent import array_extent
 from ._final import NoPublicConstructor
 from ._ops import Access, DeviceOp
 
@@ -129,11 +130,8 @@ def foreign_lease_count(scope: ResourceScope) -> int:
 def _foreign_users(scope: ResourceScope, alloc: Allocation) -> list[Submission]:
     from ._submit import SubState
 
-    users = [r for r in alloc.readers if r.scope is not scope]
-    w = alloc.last_writer
-    if w is not None and w.scope is not scope:
-        users.append(w)
-    return [u for u in users if u.state is SubState.IN_FLIGHT]
+    users = [*alloc.readers, *alloc.writers]
+    return [u for u in users if u.scope is not scope and u.state is SubState.IN_FLIGHT]
 
 
 def abandon_foreign(scope: ResourceScope, timeout: float | None) -> None:
@@ -169,7 +167,7 @@ def _scope_label(scope: ResourceScope) -> str:
 def cross_scope_copy(ctx: EnqueueContext, dst: DeviceArray, src: DeviceArray) -> None:
     """``EnqueueContext.copy`` for two device arrays of which at least one is
     owned by another scope (see the module invariants)."""
-    from ._submit import SubState, take_leases
+    from ._submit import SubState, overlapping, take_leases
 
     scope = ctx.scope
     d_owner = dst._alloc.scope
@@ -201,16 +199,17 @@ def cross_scope_copy(ctx: EnqueueContext, dst: DeviceArray, src: DeviceArray) ->
         raise KernelArgumentError(str(exc)) from None
     sub = ctx.submission
     accesses = ((src, Access.READ), (dst, Access.WRITE))
-    writer: Submission | None = None
+    writers: list[Submission] = []
     if sub is None:  # unsafe.async_on: checks only, no leases
         take_leases(scope, ctx.stream, None, accesses, "copy", foreign=True)
     else:
         new = [
             a for a in {dst._alloc: None, src._alloc: None} if a.scope is not scope and a not in sub.leases
         ]
-        w = src._alloc.last_writer
-        if s_owner is not scope and w is not None and w.state is SubState.IN_FLIGHT:
-            writer = w
+        if s_owner is not scope:  # the other scope's in-flight writers of the copied bytes
+            writers = [
+                w for w in overlapping(src._alloc.writers, array_extent(src)) if w.state is SubState.IN_FLIGHT
+            ]
         take_leases(scope, ctx.stream, sub, accesses, "copy", foreign=True)
         for a in new:
             _add_foreign(a.scope)
@@ -219,8 +218,8 @@ def cross_scope_copy(ctx: EnqueueContext, dst: DeviceArray, src: DeviceArray) ->
     )
     if token is not None:
         ctx.retain(token)
-    if writer is not None:
-        ctx.on_retire(_ProducerCheck(writer, s_owner))
+    for w in writers:
+        ctx.on_retire(_ProducerCheck(w, s_owner))
     ctx._enqueued()
 
 

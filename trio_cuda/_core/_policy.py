@@ -7,7 +7,7 @@ Invariants:
   is allocated, leased or enqueued, and refuses anything else.
 * Policies hold no resources and never block. They run on every unpinned
   submission, so they read only counters and links the scope already keeps
-  (a stream's ``_in_flight``, an allocation's ``last_writer``) in plain loops.
+  (a stream's ``_in_flight``, an allocation's ``writers``) in plain loops.
 * The default, :class:`FollowWriter`, lets independent work overlap: it never
   puts work behind another stream's unrelated work while a stream with less in
   flight exists, except to follow a kernel's own dependency (then the kernel
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, final
 
 import attrs
 
+from ._extent import array_extent, overlaps
 from ._launch import KernelLaunch
 
 if TYPE_CHECKING:
@@ -76,11 +77,12 @@ class FollowWriter:
     """The default policy: :class:`LeastLoaded`, except that a kernel launch
     follows its dependency.
 
-    If an array argument of a kernel launch was last written by work that is
-    still in flight and is the last work queued on its stream, the launch goes
-    on that stream: it could not start sooner on any other (it must wait for
-    that write), it needs no cross-stream wait there, and the idle streams stay
-    free for independent work, so a chain of dependent kernels occupies one
+    If bytes an array argument of a kernel launch touches were last written
+    by work that is still in flight and is the last work queued on its stream
+    (a write of a disjoint range of the same buffer does not count), the
+    launch goes on that stream: it could not start sooner on any other (it
+    must wait for that write), it needs no cross-stream wait there, and the
+    idle streams stay free for independent work, so a chain of dependent kernels occupies one
     stream instead of one per link. Anything else (other ops, arguments with no
     write in flight, a writer with more work queued behind it) goes to the
     stream with the fewest submissions in flight, the lowest index on ties.
@@ -90,13 +92,18 @@ class FollowWriter:
         """The stream of a kernel's in-flight writer at its stream's tail, else
         the least-loaded stream."""
         if type(op) is KernelLaunch:
-            # The write an access must order after is its allocation's
-            # ``last_writer`` (what ``take_leases`` waits for). If leases
-            # become finer than whole allocations, this must follow the same
-            # rule, or disjoint chunks of one buffer would share a stream.
+            # The writes an access must order after are the entries of its
+            # allocation's ``writers`` whose extent overlaps the access (what
+            # ``take_leases`` waits for): a writer of a disjoint chunk of the
+            # same buffer is not one, so independent chunks spread out.
             for arr, _ in op._accesses:
-                w = arr._alloc.last_writer
-                if w is not None:
+                writers = arr._alloc.writers
+                if not writers:
+                    continue
+                ext = array_extent(arr)
+                for w, wext in writers.items():
+                    if not overlaps(wext, ext):
+                        continue
                     s = w.stream
                     queued = s._unmarked or s._pending
                     if queued and queued[-1] is w:

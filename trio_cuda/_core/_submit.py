@@ -28,6 +28,7 @@ import trio
 from ._array import Allocation, AllocState, DeviceArray, h2d_source, host_layout
 from ._driver import Finisher, Gate, Marker, MarkerState
 from ._errors import AccessConflictError, CompletionUnknownError, KernelArgumentError
+from ._extent import Extent, array_extent, covers, describe, overlaps, union
 from ._ops import Access, HostResult
 
 if TYPE_CHECKING:
@@ -226,10 +227,7 @@ class EnqueueContext:
 
                 cross_scope_copy(self, dst, src)  # another scope's memory: see _multi
                 return
-            if src._alloc is dst._alloc:
-                self.use([(dst, Access.WRITE)], what="copy")
-            else:
-                self.use([(src, Access.READ), (dst, Access.WRITE)], what="copy")
+            self.use([(src, Access.READ), (dst, Access.WRITE)], what="copy")
             d.copy_d2d(h, dst.ptr, src.ptr, dst.nbytes)
         elif isinstance(dst, DeviceArray):
             assert isinstance(src, np.ndarray)
@@ -303,9 +301,13 @@ def take_leases(
     ``sub`` None (the unsafe path) only checks. ``foreign=True`` (cross-scope
     copies, see ``_multi``) accepts live arrays of other scopes; their leases
     are recorded on their allocations as any other, and conflicts with the
-    other scope's in-flight work become device-side waits on its markers."""
+    other scope's in-flight work become device-side waits on its markers.
+
+    Each lease covers the byte extent of the view it is taken through: only
+    in-flight work on another stream whose extent overlaps it conflicts."""
     waits: dict[int, Submission] | None = None
     write = Access.WRITE
+    extents: list[Extent] = []
     for arr, access in accesses:
         alloc = arr._alloc
         if arr._closed or alloc.state is not AllocState.LIVE or (alloc.scope is not scope and not foreign):
@@ -317,13 +319,18 @@ def take_leases(
             raise KernelArgumentError(f"{what}: write access to a read-only array ({arr!r})")
         if sub is None:
             continue
-        w = alloc.last_writer
-        if w is not None and w is not sub and w.stream is not stream:
-            waits = _conflict(scope, stream, waits, arr, w, write, access, what)
+        ext = array_extent(arr)
+        extents.append(ext)
+        if not ext:
+            continue
+        if alloc.writers:
+            for w, wext in tuple(alloc.writers.items()):
+                if w is not sub and w.stream is not stream and overlaps(wext, ext):
+                    waits = _conflict(scope, stream, waits, arr, w, write, access, what, wext)
         if access is write and alloc.readers:
-            for r in alloc.readers:
-                if r is not sub and r.stream is not stream:
-                    waits = _conflict(scope, stream, waits, arr, r, Access.READ, access, what)
+            for r, rext in tuple(alloc.readers.items()):
+                if r is not sub and r.stream is not stream and overlaps(rext, ext):
+                    waits = _conflict(scope, stream, waits, arr, r, Access.READ, access, what, rext)
     if sub is None:
         return
     if waits:
@@ -337,7 +344,7 @@ def take_leases(
     if type(leases) is not dict:
         assert not leases, "a single launch's leases are taken once"
         leases = sub.leases = {}
-    for arr, access in accesses:
+    for (arr, access), ext in zip(accesses, extents):
         alloc = arr._alloc
         prev = leases.get(alloc)
         if prev is None:
@@ -345,12 +352,44 @@ def take_leases(
             alloc.active += 1
         elif prev is not access and access is write:
             leases[alloc] = access
-        if access is write:
-            alloc.last_writer = sub
-            if alloc.readers:
-                alloc.readers.clear()
+        record_lease(alloc, sub, access, ext)
+
+
+def record_lease(alloc: Allocation, sub: Submission, access: Access, ext: Extent) -> None:
+    """Enter ``sub``'s lease on ``ext`` of ``alloc`` in its lease table (its
+    ``active`` count is the caller's). A write drops the entries of other
+    work its extent covers: they are ordered before it, and whatever overlaps
+    them overlaps it."""
+    if not ext:
+        return
+    if access is Access.WRITE:
+        writers = alloc.writers
+        prev = writers.get(sub)
+        if prev is not None:
+            ext = union(prev, ext)
+        readers = alloc.readers
+        if ext[0] == 0 and len(ext) == 2 and ext[1] >= alloc.nbytes:
+            writers.clear()  # the whole allocation: everything is covered
+            if readers:
+                readers.clear()
         else:
-            alloc.readers[sub] = None
+            if writers:
+                for w in [w for w, e in writers.items() if covers(ext, e)]:
+                    del writers[w]
+            if readers:
+                for r in [r for r, e in readers.items() if covers(ext, e)]:
+                    del readers[r]
+        writers[sub] = ext
+    else:
+        readers = alloc.readers
+        prev = readers.get(sub)
+        readers[sub] = ext if prev is None else union(prev, ext)
+
+
+def overlapping(table: dict[Submission, Extent], ext: Extent) -> list[Submission]:
+    """The entries of a lease table (``alloc.writers``/``readers``) whose
+    extent overlaps ``ext``."""
+    return [s for s, e in table.items() if overlaps(e, ext)] if ext else []
 
 
 def _unknown(what: str, arr: DeviceArray, other: Submission) -> CompletionUnknownError:
@@ -369,6 +408,7 @@ def _conflict(
     held: Access,
     access: Access,
     what: str,
+    held_ext: Extent = (),
 ) -> dict[int, Submission] | None:
     """``other`` (in-flight, another stream) conflicts with this access:
     note a device-side wait, or raise under ``conflicts="error"``."""
@@ -398,7 +438,8 @@ def _conflict(
         raise AccessConflictError(
             f"{what}: {_conflict_name(held, access)} conflict on {arr!r}: in-flight "
             f"{other.label} on stream {other.stream.index} holds a "
-            f"{'write' if held is Access.WRITE else 'read'} lease; this work targets "
+            f"{'write' if held is Access.WRITE else 'read'} lease on {describe(held_ext)} of its allocation, "
+            f"which overlaps this access ({describe(array_extent(arr))}); this work targets "
             f"stream {stream.index} (conflicts='error')"
         )
     if waits is None:
@@ -412,44 +453,63 @@ def _conflict(
 FAST_LEASES = True
 
 
+#: (allocations, each once; entries of allocation, access, extent, whole)
+LeasePlan = tuple[tuple[Allocation, ...], tuple[tuple[Allocation, Access, Extent, bool], ...]]
+
+
+def launch_lease_plan(op: KernelLaunch) -> LeasePlan:
+    """``op``'s lease plan, made once and shared by its submissions."""
+    plan = op._lease_plan
+    if plan is None:
+        entries = []
+        for arr, access in op._accesses:
+            alloc = arr._alloc
+            ext = array_extent(arr)
+            whole = len(ext) == 2 and ext[0] == 0 and ext[1] >= alloc.nbytes
+            entries.append((alloc, access, ext, whole))
+        allocs = tuple(dict.fromkeys(e[0] for e in entries))
+        plan = (allocs, tuple(entries))
+        object.__setattr__(op, "_lease_plan", plan)
+    return plan
+
+
 def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op: KernelLaunch) -> None:
-    """``take_leases`` for a single kernel launch, from its access plan (one
-    entry per allocation, merged when the launch was made): when every array
-    is a live, usable array of this scope and no other stream holds a
-    conflicting lease, the leases are recorded with no per-submission
-    allocation (``sub.leases`` is the launch's shared tuple). Anything else (a
-    conflict to order or refuse, a read-only, closed, quarantined or foreign
-    array, an export) takes the general path, which gives the same result or
-    raises the same error (``tests/test_lease_paths.py`` checks both agree)."""
-    accesses = op._accesses
+    """``take_leases`` for a single kernel launch, from its lease plan: when
+    every array is a live, usable array of this scope and no other stream
+    holds a lease in the way (a writer at all, or a reader where this
+    launch writes), the leases are recorded with no per-submission
+    allocation (``sub.leases`` is the plan's shared tuple of allocations).
+    Anything else (a conflict to order or refuse, disjoint leases of other
+    streams, a read-only, closed, quarantined or foreign array, an export)
+    takes the general path, which gives the same result or raises the same
+    error (``tests/test_lease_paths.py`` checks both agree)."""
     if FAST_LEASES:
+        allocs, entries = op._lease_plan or launch_lease_plan(op)
         live = AllocState.LIVE
         write = Access.WRITE
-        for arr, access in accesses:
+        for arr, access in op._accesses:
             alloc = arr._alloc
             if arr._closed or alloc.state is not live or alloc.scope is not scope:
                 break
-            w = alloc.last_writer
-            if w is not None and w.stream is not stream:
+            if alloc.writers and any(w.stream is not stream for w in alloc.writers):
                 break
             if access is write and (
                 arr._readonly or (alloc.readers and any(r.stream is not stream for r in alloc.readers))
             ):
                 break
         else:
-            for arr, access in accesses:
-                alloc = arr._alloc
+            for alloc in allocs:
                 alloc.active += 1
-                if access is write:
-                    alloc.last_writer = sub
+            for alloc, access, ext, whole in entries:
+                if whole and access is write:
+                    alloc.writers.clear()
                     if alloc.readers:
                         alloc.readers.clear()
+                    alloc.writers[sub] = ext
+                elif whole and sub not in alloc.readers:
+                    alloc.readers[sub] = ext
                 else:
-                    alloc.readers[sub] = None
-            allocs = op._allocs
-            if allocs is None:
-                allocs = tuple(a._alloc for a, _ in accesses)
-                object.__setattr__(op, "_allocs", allocs)
+                    record_lease(alloc, sub, access, ext)
             sub.leases = allocs
             return
-    take_leases(scope, stream, sub, accesses, op.prepared.kernel.name)
+    take_leases(scope, stream, sub, op._accesses, op.prepared.kernel.name)
