@@ -6,7 +6,9 @@ Everything is measured in one process on one GPU, as medians over repeats:
 raw cuda.bindings launches (and the argument-packing variants), the library's
 launch paths (unsafe.async_on, safe submit, await run), many-task throughput,
 idle CPU while awaiting a long kernel, the completion strategies A/B, the
-cross-stream wait A/B, and CuPy / Torch / cuda.core where installed.
+cross-stream wait A/B, graph replay, the stream policy, disjoint chunks of
+one buffer on 4 streams (``chunks``), and CuPy / Torch / cuda.core where
+installed.
 Needs a CUDA device; prints the reason and exits 0 without one.
 """
 
@@ -811,6 +813,16 @@ def table() -> list[dict[str, Any]]:
         ">= 10 x less host time",
         lambda r: r <= 0.1,
     )
+    one = v("chunks:one_kernel")
+    row(
+        "4 disjoint chunks, 20 ms, 4 streams",
+        v("chunks:disjoint"),
+        "s",
+        one,
+        "<= 1.3 x one kernel",
+        lambda r: r <= 1.3,
+    )
+    row("4 overlapping chunks (control)", v("chunks:overlapping"), "s", one, "(ordered: ~4 x)", None)
     lm_raw = v("launchmodes:raw_launch")
     cupy = v("cupy_rawkernel")
     cupy_ratio = cupy / raw if cupy and raw else None
@@ -871,6 +883,14 @@ def _bench_multigpu() -> None:
     bench_multigpu(record, reps)
 
 
+def _bench_chunks() -> None:
+    """Disjoint chunks of one buffer on 4 streams (``benchmarks/chunks.py``)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from chunks import bench_chunks
+
+    bench_chunks(record, reps)
+
+
 def _bench_policy() -> None:
     """The default stream policy against the others on independent work
     (``benchmarks/policy.py``)."""
@@ -906,7 +926,7 @@ def main() -> int:
         "--only",
         default="",
         help="comma-separated sections: raw,floor,lib,tasks,strategies,hops,graphs,peers,launchmodes,"
-        "multigpu,policy",
+        "multigpu,policy,chunks",
     )
     args = ap.parse_args()
     QUICK = args.quick
@@ -942,6 +962,7 @@ def main() -> int:
     sections.append(("launchmodes", lambda: bench_launchmodes(raw)))
     sections.append(("multigpu", lambda: _bench_multigpu()))
     sections.append(("policy", lambda: _bench_policy()))
+    sections.append(("chunks", lambda: _bench_chunks()))
     t0 = perf()
     for name, fn in sections:
         if not want(name):
