@@ -453,8 +453,9 @@ def _conflict(
 FAST_LEASES = True
 
 
-#: (allocations, each once; entries of allocation, access, extent, whole)
-LeasePlan = tuple[tuple[Allocation, ...], tuple[tuple[Allocation, Access, Extent, bool], ...]]
+#: (allocations, each once; one (array, allocation, access, extent) entry per
+#: access; whether every entry is a whole allocation of its own)
+LeasePlan = tuple[tuple[Allocation, ...], tuple[tuple[DeviceArray, Allocation, Access, Extent], ...], bool]
 
 
 def launch_lease_plan(op: KernelLaunch) -> LeasePlan:
@@ -462,13 +463,14 @@ def launch_lease_plan(op: KernelLaunch) -> LeasePlan:
     plan = op._lease_plan
     if plan is None:
         entries = []
+        simple = True
         for arr, access in op._accesses:
             alloc = arr._alloc
             ext = array_extent(arr)
-            whole = len(ext) == 2 and ext[0] == 0 and ext[1] >= alloc.nbytes
-            entries.append((alloc, access, ext, whole))
-        allocs = tuple(dict.fromkeys(e[0] for e in entries))
-        plan = (allocs, tuple(entries))
+            simple = simple and len(ext) == 2 and ext[0] == 0 and ext[1] >= alloc.nbytes
+            entries.append((arr, alloc, access, ext))
+        allocs = tuple(dict.fromkeys(e[1] for e in entries))
+        plan = (allocs, tuple(entries), simple and len(allocs) == len(entries))
         object.__setattr__(op, "_lease_plan", plan)
     return plan
 
@@ -484,11 +486,10 @@ def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op
     takes the general path, which gives the same result or raises the same
     error (``tests/test_lease_paths.py`` checks both agree)."""
     if FAST_LEASES:
-        allocs, entries = op._lease_plan or launch_lease_plan(op)
+        allocs, entries, simple = op._lease_plan or launch_lease_plan(op)
         live = AllocState.LIVE
         write = Access.WRITE
-        for arr, access in op._accesses:
-            alloc = arr._alloc
+        for arr, alloc, access, _ in entries:
             if arr._closed or alloc.state is not live or alloc.scope is not scope:
                 break
             if alloc.writers and any(w.stream is not stream for w in alloc.writers):
@@ -498,17 +499,22 @@ def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op
             ):
                 break
         else:
-            for alloc in allocs:
-                alloc.active += 1
-            for alloc, access, ext, whole in entries:
-                if whole and access is write:
-                    alloc.writers.clear()
-                    if alloc.readers:
-                        alloc.readers.clear()
-                    alloc.writers[sub] = ext
-                elif whole and sub not in alloc.readers:
-                    alloc.readers[sub] = ext
-                else:
+            if simple:  # whole allocations, each once: the common case
+                for _, alloc, access, ext in entries:
+                    alloc.active += 1
+                    if access is write:
+                        writers = alloc.writers
+                        if writers:
+                            writers.clear()
+                        if alloc.readers:
+                            alloc.readers.clear()
+                        writers[sub] = ext
+                    else:
+                        alloc.readers[sub] = ext
+            else:
+                for alloc in allocs:
+                    alloc.active += 1
+                for _, alloc, access, ext in entries:
                     record_lease(alloc, sub, access, ext)
             sub.leases = allocs
             return
