@@ -1,0 +1,121 @@
+"""A/B two trees of trio_cuda in one process, alternating round by round.
+
+    python3 benchmarks/ab.py OLD_TREE [NEW_TREE] [--rounds 12] [--device cuda]
+
+Each tree (a directory that holds a ``trio_cuda`` package, e.g. one made with
+``git archive REV trio_cuda | tar -x -C DIR``) is imported under its own name,
+so both run in the same process, on the same device, against the same driver
+state. Every round measures both trees in turn (ABBA order), so slow phases
+of a noisy host hit both alike; the result is the median of each figure and
+the median of the per-round ratios new/old:
+
+* ``roundtrip``: ``await gpu.run(launch)`` of an empty kernel with 4 array
+  arguments, pinned to one stream (µs per op);
+* ``submit``: safe ``gpu.submit`` of the same prebuilt launch, bursts of 500
+  (µs per submission);
+* ``tasks_100``: 100 tasks, each awaiting 50 of its own launches (launches/s).
+
+On the simulator (``--device sim``) it measures the library's Python against
+the simulated driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import trio
+
+perf = time.perf_counter
+SRC = r"""
+extern "C" __global__ void empty(const float* a, const float* b, const float* c, const float* d, int n) { }
+"""
+
+
+def load_tree(tree: str, alias: str) -> ModuleType:
+    """Import ``tree/trio_cuda`` as the package ``alias`` (its imports are
+    relative, so its modules stay apart from any other copy)."""
+    init = os.path.join(os.path.abspath(tree), "trio_cuda", "__init__.py")
+    spec = importlib.util.spec_from_file_location(
+        alias, init, submodule_search_locations=[os.path.dirname(init)]
+    )
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"OLD_TREE/NEW_TREE: expected a directory holding trio_cuda/, got {tree!r}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+async def measure(tc: Any, device: str) -> dict[str, float]:
+    kernel = tc.Kernel.from_source(
+        SRC, "empty", params=[tc.In("f4")] * 4 + [tc.Scalar("i4")], reference=lambda *a: None
+    )
+    out: dict[str, float] = {}
+    async with tc.open_scope(device=device, streams=4) as gpu:
+        bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
+        op = kernel.launch(*bufs, 256, grid=1, block=1)
+        s = gpu.streams[0]
+        for _ in range(50):
+            await gpu.run(op, stream=s)
+        t0 = perf()
+        for _ in range(300):
+            await gpu.run(op, stream=s)
+        out["roundtrip"] = (perf() - t0) / 300 * 1e6
+        per = []
+        for _ in range(3):
+            t0 = perf()
+            futs = [gpu.submit(op, stream=s) for _ in range(500)]
+            per.append((perf() - t0) / 500 * 1e6)
+            await futs[-1].wait()
+            del futs
+        out["submit"] = min(per)
+
+        async def task() -> None:
+            for _ in range(50):
+                await gpu.run(op)
+
+        t0 = perf()
+        async with trio.open_nursery() as nursery:
+            for _ in range(100):
+                nursery.start_soon(task)
+        out["tasks_100"] = 100 * 50 / (perf() - t0)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("old")
+    ap.add_argument("new", nargs="?", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    trees = {"old": load_tree(args.old, "trio_cuda_old"), "new": load_tree(args.new, "trio_cuda_new")}
+    rows: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
+    ratios: dict[str, list[float]] = {}
+    for r in range(args.rounds):
+        order = ["old", "new"] if r % 2 == 0 else ["new", "old"]
+        got = {name: trio.run(measure, trees[name], args.device) for name in order}
+        for name in order:
+            for k, v in got[name].items():
+                rows[name].setdefault(k, []).append(v)
+        for k in got["old"]:
+            ratios.setdefault(k, []).append(got["new"][k] / got["old"][k])
+    print(f"{'figure':<12} {'old':>12} {'new':>12} {'new/old (median of rounds)':>28}")
+    for k in rows["old"]:
+        old, new = statistics.median(rows["old"][k]), statistics.median(rows["new"][k])
+        q = sorted(ratios[k])
+        lo, hi = q[len(q) // 4], q[(3 * len(q)) // 4]
+        print(f"{k:<12} {old:12.2f} {new:12.2f} {statistics.median(q):12.3f}  (quartiles {lo:.3f}-{hi:.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
