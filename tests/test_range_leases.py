@@ -340,3 +340,34 @@ async def test_typed_launch_fast_path_and_disjoint_writers(sim):
         await a.wait()
         await b.wait()
         np.testing.assert_array_equal(await gpu.to_host(dst), _arange())
+
+
+async def test_many_chunks_in_flight_are_indexed_and_exact(sim):
+    # 200 one-element chunks in flight on 4 streams: the lease table grows
+    # past INDEX_AT and gets an index; conflicts stay exact; retirement takes
+    # every entry out, and the index goes with the last one
+    n = 200
+    async with trio_cuda.open_scope(device=sim, streams=4, conflicts="error") as gpu:
+        x = gpu.zeros(n, F4)
+        await gpu.run(ops.value(None))
+        with held(sim):
+            futs = [gpu.submit(ops.fill(x[i : i + 1], float(i)), stream=gpu.streams[i % 4]) for i in range(n)]
+            alloc = x._alloc
+            assert alloc.index is not None
+            assert len(alloc.writers) == n
+            # chunk i was written on stream i % 4: a read of chunks 50..52 on
+            # stream 2 conflicts with chunk 51 (stream 3) first, not with 50
+            with pytest.raises(AccessConflictError, match=r"bytes \[204, 208\)"):
+                gpu.submit(ops.copy(np.zeros(3, F4), x[50:53]), stream=gpu.streams[2])
+            ok = gpu.submit(ops.copy(np.zeros(1, F4), x[52:53]), stream=gpu.streams[0])
+            # a write over every chunk conflicts on every stream (each holds chunks)
+            for s in gpu.streams:
+                with pytest.raises(AccessConflictError):
+                    gpu.submit(ops.fill(x, 0.0), stream=s)
+        await ok.wait()
+        for f in futs:
+            await f.wait()
+        assert alloc.writers == {}
+        assert alloc.readers == {}
+        assert alloc.index is None
+        np.testing.assert_array_equal(await gpu.to_host(x), np.arange(n, dtype=F4))

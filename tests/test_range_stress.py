@@ -87,6 +87,7 @@ import trio
 
 import trio_cuda
 from trio_cuda import AccessConflictError, In, InOut, KernelArgumentError, Out, Scalar, ops
+from trio_cuda._core import _leases
 from trio_cuda.testing import SimDevice
 
 # --------------------------------------------------------------------------- kernels
@@ -1261,8 +1262,13 @@ def check_counts(counts: Counts) -> None:
 # --------------------------------------------------------------------------- tests
 
 
-async def test_range_leases_against_the_oracle():
-    """About 20,000 uniqueness checks and 2,000 partition attempts, fixed seeds."""
+@pytest.mark.parametrize("index_at", ["default", "always"])
+async def test_range_leases_against_the_oracle(index_at, monkeypatch):
+    """About 20,000 uniqueness checks and 2,000 partition attempts, fixed seeds;
+    with lease tables scanned while small (the default) and with every table
+    indexed from its first entry (``_leases.INDEX_AT = 0``)."""
+    if index_at == "always":
+        monkeypatch.setattr(_leases, "INDEX_AT", 0)
     counts = Counts()
     await run_programs(
         counts,
@@ -1285,7 +1291,7 @@ def _slow_selected(config: pytest.Config) -> bool:
 
 
 @pytest.mark.slow
-def test_range_leases_against_the_oracle_slow(request: pytest.FixtureRequest, capsys) -> None:
+def test_range_leases_against_the_oracle_slow(request: pytest.FixtureRequest, capsys, monkeypatch) -> None:
     """At least ``TRIO_CUDA_RANGE_STRESS_CHECKS`` uniqueness checks (1,000,000)
     and ``TRIO_CUDA_RANGE_STRESS_PARTITIONS`` partition attempts (100,000),
     from seed ``TRIO_CUDA_RANGE_STRESS_FIRST`` (1,000,000) on; prints the counts."""
@@ -1294,6 +1300,8 @@ def test_range_leases_against_the_oracle_slow(request: pytest.FixtureRequest, ca
     checks = int(os.environ.get("TRIO_CUDA_RANGE_STRESS_CHECKS", "1000000"))
     partitions = int(os.environ.get("TRIO_CUDA_RANGE_STRESS_PARTITIONS", "100000"))
     first = int(os.environ.get("TRIO_CUDA_RANGE_STRESS_FIRST", "1000000"))
+    if "TRIO_CUDA_RANGE_STRESS_INDEX_AT" in os.environ:  # 0: every lease table indexed
+        monkeypatch.setattr(_leases, "INDEX_AT", int(os.environ["TRIO_CUDA_RANGE_STRESS_INDEX_AT"]))
     counts = Counts()
     t0 = time.perf_counter()
     try:

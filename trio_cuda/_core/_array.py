@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from ._extent import Extent
+    from ._leases import RangeIndex
     from ._scope import ResourceScope
     from ._submit import Submission
 
@@ -67,6 +68,7 @@ class Allocation:
         "borrowed",
         "exports",
         "handles",
+        "index",
         "nbytes",
         "owner",
         "ptr",
@@ -88,6 +90,8 @@ class Allocation:
         #: its write or read; an entry covered by a later write is dropped
         self.writers: dict[Submission, Extent] = {}
         self.readers: dict[Submission, Extent] = {}
+        #: the tables' range index once they grew large (see ``_leases``)
+        self.index: RangeIndex | None = None
         #: exports a foreign consumer still holds (see ``_export``)
         self.exports = 0
         #: "" for own memory; "read" or "write" for another library's memory

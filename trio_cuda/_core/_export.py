@@ -47,8 +47,9 @@ import trio
 from ._array import AllocState
 from ._errors import AccessConflictError, CompletionUnknownError
 from ._extent import array_extent
+from ._leases import overlapping
 from ._ops import Access, DeviceOp
-from ._submit import TERMINAL, Submission, SubState, overlapping, take_leases
+from ._submit import TERMINAL, Submission, SubState, take_leases
 
 if TYPE_CHECKING:
     from ._array import DeviceArray
@@ -306,10 +307,10 @@ def in_flight_conflicts(arr: DeviceArray, access: Access) -> bool:
     count)."""
     alloc = arr._alloc
     ext = array_extent(arr)
-    if any(w.state not in TERMINAL for w in overlapping(alloc.writers, ext)):
+    if any(w.state not in TERMINAL for w in overlapping(alloc, True, ext)):
         return True
     if access is Access.WRITE:
-        return any(r.state not in TERMINAL for r in overlapping(alloc.readers, ext))
+        return any(r.state not in TERMINAL for r in overlapping(alloc, False, ext))
     return False
 
 
@@ -334,7 +335,7 @@ def open_export(
     # the export's own stream (take_leases, below).
     own = [
         w
-        for w in overlapping(alloc.writers, array_extent(arr))
+        for w in overlapping(alloc, True, array_extent(arr))
         if w.scope is scope and w.state is SubState.IN_FLIGHT
     ]
     stream = own[-1].stream if own else scope._streams[0]

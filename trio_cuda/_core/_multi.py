@@ -167,7 +167,8 @@ def _scope_label(scope: ResourceScope) -> str:
 def cross_scope_copy(ctx: EnqueueContext, dst: DeviceArray, src: DeviceArray) -> None:
     """``EnqueueContext.copy`` for two device arrays of which at least one is
     owned by another scope (see the module invariants)."""
-    from ._submit import SubState, overlapping, take_leases
+    from ._leases import overlapping
+    from ._submit import SubState, take_leases
 
     scope = ctx.scope
     d_owner = dst._alloc.scope
@@ -208,7 +209,7 @@ def cross_scope_copy(ctx: EnqueueContext, dst: DeviceArray, src: DeviceArray) ->
         ]
         if s_owner is not scope:  # the other scope's in-flight writers of the copied bytes
             writers = [
-                w for w in overlapping(src._alloc.writers, array_extent(src)) if w.state is SubState.IN_FLIGHT
+                w for w in overlapping(src._alloc, True, array_extent(src)) if w.state is SubState.IN_FLIGHT
             ]
         take_leases(scope, ctx.stream, sub, accesses, "copy", foreign=True)
         for a in new:

@@ -26,6 +26,7 @@ import attrs
 
 from ._extent import array_extent, overlaps
 from ._launch import KernelLaunch
+from ._leases import candidates
 
 if TYPE_CHECKING:
     from ._ops import DeviceOp
@@ -97,11 +98,11 @@ class FollowWriter:
             # ``take_leases`` waits for): a writer of a disjoint chunk of the
             # same buffer is not one, so independent chunks spread out.
             for arr, _ in op._accesses:
-                writers = arr._alloc.writers
-                if not writers:
+                alloc = arr._alloc
+                if not alloc.writers:
                     continue
                 ext = array_extent(arr)
-                for w, wext in writers.items():
+                for w, wext in candidates(alloc, True, ext):
                     if not overlaps(wext, ext):
                         continue
                     s = w.stream

@@ -28,7 +28,8 @@ import trio
 from ._array import Allocation, AllocState, DeviceArray, h2d_source, host_layout
 from ._driver import Finisher, Gate, Marker, MarkerState
 from ._errors import AccessConflictError, CompletionUnknownError, KernelArgumentError
-from ._extent import Extent, array_extent, covers, describe, overlaps, union
+from ._extent import Extent, array_extent, describe, overlaps
+from ._leases import candidates, record_lease
 from ._ops import Access, HostResult
 
 if TYPE_CHECKING:
@@ -323,12 +324,11 @@ def take_leases(
         extents.append(ext)
         if not ext:
             continue
-        if alloc.writers:
-            for w, wext in tuple(alloc.writers.items()):
-                if w is not sub and w.stream is not stream and overlaps(wext, ext):
-                    waits = _conflict(scope, stream, waits, arr, w, write, access, what, wext)
-        if access is write and alloc.readers:
-            for r, rext in tuple(alloc.readers.items()):
+        for w, wext in candidates(alloc, True, ext):
+            if w is not sub and w.stream is not stream and overlaps(wext, ext):
+                waits = _conflict(scope, stream, waits, arr, w, write, access, what, wext)
+        if access is write:
+            for r, rext in candidates(alloc, False, ext):
                 if r is not sub and r.stream is not stream and overlaps(rext, ext):
                     waits = _conflict(scope, stream, waits, arr, r, Access.READ, access, what, rext)
     if sub is None:
@@ -353,43 +353,6 @@ def take_leases(
         elif prev is not access and access is write:
             leases[alloc] = access
         record_lease(alloc, sub, access, ext)
-
-
-def record_lease(alloc: Allocation, sub: Submission, access: Access, ext: Extent) -> None:
-    """Enter ``sub``'s lease on ``ext`` of ``alloc`` in its lease table (its
-    ``active`` count is the caller's). A write drops the entries of other
-    work its extent covers: they are ordered before it, and whatever overlaps
-    them overlaps it."""
-    if not ext:
-        return
-    if access is Access.WRITE:
-        writers = alloc.writers
-        prev = writers.get(sub)
-        if prev is not None:
-            ext = union(prev, ext)
-        readers = alloc.readers
-        if ext[0] == 0 and len(ext) == 2 and ext[1] >= alloc.nbytes:
-            writers.clear()  # the whole allocation: everything is covered
-            if readers:
-                readers.clear()
-        else:
-            if writers:
-                for w in [w for w, e in writers.items() if covers(ext, e)]:
-                    del writers[w]
-            if readers:
-                for r in [r for r, e in readers.items() if covers(ext, e)]:
-                    del readers[r]
-        writers[sub] = ext
-    else:
-        readers = alloc.readers
-        prev = readers.get(sub)
-        readers[sub] = ext if prev is None else union(prev, ext)
-
-
-def overlapping(table: dict[Submission, Extent], ext: Extent) -> list[Submission]:
-    """The entries of a lease table (``alloc.writers``/``readers``) whose
-    extent overlaps ``ext``."""
-    return [s for s, e in table.items() if overlaps(e, ext)] if ext else []
 
 
 def _unknown(what: str, arr: DeviceArray, other: Submission) -> CompletionUnknownError:
@@ -482,7 +445,8 @@ def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op
     launch writes), the leases are recorded with no per-submission
     allocation (``sub.leases`` is the plan's shared tuple of allocations).
     Anything else (a conflict to order or refuse, disjoint leases of other
-    streams, a read-only, closed, quarantined or foreign array, an export)
+    streams, a lease table large enough to be indexed, a read-only, closed,
+    quarantined or foreign array, an export)
     takes the general path, which gives the same result or raises the same
     error (``tests/test_lease_paths.py`` checks both agree)."""
     if FAST_LEASES:
@@ -490,7 +454,7 @@ def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op
         live = AllocState.LIVE
         write = Access.WRITE
         for arr, alloc, access, _ in entries:
-            if arr._closed or alloc.state is not live or alloc.scope is not scope:
+            if arr._closed or alloc.state is not live or alloc.scope is not scope or alloc.index is not None:
                 break
             if alloc.writers and any(w.stream is not stream for w in alloc.writers):
                 break
