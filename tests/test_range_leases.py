@@ -371,3 +371,23 @@ async def test_many_chunks_in_flight_are_indexed_and_exact(sim):
         assert alloc.readers == {}
         assert alloc.index is None
         np.testing.assert_array_equal(await gpu.to_host(x), np.arange(n, dtype=F4))
+
+
+async def test_quarantine_of_one_chunk_quarantines_the_allocation(sim):
+    async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
+        x = await gpu.to_device(_arange())
+        other = await gpu.to_device(_arange())
+        tail = x[H:]
+        sim.inject_fault("completion_unknown")
+        with pytest.raises(trio_cuda.CompletionUnknownError, match="could not be established"):
+            await gpu.run(add(x[:H], 1.0), stream=gpu.streams[0])
+        # the tail never had a lease, but its memory is the same allocation
+        assert tail.quarantined
+        with pytest.raises(trio_cuda.CompletionUnknownError, match="quarantined"):
+            gpu.submit(add(tail, 1.0), stream=gpu.streams[1])
+        with pytest.raises(trio_cuda.CompletionUnknownError, match="quarantined"):
+            x[H:]  # no new view of quarantined memory either
+        # other allocations are untouched
+        await gpu.run(add(other, 1.0), stream=gpu.streams[1])
+        np.testing.assert_array_equal(await gpu.to_host(other), _arange() + 1)
+    assert len(sim.live_allocations) == 1  # x's memory: leaked on purpose, never freed
