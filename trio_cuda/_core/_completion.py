@@ -33,7 +33,6 @@ from ._array import Allocation, AllocState
 from ._driver import PENDING as _PENDING
 from ._driver import MarkerState, Poll
 from ._errors import CompletionUnknownError
-from ._leases import release_leases
 from ._multi import release_foreign
 from ._submit import TERMINAL, HostStep, Submission, SubState
 
@@ -402,13 +401,10 @@ class Completion:
         live = AllocState.LIVE
         for alloc in sub.leases:
             alloc.active -= 1
-            if alloc.index is not None:
-                release_leases(alloc, sub)
-            else:
-                if alloc.writers:
-                    alloc.writers.pop(sub, None)
-                if alloc.readers:
-                    alloc.readers.pop(sub, None)
+            if alloc.writers:
+                alloc.writers.pop(sub, None)
+            if alloc.readers:
+                alloc.readers.pop(sub, None)  # (an index, if any, drops it lazily)
             if alloc.scope is self:
                 # MemoryTable._maybe_free, inline
                 if not alloc.active and alloc.handles <= 0 and alloc.state is live:

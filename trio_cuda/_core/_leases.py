@@ -9,11 +9,14 @@ Invariants:
   retires, or until a later write whose extent covers it drops it (the later
   write is ordered after it, and whatever overlaps it overlaps the write).
 * Small tables are scanned. A table that grows past ``INDEX_AT`` entries gets
-  a :class:`RangeIndex`, kept in step by every change made here; while an
-  allocation has one, the launch fast path steps aside (``take_launch_leases``)
-  and retirement goes through :func:`release_leases`. So a query for a range
-  costs O(log n + k) for k overlapping entries, not O(n): many disjoint
-  chunks of one buffer in flight at once stay cheap.
+  a :class:`RangeIndex`. Every entry enters a table through
+  :func:`record_lease`, which keeps the index in step (while an allocation has
+  one, the launch fast path steps aside: ``take_launch_leases``); retirement
+  pops entries from the tables only, and the index drops them lazily (a
+  query skips entries no longer in their table; the index is rebuilt when
+  most of it is stale, and dropped when the tables are empty). So a query for
+  a range costs O(log n + k) for k overlapping entries, not O(n): many
+  disjoint chunks of one buffer in flight at once stay cheap.
 * Queries return a superset of the overlapping entries' submissions; callers
   check :func:`~._extent.overlaps` themselves.
 """
@@ -89,8 +92,12 @@ class RangeIndex:
             if j < len(entries) and entries[j][3] is sub:
                 del entries[j]
 
+    def size(self) -> int:
+        return len(self.w) + len(self.r) + len(self.wide_w) + len(self.wide_r)
+
     def query(self, write: bool, ext: Extent) -> dict[Submission, None]:
-        """Submissions of the table whose ranges may overlap ``ext``."""
+        """Submissions whose ranges may overlap ``ext``, stale ones included
+        (retired since: no longer in their table)."""
         found = dict(self.wide_w if write else self.wide_r)
         entries = self.w if write else self.r
         longest = self.longest
@@ -120,7 +127,8 @@ def candidates(alloc: Allocation, write: bool, ext: Extent) -> list[tuple[Submis
     index = alloc.index
     if index is None or _whole(alloc, ext):
         return list(table.items())
-    return [(s, table[s]) for s in index.query(write, ext)]
+    get = table.get
+    return [(s, e) for s in index.query(write, ext) if (e := get(s)) is not None]
 
 
 def overlapping(alloc: Allocation, write: bool, ext: Extent) -> list[Submission]:
@@ -139,6 +147,12 @@ def record_lease(alloc: Allocation, sub: Submission, access: Access, ext: Extent
     index = alloc.index
     writers = alloc.writers
     readers = alloc.readers
+    if index is not None:
+        live = len(writers) + len(readers)
+        if not live:
+            index = alloc.index = None  # everything retired
+        elif index.size() > 2 * live + INDEX_AT:
+            index = alloc.index = RangeIndex(alloc)  # mostly stale: rebuild
     if access is Access.WRITE:
         prev = writers.get(sub)
         if prev is not None:
@@ -171,16 +185,3 @@ def record_lease(alloc: Allocation, sub: Submission, access: Access, ext: Extent
             index.add(False, sub, ext)
     if index is None and len(writers) + len(readers) > INDEX_AT:
         alloc.index = RangeIndex(alloc)
-
-
-def release_leases(alloc: Allocation, sub: Submission) -> None:
-    """Take ``sub``'s entries out of ``alloc``'s tables (at retirement)."""
-    index = alloc.index
-    ext = alloc.writers.pop(sub, None)
-    if ext is not None and index is not None:
-        index.remove(True, sub, ext)
-    ext = alloc.readers.pop(sub, None)
-    if ext is not None and index is not None:
-        index.remove(False, sub, ext)
-    if index is not None and not alloc.writers and not alloc.readers:
-        alloc.index = None
