@@ -131,6 +131,12 @@ class EmuContext:
     def notify_submitted(self) -> None:
         pass
 
+    def last_command(self) -> int | None:
+        return None
+
+    def command_times(self, ids: Sequence[int]) -> dict[int, tuple[float, float]]:
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -272,6 +278,21 @@ async def main(reps: int, only: str) -> dict[str, float]:
         out["lib submit"] = med(per)
         out["lib 100 tasks"] = med([await lib_tasks(gpu, op, 100, 100) for _ in range(reps)])
         out["lib 10k tasks"] = med([await lib_tasks(gpu, op, 10_000, 3) for _ in range(max(1, reps // 2))])
+
+    # the same round trip with a lifetime trace recording
+    trace = trio_cuda.trace.Trace(limit=100_000)
+    async with scope_manager(EmuContext, streams=4, trace=trace._tracer) as gpu:
+        bufs = [gpu.empty(256, np.float32) for _ in range(4)]
+        op = EMPTY.launch(*bufs, 256, grid=1, block=1)
+        s = gpu.streams[0]
+        await gpu.run(op, stream=s)
+        per = []
+        for _ in range(reps):
+            t0 = perf()
+            for _ in range(200):
+                await gpu.run(op, stream=s)
+            per.append((perf() - t0) / 200 * 1e6)
+        out["traced roundtrip"] = med(per)
     return out
 
 
@@ -280,6 +301,7 @@ def report(out: dict[str, float]) -> None:
         print(f"{k:<18} {val:12.2f}")
     print(f"roundtrip / launch+sync   {out['lib roundtrip'] / out['launch+sync']:.3f}")
     print(f"floor rt / launch+sync    {out['floor roundtrip'] / out['launch+sync']:.3f}")
+    print(f"traced / untraced rt      {out['traced roundtrip'] / out['lib roundtrip']:.3f}")
     print(f"submit / launch           {out['lib submit'] / (LAUNCH * 1e6):.3f}")
     print(f"100 tasks / floor         {out['lib 100 tasks'] / out['floor 100 tasks']:.3f}")
     print(f"10k / 100 tasks (lib)     {out['lib 10k tasks'] / out['lib 100 tasks']:.3f}")

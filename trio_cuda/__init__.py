@@ -9,6 +9,7 @@ awaiting task does.
 from . import interop as interop
 from . import ops as ops
 from . import testing as testing
+from . import trace as trace
 from . import unsafe as unsafe
 from ._core._array import DeviceArray as DeviceArray
 from ._core._builder import LaunchBuilder as LaunchBuilder

@@ -4,6 +4,8 @@
   CUDA devices, and the versions of trio_cuda and its dependencies. It never
   crashes on a machine without a GPU or without libcuda.
 * ``demo [options]``: the cancellation-safe batch job (see ``demo --help``).
+* ``trace SCRIPT [ARGS] -o OUT.html|OUT.json``: run a Python program with
+  lifetime tracing on for all its scopes, and write the trace.
 """
 
 from __future__ import annotations
@@ -140,6 +142,36 @@ def _demo(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _trace(args: argparse.Namespace) -> int:
+    import runpy
+
+    from . import trace
+
+    out = str(args.output)
+    if not out.endswith((".json", ".html", ".htm")):
+        print(f"-o: expected a file name ending in .html or .json, got {out!r}", file=sys.stderr)
+        return 2
+    script = str(args.script)
+    saved = sys.argv[:]
+    sys.argv = [script, *args.args]
+    recording = trace.enable(limit=args.limit)
+    status = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        status = code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.argv = saved
+        trace.disable()
+        recording.write(out)
+        print(
+            f"trace: {len(recording.events)} events ({recording.dropped} dropped) written to {out}",
+            file=sys.stderr,
+        )
+    return status
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ._demo import build_parser as demo_parser
 
@@ -158,6 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo_parser(demo)
     demo.set_defaults(handler=_demo)
+    tr = commands.add_parser(
+        "trace",
+        help="run a program with lifetime tracing on, and write its trace",
+        description="Run SCRIPT with lifetime tracing on for all its scopes; write the trace to OUTPUT "
+        "(.html: a self-contained timeline page; .json: Chrome trace-event JSON for ui.perfetto.dev).",
+    )
+    tr.add_argument("-o", "--output", required=True, help="OUT.html or OUT.json")
+    tr.add_argument("--limit", type=int, default=1_000_000, help="events kept (oldest dropped first)")
+    tr.add_argument("script", help="the Python program to run")
+    tr.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    tr.set_defaults(handler=_trace)
     return parser
 
 

@@ -28,6 +28,7 @@ import attrs
 import numpy as np
 import trio
 
+from . import trace
 from ._core._array import DeviceArray
 from ._core._kernel import Kernel
 from ._core._params import In, InOut, Out, Scalar
@@ -500,6 +501,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--seed", type=int, default=d.seed, help="random seed of the inputs")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what trio_cuda does (INFO)")
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="record the run's lifetime trace and write it to FILE (.html: a timeline page; "
+        ".json: Chrome trace-event JSON for ui.perfetto.dev)",
+    )
     return parser
 
 
@@ -521,7 +528,18 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Run the job for parsed arguments; the exit status (0: every check passed)."""
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    report = trio.run(run_batch, config_from_args(args))
+    path = getattr(args, "trace", None)
+    if path is not None and not str(path).endswith((".json", ".html", ".htm")):
+        print(f"--trace: expected a file name ending in .html or .json, got {path!r}", file=sys.stderr)
+        return 2
+    recording = trace.enable() if path is not None else None
+    try:
+        report = trio.run(run_batch, config_from_args(args))
+    finally:
+        if recording is not None and path is not None:
+            trace.disable()
+            recording.write(path)
+            print(f"trace: {len(recording.events)} events ({recording.dropped} dropped) written to {path}")
     return 0 if report.ok else 1
 
 

@@ -20,6 +20,8 @@ from ._backends import open_device, probe_cuda
 from ._core._manager import ScopeManager, scope_manager
 from ._core._multi import DevicePolicy, LeastLoadedDevice, PoolManager
 from ._core._policy import FollowWriter, SchedulingPolicy
+from ._core._trace import Tracer
+from .trace import Trace
 
 __all__ = ["open_device_pool", "open_scope"]
 
@@ -31,6 +33,7 @@ def open_scope(
     drain_timeout: float | None = None,
     *,
     policy: SchedulingPolicy | None = None,
+    trace: Trace | Literal[False] | None = None,
 ) -> ScopeManager:
     """Open a :class:`~trio_cuda.ResourceScope`: ``async with open_scope() as gpu:``.
 
@@ -46,10 +49,22 @@ def open_scope(
     :class:`~trio_cuda.FollowWriter`, puts independent work on the least-loaded
     stream so that it overlaps, and a kernel that depends on the last work of
     a stream after that work. :class:`~trio_cuda.RoundRobin` and
-    :class:`~trio_cuda.LeastLoaded` are the alternatives. The manager opens one
-    scope once.
+    :class:`~trio_cuda.LeastLoaded` are the alternatives. ``trace``: a
+    :class:`trio_cuda.trace.Trace` to record the scope's lifetime events
+    into; None (the default) records into the process's trace when
+    :func:`trio_cuda.trace.enable` turned one on; False never records. The
+    manager opens one scope once.
     """
-    return scope_manager(functools.partial(open_device, device), streams, conflicts, drain_timeout, policy)
+    tracer: Tracer | Literal[False] | None
+    if trace is None or trace is False:
+        tracer = trace
+    elif isinstance(trace, Trace):
+        tracer = trace._tracer
+    else:
+        raise TypeError(f"trace: expected None, False or a trio_cuda.trace.Trace, got {trace!r}")
+    return scope_manager(
+        functools.partial(open_device, device), streams, conflicts, drain_timeout, policy, tracer
+    )
 
 
 def _resolve_devices(devices: object) -> list[object]:

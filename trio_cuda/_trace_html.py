@@ -39,8 +39,15 @@ from typing import Any
 
 __all__ = ["render_html"]
 
-# Lane kinds by tid range, in display order within a scope.
-_KINDS = (("scope", 0, 0), ("task", 2000, 2999), ("stream", 1, 99), ("alloc", 1000, 1999))
+# Lane kinds by tid range, in display order within a scope (trio_cuda.trace
+# numbers allocation tracks from 100000 on, sixteen per allocation).
+_KINDS = (
+    ("scope", 0, 0),
+    ("task", 2000, 2999),
+    ("stream", 1, 99),
+    ("alloc", 1000, 1999),
+    ("alloc", 100_000, 2**62),
+)
 
 # Instant categories: colour, marker shape, legend text. The last four also draw a
 # line across their scope.

@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections import deque
@@ -40,8 +41,11 @@ if TYPE_CHECKING:
     from ._driver import DeviceContext
     from ._extension import ScopeExtension
     from ._stream import Stream
+    from ._trace import Tracer
 
 __all__ = ["Completion", "others_runnable"]
+
+log = logging.getLogger("trio_cuda")
 
 
 def _find_run_context() -> Any:
@@ -80,6 +84,7 @@ class Completion:
         "_host_steps",
         "_idle",
         "_in_flight",
+        "_observer",
         "_timed_out",
         "_unflushed",
     )
@@ -96,6 +101,8 @@ class Completion:
     _failed: int
     _host_steps: int
     _timed_out: int
+    #: who is retiring now, for traces: "waiter", "handoff" or "exit"
+    _observer: str
 
     if TYPE_CHECKING:
         _driver: DeviceContext
@@ -110,6 +117,8 @@ class Completion:
         _orphan_errors: list[BaseException]
         _gc_releases: deque[Allocation]
         _extensions: dict[object, ScopeExtension]
+        _tracer: Tracer | None
+        _trace_id: int
 
         def _release_handle(self, alloc: Allocation) -> None: ...
         def _maybe_free(self, alloc: Allocation) -> None: ...
@@ -206,8 +215,10 @@ class Completion:
                     state = MarkerState.UNKNOWN
                 if state is not pending:
                     done = self._completed
+                    self._observer = "waiter"
                     while self._scan():
                         pass
+                    self._observer = "handoff"
                     self._by_waiters += self._completed - done
                     continue
                 if others_runnable():
@@ -227,10 +238,45 @@ class Completion:
             else:
                 return
             await self._park(sub)
-        except BaseException:
+        except BaseException as exc:
             if sub.state is SubState.IN_FLIGHT:
                 self._wake()  # cancelled or failed: the handoff is the backstop
+                if isinstance(exc, trio.Cancelled):
+                    self._cancelled_waiter(sub)
             raise
+
+    async def _observe_traced(self, sub: Submission) -> None:
+        """``_observe``, recording the awaiting task's wait in the trace: its
+        outcome is "ok", "error", or "left" (cancelled or failed while the
+        work was still in flight)."""
+        t0 = perf_counter()
+        try:
+            await self._observe(sub)
+        finally:
+            tr = self._tracer
+            if tr is not None:
+                state = sub.state
+                outcome = "left" if state is SubState.IN_FLIGHT else "ok" if sub.error is None else "error"
+                tr.emit(
+                    "await",
+                    "await",
+                    self._trace_id,
+                    sub.stream.index,
+                    sub.id,
+                    args={"task": current_task().name, "t0": t0, "outcome": outcome},
+                )
+
+    def _cancelled_waiter(self, sub: Submission) -> None:
+        """A waiter was cancelled while its work is in flight (rule 3)."""
+        log.info(
+            "a task awaiting %s was cancelled with the work in flight; the scope keeps it until "
+            "the device finished it",
+            sub.label,
+        )
+        tr = self._tracer
+        if tr is not None:
+            task = current_task()
+            tr.emit("cancel", "cancelled", self._trace_id, sub.stream.index, sub.id, args={"task": task.name})
 
     def _observe_nowait(self, sub: Submission) -> bool:
         """``_observe`` without waiting: look once; True if ``sub`` settled."""
@@ -417,6 +463,11 @@ class Completion:
         sub.owners = sub.finishers = None
         sub.leases = ()
         sub.op = None  # a kept future must not pin the op's arrays
+        tr = self._tracer
+        if tr is not None:  # named by who observed the completion
+            error = sub.error
+            args = None if error is None else {"error": f"{type(error).__name__}: {error}"[:300]}
+            tr.emit("retire", self._observer, self._trace_id, sub.stream.index, sub.id, args=args)
         self._settle(sub, SubState.FAILED if sub.error is not None else SubState.DONE)
 
     def _settle(self, sub: Submission, state: SubState) -> None:
@@ -466,6 +517,17 @@ class Completion:
             if owner is not self:
                 release_foreign(alloc)  # leaked with it: its owner stops waiting for it
         self._quarantine.append(sub)
+        log.warning("%s", err)
+        tr = self._tracer
+        if tr is not None:
+            tr.emit(
+                "quarantine",
+                "quarantine",
+                self._trace_id,
+                sub.stream.index,
+                sub.id,
+                args={"error": str(err)[:300], "allocations": [a.ptr for a in sub.leases]},
+            )
         self._settle(sub, SubState.QUARANTINED)
 
     # ------------------------------------------------------------------ exit
@@ -511,11 +573,14 @@ class Completion:
         one last look: work the device finished meanwhile is retired, not
         leaked (``drain_timeout=0`` waits for nothing, but polls)."""
         abandoned = 0
+        self._observer = "exit"
         try:
             while self._scan():
                 pass
         except BaseException as exc:  # pragma: no cover - _scan keeps its own errors
             self._handoff_failed(exc)
+        finally:
+            self._observer = "handoff"
         self._flush_all()
         for stream in self._streams:
             pending = stream._pending
@@ -538,6 +603,12 @@ class Completion:
                     )
         self._timed_out += abandoned
         if abandoned:
+            log.warning(
+                "drain_timeout=%s s ran out with %d submission(s) in flight; they are quarantined "
+                "(their memory is leaked, never freed)",
+                timeout,
+                abandoned,
+            )
             warnings.warn(
                 ResourceWarning(
                     f"trio_cuda scope exited with {abandoned} submission(s) still in flight after "

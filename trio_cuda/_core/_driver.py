@@ -117,6 +117,10 @@ class Capabilities:
     foreign_fence_blocks: bool = False
     #: ``foreign_fence(stream)`` may be called from any thread (a DLPack deleter)
     foreign_fence_threadsafe: bool = False
+    #: where traces take the device times of enqueued work: "simulated" (the
+    #: driver's ``command_times``), or "host-observed" (from enqueue to the
+    #: completion the host observed)
+    device_clock: str = "host-observed"
 
 
 class InteropContext(Protocol):
@@ -199,6 +203,17 @@ class DeviceContext(InteropContext, Protocol):
     def create_stream(self, index: int) -> StreamHandle: ...
 
     def destroy_stream(self, stream: StreamHandle) -> None: ...
+
+    # traces ---------------------------------------------------------------
+    def last_command(self) -> int | None:
+        """An id of the command this context enqueued last (traces link it to
+        its device times), or None where the driver keeps no device times."""
+        ...
+
+    def command_times(self, ids: Sequence[int]) -> dict[int, tuple[float, float]]:
+        """Device (start, end) of executed commands among ``ids``, in
+        ``time.perf_counter()`` seconds; commands it no longer knows are left out."""
+        ...
 
     # memory ---------------------------------------------------------------
     def alloc(self, nbytes: int, stream: StreamHandle) -> int:

@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import weakref
 from _thread import get_ident
 from typing import TYPE_CHECKING, Generic, TypeVar, final
 
@@ -22,7 +23,7 @@ import trio
 from ._completion import _RUN_CONTEXT
 from ._final import NoPublicConstructor
 from ._ops import resolve_output
-from ._submit import TERMINAL, Submission
+from ._submit import TERMINAL, Submission, SubState
 
 if TYPE_CHECKING:
     from ._scope import ResourceScope
@@ -78,7 +79,7 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
     the scope exits.
     """
 
-    __slots__ = ("_sub",)
+    __slots__ = ("__weakref__", "_sub")
 
     _obtain = "use scope.submit()"
 
@@ -89,6 +90,11 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
         self = object.__new__(cls)
         self._sub = sub
         return self
+
+    def _watch(self) -> None:
+        """Traced scopes: record it if this future is dropped while its work
+        is in flight (rule 4)."""
+        weakref.finalize(self, _dropped, self._sub)
 
     def done(self) -> bool:
         """True once the work completed and was retired (or quarantined)."""
@@ -113,8 +119,10 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
             raise wrong_caller("wait", scope)
         if sub.state in TERMINAL:
             await trio.lowlevel.checkpoint()
-        else:
+        elif scope._tracer is None:
             await scope._observe(sub)
+        else:
+            await scope._observe_traced(sub)
         return self._outcome()
 
     def wait_nowait(self) -> T:
@@ -145,3 +153,10 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
 
     def __repr__(self) -> str:
         return f"<DeviceFuture of {self._sub!r}>"
+
+
+def _dropped(sub: Submission) -> None:
+    if sub.state is SubState.IN_FLIGHT:
+        tr = sub.scope._tracer
+        if tr is not None:
+            tr.emit("drop", "dropped future", sub.scope._trace_id, sub.stream.index, sub.id)

@@ -24,6 +24,7 @@ import trio
 
 from ._policy import FollowWriter, SchedulingPolicy
 from ._scope import ResourceScope, _current
+from ._trace import Tracer, process_tracer
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -54,6 +55,7 @@ class ScopeManager:
         "_scope",
         "_streams",
         "_token",
+        "_trace",
     )
 
     _nursery_cm: contextlib.AbstractAsyncContextManager[trio.Nursery]
@@ -66,8 +68,10 @@ class ScopeManager:
         conflicts: str,
         drain_timeout: float | None,
         policy: SchedulingPolicy,
+        trace: Tracer | bool | None = None,
     ) -> None:
         self._opener = opener
+        self._trace = trace
         self._streams = streams
         self._conflicts = conflicts
         self._drain_timeout = drain_timeout
@@ -94,6 +98,10 @@ class ScopeManager:
         nursery.start_soon(scope._handoff)
         self._scope = scope
         self._token = _current.set(scope)
+        tracer = process_tracer() if self._trace is None or self._trace is True else self._trace
+        if isinstance(tracer, Tracer):
+            scope._trace_id = tracer.open_scope(scope)
+            scope._tracer = tracer
         log.debug("opened %r", scope)
         return scope
 
@@ -118,6 +126,12 @@ class ScopeManager:
                     scope._abandon_in_flight(timeout)
                 scope._release_everything()
         finally:
+            tracer = scope._tracer
+            if tracer is not None:
+                try:
+                    tracer.close_scope(scope, scope._trace_id)
+                except Exception as trace_exc:  # a trace must never break the exit
+                    internal.append(trace_exc)
             scope._closed = True
             if scope._handoff_cs is not None:
                 scope._handoff_cs.cancel()
@@ -150,9 +164,11 @@ def scope_manager(
     conflicts: str = "order",
     drain_timeout: float | None = None,
     policy: SchedulingPolicy | None = None,
+    trace: Tracer | bool | None = None,
 ) -> ScopeManager:
     """Check the options of :func:`~trio_cuda.open_scope` up front and make
-    its manager; ``opener`` opens the device on entry."""
+    its manager; ``opener`` opens the device on entry. ``trace``: a tracer to
+    record into, False (none), or None/True (the process tracer, if any)."""
     if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise ValueError(f"streams: expected an int >= 1, got {streams!r}")
     if conflicts not in _CONFLICTS:
@@ -170,4 +186,6 @@ def scope_manager(
         policy = FollowWriter()
     elif not callable(getattr(policy, "choose", None)):
         raise TypeError(f"policy: expected a SchedulingPolicy (with a choose() method), got {policy!r}")
-    return ScopeManager(opener, streams, conflicts, drain_timeout, policy)
+    if trace is not None and not isinstance(trace, (bool, Tracer)):
+        raise TypeError(f"trace: expected None, a bool or a trio_cuda.trace.Trace, got {trace!r}")
+    return ScopeManager(opener, streams, conflicts, drain_timeout, policy, trace)

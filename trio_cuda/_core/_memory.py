@@ -24,6 +24,7 @@ from ._array import Allocation, AllocState
 
 if TYPE_CHECKING:
     from ._driver import DeviceContext
+    from ._trace import Tracer
 
 __all__ = ["MemoryTable"]
 
@@ -40,6 +41,8 @@ class MemoryTable:
         _closed: bool
         _thread: int
         _token: trio.lowlevel.TrioToken
+        _tracer: Tracer | None
+        _trace_id: int
 
         def _wake(self) -> None: ...
 
@@ -69,6 +72,9 @@ class MemoryTable:
             alloc.state = AllocState.FREED
             alloc.owner = None
             self._allocs.pop(alloc, None)
+            tr = self._tracer
+            if tr is not None:
+                tr.emit("free", "release", self._trace_id, alloc=alloc.ptr, args={"borrowed": True})
             return
         try:
             self._driver.free(alloc.ptr, alloc.nbytes)
@@ -81,3 +87,6 @@ class MemoryTable:
             return
         alloc.state = AllocState.FREED
         del self._allocs[alloc]
+        tr = self._tracer
+        if tr is not None:
+            tr.emit("free", "free", self._trace_id, alloc=alloc.ptr, args={"bytes": alloc.nbytes})

@@ -48,6 +48,7 @@ from ._ops import Access, DeviceOp, _Copy, _Fill, _ZeroBytes, resolve_output
 from ._policy import SchedulingPolicy
 from ._stream import Stream
 from ._submit import EnqueueContext, Submission, SubState, take_launch_leases, take_leases
+from ._trace import Tracer, alloc_args, lease_args, op_name, plan_lease_args
 
 if TYPE_CHECKING:
     from ._graph import CudaGraph
@@ -137,6 +138,8 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         "_streams",
         "_thread",
         "_token",
+        "_trace_id",
+        "_tracer",
         "_unobserved",
     )
 
@@ -166,6 +169,9 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
     _token: trio.lowlevel.TrioToken
     _thread: int  #: the loop thread; a scope never outlives its Trio run
     _streams: tuple[Stream, ...]
+    #: the lifetime trace this scope records into (see ``_trace``), or None
+    _tracer: Tracer | None
+    _trace_id: int
 
     @classmethod
     def _create(
@@ -213,6 +219,9 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         self._handoff_errors = 0
         self._token = trio.lowlevel.current_trio_token()
         self._thread = get_ident()
+        self._tracer = None
+        self._trace_id = 0
+        self._observer = "handoff"
         self._streams = ()
         made: list[Stream] = []
         try:
@@ -375,6 +384,9 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         handle, and publish it as written on ``stream``: work on other streams
         orders after that point. ``dirty``: the publication enqueued work."""
         self._allocs[alloc] = None
+        tr = self._tracer
+        if tr is not None:
+            tr.emit("alloc", "alloc", self._trace_id, stream.index, alloc=alloc.ptr, args=alloc_args(alloc))
         arr = DeviceArray._create(alloc, shape, dtype, order=order, track=track)
         sub = self._new_submission(stream, op)
         take_leases(self, stream, sub, ((arr, Access.WRITE),), what)
@@ -524,7 +536,10 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         if idle is not None:
             self._idle = None
             idle.set()
-        return DeviceFuture._create(sub)
+        fut: DeviceFuture[T] = DeviceFuture._create(sub)
+        if self._tracer is not None:
+            fut._watch()
+        return fut
 
     def _submit(self, op: DeviceOp[Any], stream: Stream | None, what: str) -> Submission:
         """Enqueue ``op`` as one submission, in flight when this returns. The
@@ -548,11 +563,16 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         s = self._pick(op, stream)
         sub = self._new_submission(s, op)
         ctx = EnqueueContext(self, s, sub)
+        tr = self._tracer
+        if tr is not None:
+            tr.emit("submit", op_name(op), self._trace_id, s.index, sub.id, args={"what": what})
         self._enqueuing = True
         try:
             out = op._enqueue(ctx)
         except BaseException as exc:
             self._enqueuing = False
+            if tr is not None:
+                self._trace_error(tr, sub, exc)
             if sub.dirty or sub.leases:
                 # Partial error: keep what was enqueued behind a completion marker.
                 sub.error = exc
@@ -561,7 +581,16 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             raise
         self._enqueuing = False
         self._finish_submission(sub, out, wake=False)
+        if tr is not None:
+            tr.emit("lease", "leases", self._trace_id, s.index, sub.id, args={"leases": lease_args(sub)})
         return sub
+
+    def _trace_error(self, tr: Tracer, sub: Submission, exc: BaseException) -> None:
+        partial = bool(sub.dirty or sub.leases)
+        args = {"error": f"{type(exc).__name__}: {exc}"[:300], "partial": partial}
+        if partial:
+            args["leases"] = lease_args(sub)
+        tr.emit("error", type(exc).__name__, self._trace_id, sub.stream.index, sub.id, args=args)
 
     def _enqueue_unsafe(self, op: DeviceOp[T], stream: Stream) -> T:
         """``unsafe.async_on``: enqueue ``op`` on ``stream`` (of this scope)
@@ -606,6 +635,8 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             sub.error = exc  # leases were taken: retire them behind a marker
             sub.observed = True
             self._finish_submission(sub, None)
+            if self._tracer is not None:
+                self._trace_error(self._tracer, sub, exc)
             raise
         # _finish_submission(sub, op._output, wake=False), inline: the hot path
         sub.dirty = True
@@ -617,10 +648,35 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         if not unmarked:
             self._unflushed.append(s)
         unmarked.append(sub)
+        tr = self._tracer
+        if tr is not None:
+            self._trace_submit(tr, sub, op)
         if not self._batch:
             self._flush(s)
         self._driver.notify_submitted()
         return sub
+
+    def _trace_submit(self, tr: Tracer, sub: Submission, op: KernelLaunch) -> None:
+        """Record a single launch that was enqueued and put in flight: one
+        ``submit`` event that also stands for the launch's enqueue
+        (``args["enqueue"]``, and the driver's command id)."""
+        plan = op._lease_plan
+        if plan is not None and sub.leases is plan[0]:  # the fast path: the plan's leases
+            cache = op.prepared.cache
+            leases = cache.get("trace_leases")
+            if leases is None:
+                leases = cache["trace_leases"] = plan_lease_args(plan)
+        else:
+            leases = lease_args(sub)
+        name = op.prepared.kernel.name
+        tr.emit(
+            "submit",
+            name,
+            self._trace_id,
+            sub.stream.index,
+            sub.id,
+            args={"leases": leases, "enqueue": name, "cmd": self._driver.last_command()},
+        )
 
     async def run(self, op: DeviceOp[T], *, stream: Stream | None = None) -> T:
         """Submit ``op`` and wait for its output. If the calling task is
@@ -639,7 +695,10 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         if self._exports_releasing:
             await finish_releases(self)  # an access after a consumer released an export
         sub = self._submit(op, stream, "run")
-        await self._observe(sub)
+        if self._tracer is None:
+            await self._observe(sub)
+        else:
+            await self._observe_traced(sub)
         if sub.error is not None:
             sub.observed = True
             self._unobserved.pop(sub, None)

@@ -182,6 +182,22 @@ class EnqueueContext:
         if sub is not None:
             sub.dirty = True
 
+    def traced(self, name: str) -> None:
+        """Record, in the scope's trace if it has one, the enqueue of ``name``
+        (call it right after the driver call that enqueued the work)."""
+        tr = self.scope._tracer
+        if tr is not None:
+            sub = self.submission
+            cmd = self.driver.last_command()
+            tr.emit(
+                "enqueue",
+                name,
+                self.scope._trace_id,
+                self.stream.index,
+                None if sub is None else sub.id,
+                args={"cmd": cmd, "unsafe": self.unsafe} if cmd is not None else {"unsafe": self.unsafe},
+            )
+
     # ------------------------------------------------------------------ leases
     def use(self, accesses: Sequence[tuple[DeviceArray, Access]], *, what: str = "argument") -> None:
         """Check, order and record leases for one piece of work, atomically:
@@ -207,6 +223,16 @@ class EnqueueContext:
                 return  # completed: nothing to wait for
             self.driver.wait_marker(self.stream.handle, other.marker)
             self._enqueued()
+            tr = self.scope._tracer
+            if tr is not None:
+                tr.emit(
+                    "wait",
+                    "wait",
+                    self.scope._trace_id,
+                    self.stream.index,
+                    sub.id,
+                    args={"on": other.id, "on_stream": other.stream.index, "what": "shared op"},
+                )
 
     # ------------------------------------------------------------------ work
     def launch(self, prepared: PreparedLaunch, accesses: Sequence[tuple[DeviceArray, Access]]) -> None:
@@ -218,6 +244,8 @@ class EnqueueContext:
         self.driver.launch(self.stream.handle, function, prepared)
         if sub is not None:
             sub.dirty = True
+        if self.scope._tracer is not None:
+            self.traced(prepared.kernel.name)
 
     def copy(self, dst: object, src: object) -> None:
         d = self.driver
@@ -259,11 +287,15 @@ class EnqueueContext:
             if tmp is not None:
                 self.on_retire(functools.partial(np.copyto, dst, tmp))
         self._enqueued()
+        if self.scope._tracer is not None:
+            self.traced("copy")
 
     def fill(self, arr: DeviceArray, pattern: bytes) -> None:
         self.use([(arr, Access.WRITE)], what="fill")
         self.driver.fill(self.stream.handle, arr.ptr, pattern, arr.size)
         self._enqueued()
+        if self.scope._tracer is not None:
+            self.traced("fill")
 
     def host_step(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> HostResult[Any]:
         sub = self.submission
@@ -279,6 +311,8 @@ class EnqueueContext:
         marker = self.driver.record_marker(self.stream.handle)
         gate = self.driver.create_gate(self.stream.handle)
         self._enqueued()
+        if self.scope._tracer is not None:
+            self.traced("host_closure")
         self.stream._pending.append(HostStep(sub, marker, gate, fn, args, result))
         self.scope._host_steps += 1
         return result
@@ -340,6 +374,17 @@ def take_leases(
             assert other.marker is not None
             wait_marker(handle, other.marker)
         sub.dirty = True
+        tr = scope._tracer
+        if tr is not None:
+            for other in waits.values():
+                tr.emit(
+                    "wait",
+                    "wait",
+                    scope._trace_id,
+                    stream.index,
+                    sub.id,
+                    args={"on": other.id, "on_stream": other.stream.index, "what": what},
+                )
     leases = sub.leases
     if type(leases) is not dict:
         assert not leases, "a single launch's leases are taken once"

@@ -75,6 +75,13 @@ class CompletionMixin(StreamsMixin):
         if inline_spin is not None:
             self.inline_spin = inline_spin
 
+    # ------------------------------------------------------------------ traces
+    def last_command(self) -> int | None:
+        return None  # no device times kept: traces show host-observed times
+
+    def command_times(self, ids: Sequence[int]) -> dict[int, tuple[float, float]]:
+        return {}
+
     # ------------------------------------------------------------------ completion
     def notify_submitted(self) -> None:
         if self._new_head:

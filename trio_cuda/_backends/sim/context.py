@@ -91,7 +91,16 @@ class SimContext:
             batch_markers=dev.batch_markers,
             await_spin=dev.await_spin,
             instantiate_in_thread=dev.graph_host_time > 0,
+            device_clock="simulated",
         )
+
+    # ------------------------------------------------------------------ traces
+    def last_command(self) -> int | None:
+        return self._device._seq
+
+    def command_times(self, ids: Sequence[int]) -> dict[int, tuple[float, float]]:
+        wanted = set(ids)
+        return {e.seq: (e.t_start, e.t_end) for e in self._device._trace if e.seq in wanted}
 
     @property
     def closed(self) -> bool:

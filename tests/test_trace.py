@@ -1,0 +1,314 @@
+"""Lifetime traces: what is recorded, the Chrome trace-event JSON, the command
+line, logging, and that a trace never changes what the scope does."""
+
+import json
+import logging
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+import trio
+import trio.testing
+from _kernels import add
+
+import trio_cuda
+from trio_cuda import ops
+from trio_cuda.testing import SimDevice
+
+F4 = np.float32
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cats(trace):
+    return Counter(e.cat for e in trace.events)
+
+
+async def _scenario(sim, trace):
+    """Every kind of lifetime event, on purpose: an allocation, awaited work,
+    a cross-stream wait, a dropped future, a cancelled waiter, a failed
+    kernel, a quarantine, a host closure and the exit's frees."""
+
+    def boom(x, v, n):
+        raise ValueError("reference failed on purpose")
+
+    bad = trio_cuda.Kernel.from_source(
+        'extern "C" __global__ void bad(float* x, float v, int n) {}',
+        "bad",
+        params=[trio_cuda.InOut("f4"), trio_cuda.Scalar("f4"), trio_cuda.Scalar("i4")],
+        reference=boom,
+    )
+    async with trio_cuda.open_scope(device=sim, streams=2, trace=trace) as gpu:
+        x = await gpu.to_device(np.arange(8, dtype=F4))
+        await gpu.run(add(x[:4], 1.0), stream=gpu.streams[0])
+        sim.hold()
+        gpu.submit(add(x, 1.0), stream=gpu.streams[0])  # dropped at once
+        with trio.move_on_after(0.01):
+            await gpu.run(ops.copy(np.zeros(8, F4), x), stream=gpu.streams[1])  # waits on stream 0
+        sim.release()
+        with pytest.raises(trio_cuda.LaunchError, match="on purpose"):
+            await gpu.run(bad.launch(x, F4(1), np.int32(8), grid=1, block=8))
+        await gpu.run(ops.host_closure(lambda: None))
+        y = await gpu.to_device(np.zeros(4, F4))
+        sim.inject_fault("completion_unknown")
+        with pytest.raises(trio_cuda.CompletionUnknownError):
+            await gpu.run(add(y, 1.0))
+        out = await gpu.to_host(x)
+    np.testing.assert_array_equal(out, np.arange(8, dtype=F4) + np.array([2, 2, 2, 2, 1, 1, 1, 1], F4))
+
+
+async def test_a_trace_records_every_kind_of_lifetime_event(caplog):
+    sim = SimDevice()
+    trace = trio_cuda.trace.Trace()
+    with caplog.at_level(logging.INFO, logger="trio_cuda"):
+        await _scenario(sim, trace)
+    got = cats(trace)
+    for cat in ("scope", "alloc", "free", "submit", "lease", "wait", "enqueue", "retire", "cancel", "drop"):
+        # (a single launch's submit stands for its enqueue: copies record both)
+        assert got[cat] > 0, (cat, got)
+    assert got["quarantine"] == 1
+    assert got["await"] > 0
+    # who observed each completion: the awaiting task or the handoff
+    by = Counter(e.name for e in trace.events if e.cat == "retire")
+    assert by["waiter"] > 0
+    assert by["handoff"] > 0
+    # the failed kernel's error is on its retirement
+    assert any(e.cat == "retire" and e.args and "on purpose" in e.args["error"] for e in trace.events)
+    # the wait names what it waits on, on the other stream
+    [wait] = [e for e in trace.events if e.cat == "wait"]
+    assert (wait.stream, wait.args["on_stream"]) == (1, 0)
+    # leases carry allocation, byte range and mode
+    leases = [lease for e in trace.events if e.args for lease in e.args.get("leases", ())]
+    assert any(mode == "write" and (lo, hi) == (0, 16) for _, lo, hi, mode in leases)
+    # the scope opened and closed, and every allocation was freed or quarantined
+    assert [e.name for e in trace.events if e.cat == "scope"] == ["open", "close"]
+    # logging: the cancelled waiter with work in flight, and the quarantine
+    messages = [r.getMessage() for r in caplog.records if r.name == "trio_cuda"]
+    assert any("was cancelled with the work in flight" in m for m in messages)
+    assert any("quarantined" in m for m in messages)
+    assert sim.violations == []
+
+
+async def test_chrome_json_is_well_formed():
+    sim = SimDevice(kernel_time=0.002)
+    trace = trio_cuda.trace.Trace()
+    await _scenario(sim, trace)
+    doc = json.loads(json.dumps(trace.to_chrome()))  # plain JSON all the way down
+    evs = doc["traceEvents"]
+    assert doc["otherData"]["dropped"] == 0
+    assert doc["otherData"]["device_time"] == "simulated"
+    names = {}
+    for e in evs:
+        assert e["ph"] in {"M", "X", "i", "s", "f"}, e
+        assert isinstance(e["pid"], int)
+        if e["ph"] == "M":
+            if e["name"] == "thread_name":
+                names[(e["pid"], e["tid"])] = e["args"]["name"]
+            continue
+        assert e["ts"] >= 0, e
+        assert e["cat"] in trio_cuda.trace.CATEGORIES, e
+        if e["ph"] == "X":
+            assert e["dur"] >= 0, e
+    # every event sits on a named track
+    for e in evs:
+        if e["ph"] != "M":
+            assert (e["pid"], e["tid"]) in names, e
+    tracks = set(names.values())
+    assert {"stream 0", "stream 1", "scope"} <= tracks
+    assert any(t.startswith("alloc 0x") and t.endswith(" B)") for t in tracks)
+    assert any(t.startswith("task ") for t in tracks)
+    present = {e["cat"] for e in evs if e["ph"] != "M"}
+    assert set(trio_cuda.trace.CATEGORIES) - present == set(), present
+    # flows: each start has its end, and it ends no earlier
+    starts = {e["id"]: e["ts"] for e in evs if e["ph"] == "s"}
+    ends = {e["id"]: e["ts"] for e in evs if e["ph"] == "f"}
+    assert starts
+    assert starts.keys() == ends.keys()
+    assert all(ends[i] >= starts[i] for i in starts)
+    # device lanes show the simulated kernels' durations (2 ms each)
+    kernels = [e for e in evs if e["ph"] == "X" and e["cat"] == "enqueue" and e["name"] == "add_f4"]
+    assert kernels
+    assert all(e["args"]["device_time"] == "simulated" for e in kernels)
+    assert max(e["dur"] for e in kernels) >= 1900
+    # an allocation's life: alive from alloc to free, leases nested in time
+    alive = [e for e in evs if e["ph"] == "X" and e["cat"] == "alloc"]
+    leases = [e for e in evs if e["ph"] == "X" and e["cat"] == "lease"]
+    assert alive
+    assert leases
+    assert {e["name"] for e in leases} == {"read", "write"}
+    # slices on one track never overlap without nesting (Perfetto needs it)
+    by_track = {}
+    for e in evs:
+        if e["ph"] == "X":
+            by_track.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_track.values():
+        spans.sort()
+        stack = []
+        for lo, hi in spans:
+            while stack and stack[-1] <= lo + 1e-3:
+                stack.pop()
+            assert not stack or hi <= stack[-1] + 1e-3, spans
+            stack.append(hi)
+
+
+async def test_the_ring_is_bounded_and_says_what_it_dropped():
+    sim = SimDevice()
+    trace = trio_cuda.trace.Trace(limit=10)
+    async with trio_cuda.open_scope(device=sim, trace=trace) as gpu:
+        x = await gpu.to_device(np.zeros(4, F4))
+        for _ in range(20):
+            await gpu.run(add(x, 1.0))
+    assert len(trace.events) == 10
+    assert trace.dropped > 40
+    assert trace.to_chrome()["otherData"]["dropped"] == trace.dropped
+    assert trace.events[-1].cat == "scope"  # the newest are kept
+    with pytest.raises(ValueError, match="limit: expected an int >= 1, got 0"):
+        trio_cuda.trace.Trace(limit=0)
+
+
+async def test_tracing_off_records_nothing_and_process_tracing_covers_new_scopes():
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        assert gpu._tracer is None
+    assert trio_cuda.trace.current() is None
+    trace = trio_cuda.trace.enable(limit=1000)
+    try:
+        assert trio_cuda.trace.current() is trace
+        async with trio_cuda.open_scope(device=sim) as a, trio_cuda.open_scope(device=sim, trace=False) as b:
+            await a.run(ops.fill(a.zeros(4, F4), 1.0))
+            await b.run(ops.fill(b.zeros(4, F4), 1.0))
+            assert b._tracer is None
+    finally:
+        assert trio_cuda.trace.disable() is trace
+    assert trio_cuda.trace.current() is None
+    assert {e.scope for e in trace.events} == {1}
+    with pytest.raises(TypeError, match="trace: expected None, False or a trio_cuda.trace.Trace, got True"):
+        trio_cuda.open_scope(device=sim, trace=True)
+
+
+async def test_a_trace_does_not_change_what_the_scope_does():
+    # the same program with and without a trace: same results, same statistics
+    async def program(trace):
+        sim = SimDevice()
+        async with trio_cuda.open_scope(device=sim, streams=3, trace=trace) as gpu:
+            x = await gpu.to_device(np.arange(64, dtype=F4))
+            futs = [gpu.submit(add(x[i * 16 : (i + 1) * 16], float(i))) for i in range(4)]
+            for f in futs:
+                await f.wait()
+            out = await gpu.to_host(x)
+            stats = gpu.statistics()
+        return out, stats, sim.statistics()
+
+    plain = await program(None)
+    traced = await program(trio_cuda.trace.Trace())
+    np.testing.assert_array_equal(plain[0], traced[0])
+    # (who retired what depends on Trio's scheduling order, traced or not)
+    assert attrs.evolve(plain[1], retired_by_waiters=0) == attrs.evolve(traced[1], retired_by_waiters=0)
+    assert plain[2] == traced[2]
+
+
+def test_write_picks_the_format_from_the_name(tmp_path):
+    trace = trio_cuda.trace.Trace()
+    trio.run(_scenario, SimDevice(), trace)
+    trace.write(tmp_path / "t.json")
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    trace.write(tmp_path / "t.html")
+    assert (tmp_path / "t.html").read_text().lstrip().lower().startswith("<!doctype html")
+    with pytest.raises(ValueError, match=r"path: expected a name ending in .json or .html, got '.*t.txt'"):
+        trace.write(tmp_path / "t.txt")
+
+
+def test_the_trace_command_runs_a_program_and_writes_its_trace(tmp_path):
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trio_cuda",
+            "trace",
+            "-o",
+            str(out),
+            str(ROOT / "examples" / "inplace_update.py"),
+            "--device",
+            "sim",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "in-place update: OK" in proc.stdout
+    assert f"written to {out}" in proc.stderr
+    doc = json.loads(out.read_text())
+    present = {e["cat"] for e in doc["traceEvents"] if e["ph"] != "M"}
+    assert {"scope", "alloc", "free", "submit", "enqueue", "retire", "lease"} <= present
+    bad = subprocess.run(
+        [sys.executable, "-m", "trio_cuda", "trace", "-o", str(tmp_path / "x.txt"), "prog.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert "expected a file name ending in .html or .json" in bad.stderr
+
+
+def test_the_demo_writes_its_trace(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trio_cuda",
+            "demo",
+            "--device",
+            "sim",
+            "--quiet",
+            "--inputs",
+            "8",
+            "--trace",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"written to {out}" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["otherData"]["backend"] == "sim"
+
+
+async def test_drain_timeout_that_runs_out_is_logged(caplog):
+    sim = SimDevice()
+    with caplog.at_level(logging.WARNING, logger="trio_cuda"), pytest.warns(ResourceWarning):
+        async with trio_cuda.open_scope(device=sim, drain_timeout=0) as gpu:
+            x = await gpu.to_device(np.zeros(4, F4))
+            sim.hold()
+            gpu.submit(add(x, 1.0))
+    sim.release()
+    assert any("drain_timeout=0" in r.getMessage() and "ran out" in r.getMessage() for r in caplog.records)
+
+
+def test_the_timeline_page_of_a_real_trace_in_chromium(tmp_path):
+    from test_trace_html import body, console_lines, dump_dom, find_chromium
+
+    if find_chromium() is None:
+        pytest.skip("no chromium binary on PATH")
+    trace = trio_cuda.trace.Trace()
+    trio.run(_scenario, SimDevice(kernel_time=0.002), trace)
+    dom, stderr = dump_dom(trace.to_html(title="scenario"), tmp_path)
+    assert body(dom).get("data-ready") == "1"
+    assert console_lines(stderr) == []
+    lanes = {lane["data-track"]: lane["data-kind"] for lane in dom.by_class("lane")}
+    assert lanes["stream 0"] == lanes["stream 1"] == "stream"
+    assert any(name.startswith("alloc 0x") and kind == "alloc" for name, kind in lanes.items())
+    assert any(kind == "task" for kind in lanes.values())
+    drawn = Counter(e["data-cat"] for e in dom.by_class("ev"))
+    for cat in ("enqueue", "alloc", "lease", "free", "cancel", "drop", "quarantine", "wait", "retire"):
+        assert drawn[cat] > 0, (cat, drawn)
+    # the cancellation, the dropped future and the quarantine are marked across the scope
+    assert {"cancel", "drop", "quarantine"} <= {a["data-cat"] for a in dom.by_class("alert")}

@@ -1,0 +1,432 @@
+"""Lifetime traces: see what scopes did, in Perfetto or as a timeline page.
+
+.. code-block:: python
+
+    trace = trio_cuda.trace.Trace()
+    async with trio_cuda.open_scope(trace=trace) as gpu:
+        ...
+    trace.write("run.json")     # Chrome trace-event JSON: open it in ui.perfetto.dev
+    trace.write("run.html")     # a self-contained timeline page
+
+:func:`enable` records every scope of the process (``python -m trio_cuda
+trace SCRIPT`` does that). Invariants:
+
+* A trace records, per scope: its opening and exit; allocations and frees
+  (with bytes); submissions with their leases (allocation, byte range, mode,
+  stream); cross-stream waits and what they wait on; the enqueue of each
+  kernel, copy, fill and host closure; completions, and who observed them
+  (the awaiting task, the handoff task, or the exit); retirement; cancelled
+  waiters, dropped futures, quarantine and errors; and each awaiting task's
+  wait.
+* Recording is bounded (``limit`` events, oldest dropped first);
+  :attr:`Trace.dropped` and both outputs say how many were dropped.
+* Device times: on the simulator, its clock (each command's start and end);
+  elsewhere, host-observed times: from the enqueue to the completion the
+  host observed.
+* Exporting never changes the trace, and a trace holds no array: recording
+  never keeps memory alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, final
+
+import attrs
+
+from ._core._trace import CATEGORIES, Tracer, process_tracer, set_process_tracer
+from ._version import __version__
+
+__all__ = ["Trace", "TraceEvent", "current", "disable", "enable"]
+
+
+@attrs.frozen
+class TraceEvent:
+    """One recorded lifetime event. ``t`` is seconds since the trace began;
+    ``cat`` is one of ``scope alloc free submit lease wait enqueue retire
+    cancel drop quarantine error`` (and ``await``: a task's wait);
+    ``allocation`` is an allocation's device address.
+
+    A ``retire`` event is named by who observed the completion (``waiter``,
+    ``handoff`` or ``exit``). A single kernel launch records one ``submit``
+    event that stands for its enqueue too (``args["enqueue"]``); other ops
+    record their ``enqueue`` events one by one, and their leases in a
+    ``lease`` event."""
+
+    t: float
+    cat: str
+    name: str
+    scope: int
+    stream: int | None
+    submission: int | None
+    allocation: int | None
+    args: dict[str, Any] | None
+
+
+@final
+class Trace:
+    """A bounded recording of lifetime events, from one or more scopes.
+
+    Pass it to :func:`~trio_cuda.open_scope` (``trace=``), or make it the
+    process's trace with :func:`enable`. ``limit`` bounds the events kept."""
+
+    __slots__ = ("_tracer",)
+
+    def __init__(self, *, limit: int = 100_000) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit: expected an int >= 1, got {limit!r}")
+        self._tracer = Tracer(limit)
+
+    @property
+    def events(self) -> list[TraceEvent]:
+        """The events kept, oldest first."""
+        t0 = self._tracer.t0
+        return [TraceEvent(e[0] - t0, *e[1:]) for e in self._tracer.events]
+
+    @property
+    def dropped(self) -> int:
+        """Events recorded but no longer kept (the ``limit`` was reached)."""
+        return self._tracer.dropped
+
+    def __repr__(self) -> str:
+        tr = self._tracer
+        return f"<Trace: {len(tr.events)} events of {len(tr.scopes)} scope(s), {tr.dropped} dropped>"
+
+    # ------------------------------------------------------------------ outputs
+    def to_chrome(self) -> dict[str, Any]:
+        """The trace as Chrome trace-event JSON (a dict), which
+        ui.perfetto.dev and ``chrome://tracing`` open: a process per scope, a
+        track per stream (device execution), per allocation (alive, leased,
+        freed) and per awaiting task, and flow arrows from each submission to
+        its retirement."""
+        return _Chrome(self._tracer).build()
+
+    def to_html(self, *, title: str = "trio_cuda trace") -> str:
+        """A self-contained timeline page (inline SVG and JavaScript; no network)."""
+        from ._trace_html import render_html
+
+        return render_html(self.to_chrome(), title=title)
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        """Write the trace to ``path``: ``.json`` (Chrome trace-event JSON) or
+        ``.html`` (the timeline page)."""
+        p = os.fspath(path)
+        if p.endswith(".json"):
+            text = json.dumps(self.to_chrome())
+        elif p.endswith((".html", ".htm")):
+            text = self.to_html(title=os.path.basename(p))
+        else:
+            raise ValueError(f"path: expected a name ending in .json or .html, got {p!r}")
+        with open(p, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def enable(*, limit: int = 100_000) -> Trace:
+    """Record every scope opened from now on (``open_scope(trace=None)``) into
+    a new process-wide :class:`Trace`, and return it."""
+    trace = Trace(limit=limit)
+    set_process_tracer(trace._tracer)
+    _current[0] = trace
+    return trace
+
+
+def disable() -> Trace | None:
+    """Stop recording new scopes process-wide; return the trace that was on."""
+    trace = current()
+    set_process_tracer(None)
+    _current[0] = None
+    return trace
+
+
+def current() -> Trace | None:
+    """The process-wide trace, if :func:`enable` turned one on."""
+    trace = _current[0]
+    if trace is not None and process_tracer() is not trace._tracer:
+        return None
+    return trace
+
+
+_current: list[Trace | None] = [None]
+
+
+# --------------------------------------------------------------------------- Chrome JSON
+
+#: track ids (Chrome ``tid``s) within a scope's process: 0 the scope, 1 + i
+#: stream i, 2000 + j the j-th awaiting task, and from 100000 on sixteen per
+#: allocation (its lifetime, then lanes for concurrent leases)
+_STREAM_TID = 1
+_TASK_TID = 2000
+_ALLOC_TID = 100_000
+_ALLOC_LANES = 16
+
+
+class _Chrome:
+    """Chrome trace events from a tracer's records (see :meth:`Trace.to_chrome`)."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+        self.t0 = tracer.t0
+        self.out: list[dict[str, Any]] = []
+        self.named: set[tuple[int, int]] = set()
+        self.alloc_tid: dict[tuple[int, int], int] = {}
+        self.lease_lanes: dict[tuple[int, int], list[float]] = {}
+        self.task_tid: dict[tuple[int, str], int] = {}
+        self.next_alloc: dict[int, int] = {}
+        self.next_task: dict[int, int] = {}
+
+    def us(self, t: float) -> float:
+        return round((t - self.t0) * 1e6, 3)
+
+    def thread(self, pid: int, tid: int, name: str) -> None:
+        if (pid, tid) not in self.named:
+            self.named.add((pid, tid))
+            self.out.append(
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+            )
+            self.out.append(
+                {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
+            )
+
+    def instant(self, cat: str, name: str, t: float, pid: int, tid: int, args: dict[str, Any] | None) -> None:
+        ev: dict[str, Any] = {
+            "ph": "i",
+            "s": "t",
+            "name": name,
+            "cat": cat,
+            "ts": self.us(t),
+            "pid": pid,
+            "tid": tid,
+        }
+        if args:
+            ev["args"] = args
+        self.out.append(ev)
+
+    def slice(
+        self, cat: str, name: str, t0: float, t1: float, pid: int, tid: int, args: dict[str, Any]
+    ) -> None:
+        ts = self.us(t0)
+        self.out.append(
+            {
+                "ph": "X",
+                "name": name,
+                "cat": cat,
+                "ts": ts,
+                "dur": max(0.0, round(self.us(t1) - ts, 3)),
+                "pid": pid,
+                "tid": tid,
+                "args": args,
+            }
+        )
+
+    def stream_tid(self, pid: int, stream: int | None) -> int:
+        if stream is None:
+            self.thread(pid, 0, "scope")
+            return 0
+        tid = _STREAM_TID + stream
+        self.thread(pid, tid, f"stream {stream}")
+        return tid
+
+    def alloc_track(self, pid: int, ptr: int, nbytes: int | None) -> int:
+        tid = self.alloc_tid.get((pid, ptr))
+        if tid is None:
+            tid = self.next_alloc.get(pid, _ALLOC_TID)
+            self.next_alloc[pid] = tid + _ALLOC_LANES
+            self.alloc_tid[(pid, ptr)] = tid
+            size = "" if nbytes is None else f" ({nbytes} B)"
+            self.thread(pid, tid, f"alloc 0x{ptr:x}{size}")
+        return tid
+
+    def lease_tid(self, pid: int, ptr: int, t0: float, t1: float) -> int:
+        """A lane of the allocation's lease tracks where [t0, t1) fits
+        (concurrent leases need separate lanes to nest properly)."""
+        lanes = self.lease_lanes.setdefault((pid, ptr), [])
+        for i, end in enumerate(lanes):
+            if end <= t0:
+                lanes[i] = t1
+                break
+        else:
+            lanes.append(t1)
+            i = len(lanes) - 1
+        base = self.alloc_track(pid, ptr, None)
+        tid = base + 1 + min(i, _ALLOC_LANES - 2)
+        self.thread(pid, tid, f"alloc 0x{ptr:x} leases")
+        return tid
+
+    def task_track(self, pid: int, task: str) -> int:
+        tid = self.task_tid.get((pid, task))
+        if tid is None:
+            tid = self.next_task.get(pid, _TASK_TID)
+            self.next_task[pid] = tid + 1
+            self.task_tid[(pid, task)] = tid
+            self.thread(pid, tid, f"task {task}")
+        return tid
+
+    def build(self) -> dict[str, Any]:
+        tr = self.tracer
+        events = list(tr.events)
+        end_t = events[-1][0] if events else self.t0
+        backends = {b for _, b, _ in tr.scopes.values()}
+        clocks = {c for _, _, c in tr.scopes.values()}
+        for sid, (label, _, _) in tr.scopes.items():
+            self.out.append({"ph": "M", "name": "process_name", "pid": sid, "args": {"name": label}})
+            self.out.append(
+                {"ph": "M", "name": "process_sort_index", "pid": sid, "args": {"sort_index": sid}}
+            )
+        # retirement time of each submission, and the leases it held
+        retired: dict[tuple[int, int], float] = {}
+        leases: dict[tuple[int, int], list[tuple[float, list[Any], int | None]]] = {}
+        for t, cat, _name, sid, stream, sub, _alloc, args in events:
+            if sub is None:
+                continue
+            if cat in ("retire", "quarantine"):
+                retired.setdefault((sid, sub), t)
+            elif cat in ("submit", "lease", "error") and args and args.get("leases"):
+                leases.setdefault((sid, sub), []).append((t, args["leases"], stream))
+        alloc_bytes: dict[tuple[int, int], int] = {}
+        alloc_start: dict[tuple[int, int], float] = {}
+        flows = 0
+        for t, cat, name, sid, stream, sub, alloc, args in events:
+            pid = sid
+            if cat == "scope":
+                self.instant("scope", name, t, pid, self.stream_tid(pid, None), args)
+            elif cat == "alloc" and alloc is not None:
+                nbytes = (args or {}).get("bytes")
+                alloc_bytes[(pid, alloc)] = nbytes if isinstance(nbytes, int) else 0
+                alloc_start[(pid, alloc)] = t
+                tid = self.alloc_track(pid, alloc, nbytes if isinstance(nbytes, int) else None)
+                self.instant("alloc", "alloc", t, pid, tid, args)
+            elif cat == "free" and alloc is not None:
+                tid = self.alloc_track(pid, alloc, alloc_bytes.get((pid, alloc)))
+                start = alloc_start.pop((pid, alloc), None)
+                if start is not None:
+                    self.slice("alloc", "alive", start, t, pid, tid, {"bytes": alloc_bytes.get((pid, alloc))})
+                self.instant("free", name, t, pid, tid, args)
+            elif cat == "enqueue" or (cat == "submit" and args is not None and "enqueue" in args):
+                if cat == "submit":  # a single launch: its submit stands for its enqueue too
+                    self.instant("submit", name, t, pid, self.stream_tid(pid, stream), {"sub": sub})
+                    self.instant("enqueue", name, t, pid, self.stream_tid(pid, stream), {"sub": sub})
+                tid = self.stream_tid(pid, stream)
+                cmd = (args or {}).get("cmd")
+                span = tr.device.get((sid, cmd)) if isinstance(cmd, int) else None
+                if span is not None:
+                    t0, t1 = span
+                else:
+                    t0 = t
+                    t1 = retired.get((sid, sub), end_t) if sub is not None else t
+                slice_args: dict[str, Any] = {
+                    "sub": sub,
+                    "op": name if cat == "enqueue" and name in ("copy", "fill", "host_closure") else "kernel",
+                    "device_time": "simulated" if span else "host-observed",
+                }
+                self.slice("enqueue", name, t0, t1, pid, tid, slice_args)
+                if sub is not None and (sid, sub) in retired:
+                    flows += 1
+                    fid = sid * 1_000_000 + sub
+                    self.out.append(
+                        {
+                            "ph": "s",
+                            "id": fid,
+                            "name": "submission",
+                            "cat": "submit",
+                            "ts": self.us(t0),
+                            "pid": pid,
+                            "tid": tid,
+                        }
+                    )
+                    self.out.append(
+                        {
+                            "ph": "f",
+                            "bp": "e",
+                            "id": fid,
+                            "name": "submission",
+                            "cat": "submit",
+                            "ts": self.us(retired[(sid, sub)]),
+                            "pid": pid,
+                            "tid": tid,
+                        }
+                    )
+            elif cat == "await":
+                a = args or {}
+                task = str(a.get("task", "?"))
+                began = a.get("t0")
+                tid = self.task_track(pid, task)
+                start = began if isinstance(began, float) else t
+                label = f"await #{sub}"
+                self.slice("submit", label, start, t, pid, tid, {"sub": sub, "outcome": a.get("outcome")})
+            elif cat == "retire":  # named by who observed the completion
+                tid = self.stream_tid(pid, stream)
+                a = dict(args or {})
+                self.instant("complete", "complete", t, pid, tid, {"sub": sub, "by": name})
+                self.instant("retire", "retire", t, pid, tid, {"sub": sub, "by": name, **a})
+                if "error" in a:
+                    self.instant("error", "failed", t, pid, tid, {"sub": sub, "error": a["error"]})
+                self._leases_of(pid, sid, sub, t, leases)
+            elif cat == "quarantine":
+                tid = self.stream_tid(pid, stream)
+                self.instant("quarantine", name, t, pid, tid, {"sub": sub, **(args or {})})
+                for ptr in (args or {}).get("allocations", []):
+                    self.instant(
+                        "quarantine",
+                        "quarantined",
+                        t,
+                        pid,
+                        self.alloc_track(pid, ptr, None),
+                        {"sub": sub},
+                    )
+            elif cat in ("submit", "wait", "cancel", "drop", "error", "lease"):
+                tid = self.stream_tid(pid, stream)
+                a = {"sub": sub, **{k: v for k, v in (args or {}).items() if k != "leases"}}
+                if cat != "lease":
+                    self.instant(cat, name, t, pid, tid, a)
+                if cat == "cancel" and args and "task" in args:
+                    self.instant("cancel", "cancelled", t, pid, self.task_track(pid, str(args["task"])), a)
+        # allocations still alive at the end of the trace
+        for (pid, ptr), start in alloc_start.items():
+            tid = self.alloc_track(pid, ptr, alloc_bytes.get((pid, ptr)))
+            self.slice(
+                "alloc",
+                "alive",
+                start,
+                end_t,
+                pid,
+                tid,
+                {"bytes": alloc_bytes.get((pid, ptr)), "freed": False},
+            )
+        # leases of submissions never retired in the trace (in flight at its end)
+        for sid, sub in list(leases):
+            self._leases_of(sid, sid, sub, end_t, leases)
+        return {
+            "traceEvents": self.out,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "trio_cuda": __version__,
+                "dropped": tr.dropped,
+                "limit": tr.limit,
+                "dropped_are": "the oldest",
+                "events": len(events),
+                "flows": flows,
+                "backend": "/".join(sorted(backends)) or "none",
+                "device_time": "/".join(sorted(clocks)) or "host-observed",
+                "categories": list(CATEGORIES),
+            },
+        }
+
+    def _leases_of(
+        self,
+        pid: int,
+        sid: int,
+        sub: int | None,
+        t_end: float,
+        leases: dict[tuple[int, int], list[tuple[float, list[Any], int | None]]],
+    ) -> None:
+        """A lease slice, and take/release instants, for each lease of ``sub``."""
+        if sub is None:
+            return
+        for t, items, stream in leases.pop((sid, sub), []):
+            for ptr, lo, hi, mode in items:
+                tid = self.lease_tid(pid, ptr, t, t_end)
+                a = {"sub": sub, "stream": stream, "range": [lo, hi], "mode": mode}
+                self.slice("lease", mode, t, t_end, pid, tid, a)
+                self.instant("lease", "take", t, pid, tid, a)
+                self.instant("lease", "release", t_end, pid, tid, a)
