@@ -304,7 +304,7 @@ async def test_gc_of_arrays_with_work_in_flight_never_frees_early(sim):
         assert ptr not in live(sim)
 
 
-async def test_unclosed_array_warning_names_where_it_was_created(sim, monkeypatch):
+async def test_unclosed_array_warning_names_where_it_was_created(sim, monkeypatch, caplog):
     monkeypatch.setattr(_array, "TRACK_UNCLOSED", True)
     async with trio_cuda.open_scope(device=sim) as gpu:
         x = await gpu.to_device(np.zeros(3, F4))
@@ -321,6 +321,12 @@ async def test_unclosed_array_warning_names_where_it_was_created(sim, monkeypatc
             f"test_arrays.py:{line} in test_unclosed_array_warning_names_where_it_was_created" in messages[0]
         )
         assert messages[0].startswith("unclosed DeviceArray shape=(3,) dtype=float32, created at ")
+        # and it is logged (logger "trio_cuda"), where warnings may be hidden
+        logged = [
+            r.getMessage() for r in caplog.records if r.name == "trio_cuda" and "unclosed" in r.getMessage()
+        ]
+        assert len(logged) == 1
+        assert "test_unclosed_array_warning_names_where_it_was_created" in logged[0]
 
 
 def test_unclosed_array_warning_under_minus_w_error():

@@ -31,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import sys
 import warnings
@@ -50,6 +51,9 @@ if TYPE_CHECKING:
     from ._leases import RangeIndex
     from ._scope import ResourceScope
     from ._submit import Submission
+
+
+log = logging.getLogger("trio_cuda")
 
 
 class AllocState(enum.Enum):
@@ -127,6 +131,11 @@ def _release_handle_from_gc(alloc: Allocation, info: _GcInfo | None = None) -> N
         unclosed = info is not None and info.site is not None
         if unclosed and not scope._closed and alloc.state is AllocState.LIVE:
             assert info is not None
+            log.warning(
+                "unclosed %s, created at %s, was garbage-collected while its scope was open",
+                info.label,
+                info.site,
+            )
             warnings.warn(
                 ResourceWarning(
                     f"unclosed {info.label}, created at {info.site}: it was garbage-collected while its "
