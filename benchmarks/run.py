@@ -385,6 +385,14 @@ async def _scope_bench(raw: Raw) -> None:
         record("safe_submit_default_policy", await _submit_burst(gpu, op, None, B), "us")
         # one task: await run round trip
         record("await_run_roundtrip", await _roundtrip(gpu, op, s, B), "us")
+        # the same with a lifetime trace recording (a scope of its own)
+        trace = trio_cuda.trace.Trace(limit=1_000_000)
+        async with trio_cuda.open_scope(device="cuda", streams=4, trace=trace) as traced:
+            tbufs = [traced.zeros(256, np.float32) for _ in range(4)]
+            top = EMPTY.launch(*tbufs, 256, grid=1, block=1)
+            await traced.run(top, stream=traced.streams[0])
+            record("traced_roundtrip", await _roundtrip(traced, top, traced.streams[0], B), "us")
+            record("untraced_roundtrip", await _roundtrip(gpu, op, s, B), "us", "(the same, interleaved)")
 
         # A/B of the core's completion options: one marker per burst of
         # submissions (batch) or one per submission, and the awaiting task's
@@ -794,6 +802,14 @@ def table() -> list[dict[str, Any]]:
         lambda r: r <= 1.25,
     )
     row("Trio floor round trip", v("floor_roundtrip"), "us", v("raw_launch_sync_roundtrip"), "(floor)", None)
+    row(
+        "tracing on, round trip",
+        v("traced_roundtrip"),
+        "us",
+        v("untraced_roundtrip"),
+        "<= 1.2 x tracing off",
+        lambda r: r <= 1.2,
+    )
     t100 = v("tasks_100")
     f100 = v("floor_tasks_100")
     row("Trio floor, 100 tasks", f100, "launch/s", raw_rate, "(floor; x raw rate)", None)

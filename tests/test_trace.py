@@ -312,3 +312,76 @@ def test_the_timeline_page_of_a_real_trace_in_chromium(tmp_path):
         assert drawn[cat] > 0, (cat, drawn)
     # the cancellation, the dropped future and the quarantine are marked across the scope
     assert {"cancel", "drop", "quarantine"} <= {a["data-cat"] for a in dom.by_class("alert")}
+
+
+class _FakeNvtx:
+    """Stands in for the ``nvtx`` package: records the ranges."""
+
+    def __init__(self):
+        self.open = {}
+        self.closed = []
+        self.next = 0
+
+    def start_range(self, message, domain):
+        self.next += 1
+        self.open[self.next] = (message, domain)
+        return self.next
+
+    def end_range(self, rid):
+        self.closed.append(self.open.pop(rid))
+
+
+async def test_nvtx_ranges_for_scopes_and_submissions_where_nvtx_is_installed(monkeypatch):
+    fake = _FakeNvtx()
+    monkeypatch.setattr(trio_cuda._core._trace, "_load_nvtx", lambda: fake)
+    trace = trio_cuda.trace.Trace()
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim, trace=trace) as gpu:
+        x = await gpu.to_device(np.zeros(4, F4))
+        await gpu.run(add(x, 1.0))
+        assert ("scope #1", "trio_cuda") in fake.open.values()
+    assert fake.open == {}  # every range ended: the scope's and each submission's
+    messages = [m for m, _ in fake.closed]
+    assert "add_f4 #3" in messages
+    assert messages[-1] == "scope #1"
+    assert {d for _, d in fake.closed} == {"trio_cuda"}
+
+
+async def test_a_broken_nvtx_turns_itself_off(monkeypatch, caplog):
+    class Broken:
+        def start_range(self, message, domain):
+            raise RuntimeError("no profiler")
+
+    monkeypatch.setattr(trio_cuda._core._trace, "_load_nvtx", Broken)
+    trace = trio_cuda.trace.Trace()
+    async with trio_cuda.open_scope(device=SimDevice(), trace=trace) as gpu:
+        await gpu.run(ops.fill(gpu.zeros(4, F4), 1.0))
+    assert cats(trace)["retire"] > 0  # the trace itself goes on
+    assert any("NVTX ranges turned off" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.gpu
+async def test_a_trace_on_the_gpu_shows_host_observed_times(tmp_path):
+    from trio_cuda._backends import probe_cuda
+
+    probe = probe_cuda()
+    if not probe.available:
+        pytest.skip(f"no CUDA device: {probe.reason}")
+    trace = trio_cuda.trace.Trace()
+    async with trio_cuda.open_scope(device="cuda", streams=2, trace=trace) as gpu:
+        x = await gpu.to_device(np.arange(1024, dtype=F4))
+        await gpu.run(add(x[:512], 1.0))
+        fut = gpu.submit(add(x[512:], 2.0))
+        await fut.wait()
+        out = await gpu.to_host(x)
+    np.testing.assert_array_equal(out, np.arange(1024, dtype=F4) + np.repeat(np.array([1, 2], F4), 512))
+    got = cats(trace)
+    for cat in ("scope", "alloc", "free", "submit", "enqueue", "retire", "await"):
+        assert got[cat] > 0, (cat, got)
+    doc = trace.to_chrome()
+    assert doc["otherData"]["backend"] == "cuda"
+    assert doc["otherData"]["device_time"] == "host-observed"
+    kernels = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["name"] == "add_f4"]
+    assert len(kernels) == 2
+    assert all(e["args"]["device_time"] == "host-observed" and e["dur"] > 0 for e in kernels)
+    trace.write(tmp_path / "gpu.html")

@@ -12,6 +12,10 @@ Invariants:
   come from the driver where it keeps them (``Capabilities.device_clock``:
   the simulator's clock), collected when a scope closes; otherwise the
   exporter shows host-observed times (enqueue to the completion observed).
+* Where the ``nvtx`` package is installed, a tracer also opens NVTX ranges:
+  one per scope (open to exit) and one per submission (submit to
+  retirement), in the domain ``trio_cuda``, so that Nsight Systems shows them
+  next to the kernels. Without the package nothing is imported or called.
 * A tracer may be shared by many scopes (per process: :func:`set_process_tracer`);
   each scope gets its own id. Recording happens on the scopes' Trio threads
   only; ``threading`` never touches the ring.
@@ -58,7 +62,7 @@ CATEGORIES = (
 class Tracer:
     """The recorder behind :class:`trio_cuda.trace.Trace`."""
 
-    __slots__ = ("device", "events", "limit", "recorded", "scopes", "t0")
+    __slots__ = ("device", "events", "limit", "nvtx", "nvtx_ranges", "recorded", "scopes", "t0")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -69,6 +73,9 @@ class Tracer:
         self.scopes: dict[int, tuple[str, str, str]] = {}
         #: (scope id, command id) -> device (start, end), collected at scope exit
         self.device: dict[tuple[int, int], tuple[float, float]] = {}
+        #: the ``nvtx`` module where it is installed, and the open ranges
+        self.nvtx: Any = _load_nvtx()
+        self.nvtx_ranges: dict[tuple[int, int], Any] = {}
 
     @property
     def dropped(self) -> int:
@@ -86,6 +93,30 @@ class Tracer:
     ) -> None:
         self.recorded += 1
         self.events.append((perf_counter(), cat, name, sid, stream, sub, alloc, args))
+        if self.nvtx is not None:
+            self._nvtx(cat, name, sid, sub)
+
+    def _nvtx(self, cat: str, name: str, sid: int, sub: int | None) -> None:
+        """NVTX ranges: a scope's life, and each submission's (submit to retire)."""
+        nvtx = self.nvtx
+        try:
+            if cat == "submit" and sub is not None:
+                rid = nvtx.start_range(message=f"{name} #{sub}", domain="trio_cuda")
+                self.nvtx_ranges[(sid, sub)] = rid
+            elif cat in ("retire", "quarantine", "error") and sub is not None:
+                rid = self.nvtx_ranges.pop((sid, sub), None)
+                if rid is not None:
+                    nvtx.end_range(rid)
+            elif cat == "scope":
+                if name == "open":
+                    self.nvtx_ranges[(sid, 0)] = nvtx.start_range(message=f"scope #{sid}", domain="trio_cuda")
+                else:
+                    rid = self.nvtx_ranges.pop((sid, 0), None)
+                    if rid is not None:
+                        nvtx.end_range(rid)
+        except Exception as exc:  # a broken profiler hook must not break the program
+            log.warning("NVTX ranges turned off: %r", exc)
+            self.nvtx = None
 
     # ------------------------------------------------------------------ scopes
     def open_scope(self, scope: ResourceScope) -> int:
@@ -178,3 +209,16 @@ def process_tracer() -> Tracer | None:
 def set_process_tracer(tracer: Tracer | None) -> None:
     global _process_tracer
     _process_tracer = tracer
+
+
+def _load_nvtx() -> Any:
+    """The ``nvtx`` package, or None where it is not installed."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("nvtx") is None:
+        return None
+    try:
+        return importlib.import_module("nvtx")
+    except Exception:
+        return None
