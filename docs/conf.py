@@ -22,7 +22,7 @@ extensions = [
 
 # The build needs no network: no intersphinx.
 # Markdown files (design records in docs/design/) are not Sphinx sources.
-exclude_patterns = ["_build", "**/*.md", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "**/*.md", "Thumbs.db", ".DS_Store", "make_pictures.py"]
 source_suffix = {".rst": "restructuredtext"}
 root_doc = "index"
 
@@ -40,4 +40,4 @@ default_role = "py:obj"
 pygments_style = "sphinx"
 html_theme = "alabaster"
 html_title = f"trio_cuda {release}"
-html_static_path: list[str] = []
+html_static_path: list[str] = ["_static"]

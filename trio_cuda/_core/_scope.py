@@ -406,7 +406,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         structured ones included."""
         arr, s = self._empty(shape, dtype, order, stream)
         try:
-            self.submit(_ZeroBytes(arr), stream=s)
+            self._submit_detached(_ZeroBytes(arr), s, "zeros")
         except BaseException:
             arr.close()
             raise
@@ -427,7 +427,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         pattern = fill_pattern(normalize_dtype(dtype), fill_value)  # checked before allocating
         arr, s = self._empty(shape, dtype, order, stream)
         try:
-            self.submit(_Fill(arr, pattern), stream=s)
+            self._submit_detached(_Fill(arr, pattern), s, "full")
         except BaseException:
             arr.close()
             raise
@@ -540,6 +540,15 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         if self._tracer is not None:
             fut._watch()
         return fut
+
+    def _submit_detached(self, op: DeviceOp[Any], stream: Stream, what: str) -> None:
+        """``submit`` for the scope's own work that nobody awaits (the fill of
+        ``zeros``/``full``): no future to drop; the handoff retires it."""
+        self._submit(op, stream, what)
+        idle = self._idle
+        if idle is not None:
+            self._idle = None
+            idle.set()
 
     def _submit(self, op: DeviceOp[Any], stream: Stream | None, what: str) -> Submission:
         """Enqueue ``op`` as one submission, in flight when this returns. The

@@ -1,0 +1,113 @@
+"""Make the trace pictures the docs embed: run small programs on the simulator
+with a lifetime trace, render each trace's timeline page, and screenshot it
+in headless Chromium.
+
+    python3 docs/make_pictures.py        # writes docs/_static/traces/*.png
+
+Needs a ``chromium`` binary on PATH. The pictures are committed; run this
+again when the trace page or the programs change.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import trio
+
+import trio_cuda
+from trio_cuda import In, InOut, Kernel, Scalar
+from trio_cuda.testing import SimDevice
+
+OUT = Path(__file__).resolve().parent / "_static" / "traces"
+SRC = 'extern "C" __global__ void scale(float* x, int n) {}'
+SCALE = Kernel.from_source(
+    SRC, "scale", params=[InOut("f4"), Scalar("i4")], reference=lambda x, n: x.__imul__(2)
+)
+READ = Kernel.from_source(
+    'extern "C" __global__ void read(const float* x, int n) {}',
+    "read",
+    params=[In("f4"), Scalar("i4")],
+    reference=lambda x, n: None,
+)
+
+
+def scale(x: trio_cuda.DeviceArray) -> trio_cuda.KernelLaunch:
+    return SCALE.launch(x, np.int32(x.size), grid=1, block=64)
+
+
+async def cancel_while_running(trace: trio_cuda.trace.Trace) -> None:
+    """A task is cancelled while its kernel runs: it leaves at once, the
+    leases stay held, and the handoff retires the work when it finished."""
+    sim = SimDevice(kernel_time=0.02)
+    async with trio_cuda.open_scope(device=sim, streams=2, trace=trace) as gpu:
+        x = await gpu.to_device(np.ones(1024, np.float32))
+        with trio.move_on_after(0.005):
+            await gpu.run(scale(x))
+        await gpu.run(READ.launch(x, np.int32(x.size), grid=1, block=64), stream=gpu.streams[1])
+
+
+async def disjoint_chunks(trace: trio_cuda.trace.Trace) -> None:
+    """Four chunks of one buffer on four streams overlap; a fifth kernel over
+    the whole buffer waits for all of them."""
+    sim = SimDevice(kernel_time=0.01, copy_time=0.002)
+    async with trio_cuda.open_scope(device=sim, streams=4, trace=trace) as gpu:
+        y = gpu.zeros(4096, np.float32)
+        futs = [gpu.submit(scale(y[i * 1024 : (i + 1) * 1024])) for i in range(4)]
+        for f in futs:
+            await f.wait()
+        await gpu.run(scale(y))
+        await gpu.to_host(y)
+
+
+PROGRAMS = {"cancel_while_running": cancel_while_running, "disjoint_chunks": disjoint_chunks}
+
+
+def screenshot(page: Path, png: Path, chromium: str) -> None:
+    with tempfile.TemporaryDirectory() as profile:
+        subprocess.run(
+            [
+                chromium,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                "--virtual-time-budget=3000",
+                "--window-size=1300,760",
+                f"--screenshot={png}",
+                page.as_uri(),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+
+
+def main() -> int:
+    chromium = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+    if chromium is None:
+        print("no chromium binary on PATH", file=sys.stderr)
+        return 1
+    OUT.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, program in PROGRAMS.items():
+            trace = trio_cuda.trace.Trace()
+            trio.run(program, trace)
+            page = Path(tmp) / f"{name}.html"
+            trace.write(page)
+            screenshot(page, OUT / f"{name}.png", chromium)
+            print(f"{OUT / (name + '.png')}: {len(trace.events)} events")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
