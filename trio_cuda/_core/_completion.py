@@ -84,7 +84,6 @@ class Completion:
         "_host_steps",
         "_idle",
         "_in_flight",
-        "_observer",
         "_timed_out",
         "_unflushed",
     )
@@ -101,8 +100,6 @@ class Completion:
     _failed: int
     _host_steps: int
     _timed_out: int
-    #: who is retiring now, for traces: "waiter", "handoff" or "exit"
-    _observer: str
 
     if TYPE_CHECKING:
         _driver: DeviceContext
@@ -119,6 +116,7 @@ class Completion:
         _extensions: dict[object, ScopeExtension]
         _tracer: Tracer | None
         _trace_id: int
+        _closing: bool
 
         def _release_handle(self, alloc: Allocation) -> None: ...
         def _maybe_free(self, alloc: Allocation) -> None: ...
@@ -215,10 +213,8 @@ class Completion:
                     state = MarkerState.UNKNOWN
                 if state is not pending:
                     done = self._completed
-                    self._observer = "waiter"
                     while self._scan():
                         pass
-                    self._observer = "handoff"
                     self._by_waiters += self._completed - done
                     continue
                 if others_runnable():
@@ -245,26 +241,30 @@ class Completion:
                     self._cancelled_waiter(sub)
             raise
 
-    async def _observe_traced(self, sub: Submission) -> None:
-        """``_observe``, recording the awaiting task's wait in the trace: its
+    def _retirer(self) -> str:
+        """Who is retiring work now (traces): the handoff task, the exit, or
+        an awaiting task that observed the completion itself."""
+        task = current_task()
+        if task is self._handoff_task:
+            return "handoff"
+        return "exit" if self._closing else "waiter"
+
+    def _trace_await(self, sub: Submission, t0: float) -> None:
+        """Record an awaiting task's wait for ``sub`` (traced scopes): its
         outcome is "ok", "error", or "left" (cancelled or failed while the
         work was still in flight)."""
-        t0 = perf_counter()
-        try:
-            await self._observe(sub)
-        finally:
-            tr = self._tracer
-            if tr is not None:
-                state = sub.state
-                outcome = "left" if state is SubState.IN_FLIGHT else "ok" if sub.error is None else "error"
-                tr.emit(
-                    "await",
-                    "await",
-                    self._trace_id,
-                    sub.stream.index,
-                    sub.id,
-                    args={"task": current_task().name, "t0": t0, "outcome": outcome},
-                )
+        tr = self._tracer
+        if tr is not None:
+            state = sub.state
+            outcome = "left" if state is SubState.IN_FLIGHT else "ok" if sub.error is None else "error"
+            tr.emit(
+                "await",
+                "await",
+                self._trace_id,
+                sub.stream.index,
+                sub.id,
+                args={"task": current_task().name, "t0": t0, "outcome": outcome},
+            )
 
     def _cancelled_waiter(self, sub: Submission) -> None:
         """A waiter was cancelled while its work is in flight (rule 3)."""
@@ -467,7 +467,7 @@ class Completion:
         if tr is not None:  # named by who observed the completion
             error = sub.error
             args = None if error is None else {"error": f"{type(error).__name__}: {error}"[:300]}
-            tr.emit("retire", self._observer, self._trace_id, sub.stream.index, sub.id, args=args)
+            tr.emit("retire", self._retirer(), self._trace_id, sub.stream.index, sub.id, args=args)
         self._settle(sub, SubState.FAILED if sub.error is not None else SubState.DONE)
 
     def _settle(self, sub: Submission, state: SubState) -> None:
@@ -573,14 +573,11 @@ class Completion:
         one last look: work the device finished meanwhile is retired, not
         leaked (``drain_timeout=0`` waits for nothing, but polls)."""
         abandoned = 0
-        self._observer = "exit"
         try:
             while self._scan():
                 pass
         except BaseException as exc:  # pragma: no cover - _scan keeps its own errors
             self._handoff_failed(exc)
-        finally:
-            self._observer = "handoff"
         self._flush_all()
         for stream in self._streams:
             pending = stream._pending

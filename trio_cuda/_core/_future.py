@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 from _thread import get_ident
+from time import perf_counter
 from typing import TYPE_CHECKING, Generic, TypeVar, final
 
 import attrs
@@ -122,7 +123,11 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
         elif scope._tracer is None:
             await scope._observe(sub)
         else:
-            await scope._observe_traced(sub)
+            t0 = perf_counter()
+            try:
+                await scope._observe(sub)
+            finally:
+                scope._trace_await(sub, t0)
         return self._outcome()
 
     def wait_nowait(self) -> T:

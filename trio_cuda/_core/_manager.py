@@ -101,6 +101,7 @@ class ScopeManager:
         tracer = process_tracer() if self._trace is None or self._trace is True else self._trace
         if isinstance(tracer, Tracer):
             scope._trace_id = tracer.open_scope(scope)
+            scope._trace_cmds = driver.capabilities.device_clock != "host-observed"
             scope._tracer = tracer
         log.debug("opened %r", scope)
         return scope

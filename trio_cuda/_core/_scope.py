@@ -25,6 +25,7 @@ import math
 from _thread import get_ident
 from collections import deque
 from collections.abc import Callable
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, final
 
 import attrs
@@ -138,6 +139,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         "_streams",
         "_thread",
         "_token",
+        "_trace_cmds",
         "_trace_id",
         "_tracer",
         "_unobserved",
@@ -172,6 +174,8 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
     #: the lifetime trace this scope records into (see ``_trace``), or None
     _tracer: Tracer | None
     _trace_id: int
+    #: the driver keeps device times of commands (``Capabilities.device_clock``)
+    _trace_cmds: bool
 
     @classmethod
     def _create(
@@ -221,7 +225,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         self._thread = get_ident()
         self._tracer = None
         self._trace_id = 0
-        self._observer = "handoff"
+        self._trace_cmds = False
         self._streams = ()
         made: list[Stream] = []
         try:
@@ -684,7 +688,11 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             self._trace_id,
             sub.stream.index,
             sub.id,
-            args={"leases": leases, "enqueue": name, "cmd": self._driver.last_command()},
+            args={
+                "leases": leases,
+                "enqueue": name,
+                "cmd": self._driver.last_command() if self._trace_cmds else None,
+            },
         )
 
     async def run(self, op: DeviceOp[T], *, stream: Stream | None = None) -> T:
@@ -707,7 +715,11 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         if self._tracer is None:
             await self._observe(sub)
         else:
-            await self._observe_traced(sub)
+            t0 = perf_counter()
+            try:
+                await self._observe(sub)
+            finally:
+                self._trace_await(sub, t0)
         if sub.error is not None:
             sub.observed = True
             self._unobserved.pop(sub, None)
