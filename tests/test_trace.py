@@ -385,3 +385,39 @@ async def test_a_trace_on_the_gpu_shows_host_observed_times(tmp_path):
     assert len(kernels) == 2
     assert all(e["args"]["device_time"] == "host-observed" and e["dur"] > 0 for e in kernels)
     trace.write(tmp_path / "gpu.html")
+
+
+@pytest.mark.gpu
+async def test_timing_on_the_gpu_takes_device_times_from_cuda_events():
+    from trio_cuda._backends import probe_cuda
+
+    probe = probe_cuda()
+    if not probe.available:
+        pytest.skip(f"no CUDA device: {probe.reason}")
+    spin = trio_cuda.Kernel.from_source(
+        r"""extern "C" __global__ void spin(float* x, unsigned long long ns) {
+            unsigned long long t0, t;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+            do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+            x[0] += 1.0f;
+        }""",
+        "spin",
+        params=[trio_cuda.InOut("f4"), trio_cuda.Scalar("u8")],
+    )
+    trace = trio_cuda.trace.Trace(timing=True)
+    async with trio_cuda.open_scope(device="cuda", trace=trace) as gpu:
+        x = await gpu.to_device(np.zeros(4, F4))
+        await gpu.run(spin.launch(x, np.uint64(2_000_000), grid=1, block=1))  # 2 ms on the device
+        await trio.sleep(0.01)  # host idle: a host-observed span would include nothing of this
+        await gpu.run(ops.fill(x, 0.0))
+    doc = trace.to_chrome()
+    assert doc["otherData"]["device_time"] == "cuda-events"
+    [k] = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["name"] == "spin"]
+    assert k["args"]["device_time"] == "cuda-events"
+    assert 1900 <= k["dur"] <= 3000, k  # the kernel's own 2 ms, in microseconds
+    fills = [
+        e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "enqueue" and e["name"] == "fill"
+    ]
+    assert fills
+    assert all(e["args"]["device_time"] == "cuda-events" for e in fills)
+    assert fills[-1]["ts"] >= k["ts"] + k["dur"]  # stream order on the device clock

@@ -69,14 +69,20 @@ class Trace:
     """A bounded recording of lifetime events, from one or more scopes.
 
     Pass it to :func:`~trio_cuda.open_scope` (``trace=``), or make it the
-    process's trace with :func:`enable`. ``limit`` bounds the events kept."""
+    process's trace with :func:`enable`. ``limit`` bounds the events kept.
+    ``timing=True`` records CUDA events around each kernel, copy and fill on a
+    GPU, so that the stream lanes show the device's own execution times (it
+    costs two events per enqueue); without it, GPU times are host-observed.
+    The simulator always gives its own clock."""
 
     __slots__ = ("_tracer",)
 
-    def __init__(self, *, limit: int = 100_000) -> None:
+    def __init__(self, *, limit: int = 100_000, timing: bool = False) -> None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit: expected an int >= 1, got {limit!r}")
-        self._tracer = Tracer(limit)
+        if not isinstance(timing, bool):
+            raise TypeError(f"timing: expected a bool, got {timing!r}")
+        self._tracer = Tracer(limit, timing)
 
     @property
     def events(self) -> list[TraceEvent]:
@@ -122,10 +128,10 @@ class Trace:
             f.write(text)
 
 
-def enable(*, limit: int = 100_000) -> Trace:
+def enable(*, limit: int = 100_000, timing: bool = False) -> Trace:
     """Record every scope opened from now on (``open_scope(trace=None)``) into
     a new process-wide :class:`Trace`, and return it."""
-    trace = Trace(limit=limit)
+    trace = Trace(limit=limit, timing=timing)
     set_process_tracer(trace._tracer)
     _current[0] = trace
     return trace
@@ -309,6 +315,11 @@ class _Chrome:
                 tid = self.stream_tid(pid, stream)
                 cmd = (args or {}).get("cmd")
                 span = tr.device.get((sid, cmd)) if isinstance(cmd, int) else None
+                marks = (args or {}).get("marks")
+                if span is None and marks is not None:
+                    m0, m1 = tr.marks.get((sid, marks[0])), tr.marks.get((sid, marks[1]))
+                    if m0 is not None and m1 is not None:
+                        span = (m0, m1)
                 if span is not None:
                     t0, t1 = span
                 else:
@@ -317,7 +328,7 @@ class _Chrome:
                 slice_args: dict[str, Any] = {
                     "sub": sub,
                     "op": name if cat == "enqueue" and name in ("copy", "fill", "host_closure") else "kernel",
-                    "device_time": "simulated" if span else "host-observed",
+                    "device_time": ("cuda-events" if marks else "simulated") if span else "host-observed",
                 }
                 self.slice("enqueue", name, t0, t1, pid, tid, slice_args)
                 if sub is not None and (sid, sub) in retired:

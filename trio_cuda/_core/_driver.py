@@ -121,6 +121,8 @@ class Capabilities:
     #: driver's ``command_times``), or "host-observed" (from enqueue to the
     #: completion the host observed)
     device_clock: str = "host-observed"
+    #: ``timing_mark`` records device timestamps (traces asked for timing)
+    device_timing: bool = False
 
 
 class InteropContext(Protocol):
@@ -213,6 +215,19 @@ class DeviceContext(InteropContext, Protocol):
     def command_times(self, ids: Sequence[int]) -> dict[int, tuple[float, float]]:
         """Device (start, end) of executed commands among ``ids``, in
         ``time.perf_counter()`` seconds; commands it no longer knows are left out."""
+        ...
+
+    def timing_start(self, stream: StreamHandle) -> None:
+        """Begin device timing for a traced scope (``stream`` is idle)."""
+        ...
+
+    def timing_mark(self, stream: StreamHandle) -> int | None:
+        """Record a device timestamp on ``stream`` after the work enqueued so
+        far; its id, or None where the backend has no device timing."""
+        ...
+
+    def mark_times(self, ids: Sequence[int]) -> dict[int, float]:
+        """The ``time.perf_counter()`` time of completed marks among ``ids``."""
         ...
 
     # memory ---------------------------------------------------------------

@@ -100,8 +100,12 @@ class ScopeManager:
         self._token = _current.set(scope)
         tracer = process_tracer() if self._trace is None or self._trace is True else self._trace
         if isinstance(tracer, Tracer):
+            caps = driver.capabilities
             scope._trace_id = tracer.open_scope(scope)
-            scope._trace_cmds = driver.capabilities.device_clock != "host-observed"
+            scope._trace_cmds = caps.device_clock != "host-observed"
+            if tracer.timing and caps.device_timing:
+                driver.timing_start(scope._streams[0].handle)  # the scope's streams are idle
+                scope._trace_timing = True
             scope._tracer = tracer
         log.debug("opened %r", scope)
         return scope

@@ -141,6 +141,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         "_token",
         "_trace_cmds",
         "_trace_id",
+        "_trace_timing",
         "_tracer",
         "_unobserved",
     )
@@ -176,6 +177,8 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
     _trace_id: int
     #: the driver keeps device times of commands (``Capabilities.device_clock``)
     _trace_cmds: bool
+    #: device timestamps (CUDA events) around each enqueue, for the trace
+    _trace_timing: bool
 
     @classmethod
     def _create(
@@ -226,6 +229,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         self._tracer = None
         self._trace_id = 0
         self._trace_cmds = False
+        self._trace_timing = False
         self._streams = ()
         made: list[Stream] = []
         try:
@@ -642,6 +646,8 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         self._next_id += 1
         sub = Submission(self, s, self._next_id, op)
         take_launch_leases(self, s, sub, op)
+        tr = self._tracer
+        mark = self._driver.timing_mark(s.handle) if tr is not None and self._trace_timing else None
         try:
             self._driver.launch(s.handle, function, prepared)
         except BaseException as exc:
@@ -661,15 +667,14 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         if not unmarked:
             self._unflushed.append(s)
         unmarked.append(sub)
-        tr = self._tracer
         if tr is not None:
-            self._trace_submit(tr, sub, op)
+            self._trace_submit(tr, sub, op, mark)
         if not self._batch:
             self._flush(s)
         self._driver.notify_submitted()
         return sub
 
-    def _trace_submit(self, tr: Tracer, sub: Submission, op: KernelLaunch) -> None:
+    def _trace_submit(self, tr: Tracer, sub: Submission, op: KernelLaunch, mark: int | None) -> None:
         """Record a single launch that was enqueued and put in flight: one
         ``submit`` event that also stands for the launch's enqueue
         (``args["enqueue"]``, and the driver's command id)."""
@@ -692,6 +697,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
                 "leases": leases,
                 "enqueue": name,
                 "cmd": self._driver.last_command() if self._trace_cmds else None,
+                "marks": None if mark is None else (mark, self._driver.timing_mark(sub.stream.handle)),
             },
         )
 

@@ -182,21 +182,29 @@ class EnqueueContext:
         if sub is not None:
             sub.dirty = True
 
-    def traced(self, name: str) -> None:
+    def mark(self) -> int | None:
+        """Before an enqueue, in a traced scope that asked for device times: a
+        device timestamp (its id), else None."""
+        scope = self.scope
+        if scope._tracer is not None and scope._trace_timing:
+            return self.driver.timing_mark(self.stream.handle)
+        return None
+
+    def traced(self, name: str, mark: int | None = None) -> None:
         """Record, in the scope's trace if it has one, the enqueue of ``name``
-        (call it right after the driver call that enqueued the work)."""
-        tr = self.scope._tracer
+        (call it right after the driver call that enqueued the work; ``mark``
+        is what :meth:`mark` gave before it)."""
+        scope = self.scope
+        tr = scope._tracer
         if tr is not None:
             sub = self.submission
-            cmd = self.driver.last_command()
-            tr.emit(
-                "enqueue",
-                name,
-                self.scope._trace_id,
-                self.stream.index,
-                None if sub is None else sub.id,
-                args={"cmd": cmd, "unsafe": self.unsafe} if cmd is not None else {"unsafe": self.unsafe},
-            )
+            args: dict[str, Any] = {"unsafe": self.unsafe}
+            if scope._trace_cmds:
+                args["cmd"] = self.driver.last_command()
+            if mark is not None:
+                args["marks"] = (mark, self.driver.timing_mark(self.stream.handle))
+            sid = None if sub is None else sub.id
+            tr.emit("enqueue", name, scope._trace_id, self.stream.index, sid, args=args)
 
     # ------------------------------------------------------------------ leases
     def use(self, accesses: Sequence[tuple[DeviceArray, Access]], *, what: str = "argument") -> None:
@@ -241,15 +249,17 @@ class EnqueueContext:
         sub = self.submission
         if sub is not None:
             self.retain(prepared)  # the argument storage (the module: the scope's table)
+        mark = self.mark()
         self.driver.launch(self.stream.handle, function, prepared)
         if sub is not None:
             sub.dirty = True
         if self.scope._tracer is not None:
-            self.traced(prepared.kernel.name)
+            self.traced(prepared.kernel.name, mark)
 
     def copy(self, dst: object, src: object) -> None:
         d = self.driver
         h = self.stream.handle
+        mark = self.mark()
         if isinstance(dst, DeviceArray) and isinstance(src, DeviceArray):
             if dst._alloc.scope is not self.scope or src._alloc.scope is not self.scope:
                 from ._multi import cross_scope_copy
@@ -288,14 +298,15 @@ class EnqueueContext:
                 self.on_retire(functools.partial(np.copyto, dst, tmp))
         self._enqueued()
         if self.scope._tracer is not None:
-            self.traced("copy")
+            self.traced("copy", mark)
 
     def fill(self, arr: DeviceArray, pattern: bytes) -> None:
         self.use([(arr, Access.WRITE)], what="fill")
+        mark = self.mark()
         self.driver.fill(self.stream.handle, arr.ptr, pattern, arr.size)
         self._enqueued()
         if self.scope._tracer is not None:
-            self.traced("fill")
+            self.traced("fill", mark)
 
     def host_step(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> HostResult[Any]:
         sub = self.submission

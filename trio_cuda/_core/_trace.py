@@ -62,10 +62,25 @@ CATEGORIES = (
 class Tracer:
     """The recorder behind :class:`trio_cuda.trace.Trace`."""
 
-    __slots__ = ("device", "events", "limit", "nvtx", "nvtx_ranges", "recorded", "scopes", "t0")
+    __slots__ = (
+        "device",
+        "events",
+        "limit",
+        "marks",
+        "nvtx",
+        "nvtx_ranges",
+        "recorded",
+        "scopes",
+        "t0",
+        "timing",
+    )
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, timing: bool = False) -> None:
         self.limit = limit
+        #: CUDA events around each enqueue where the backend has device timing
+        self.timing = timing
+        #: (scope id, mark id) -> host time of a device timestamp, at scope exit
+        self.marks: dict[tuple[int, int], float] = {}
         self.events: deque[Event] = deque(maxlen=limit)
         self.recorded = 0
         self.t0 = perf_counter()
@@ -122,7 +137,8 @@ class Tracer:
     def open_scope(self, scope: ResourceScope) -> int:
         sid = len(self.scopes) + 1
         info = scope._info
-        clock = scope._driver.capabilities.device_clock
+        caps = scope._driver.capabilities
+        clock = "cuda-events" if self.timing and caps.device_timing else caps.device_clock
         self.scopes[sid] = (f"scope #{sid} ({info.name})", info.backend, clock)
         self.emit(
             "scope",
@@ -147,6 +163,18 @@ class Tracer:
                 times = {}
             for cmd, span in times.items():
                 self.device[(sid, cmd)] = span
+        marks = [
+            m
+            for e in self.events
+            if e[3] == sid and e[7] is not None and (pair := e[7].get("marks")) is not None
+            for m in pair
+        ]
+        if marks:
+            try:
+                for mark, t in scope._driver.mark_times(marks).items():
+                    self.marks[(sid, mark)] = t
+            except Exception:  # the device is gone: host-observed times only
+                pass
         st = scope.statistics()
         self.emit(
             "scope",

@@ -39,6 +39,7 @@ from .graphs import CudaGraphExec
 from .launch import CudaFunction, KernelsMixin
 from .staging import StagingMixin, _StagingPool
 from .streams import CudaStream, _FlagPage
+from .timing import TimingMixin
 from .waiters import WaiterPool
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ log = logging.getLogger("trio_cuda")
 
 
 @final
-class CudaContext(CompletionMixin, StagingMixin, KernelsMixin):
+class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
     """One scope's view of a CUDA device (the DeviceContext protocol).
 
     Tunables (attributes, for experiments and benchmarks):
@@ -125,6 +126,7 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin):
             instantiate_in_thread=True,
             foreign_fence_blocks=True,
             foreign_fence_threadsafe=True,
+            device_timing=True,
         )
         self.error_check_interval = 0.02
         self.poll_interval = 50e-6
@@ -343,6 +345,7 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin):
             )
             self._release_primary()
             return
+        self._close_timing()
         for s in list(self._streams):
             if not s.destroyed:
                 s.destroyed = True

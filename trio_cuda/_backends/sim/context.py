@@ -98,6 +98,15 @@ class SimContext:
     def last_command(self) -> int | None:
         return self._device._seq
 
+    def timing_start(self, stream: StreamHandle) -> None:
+        pass  # the simulator's commands carry their own times (command_times)
+
+    def timing_mark(self, stream: StreamHandle) -> int | None:
+        return None
+
+    def mark_times(self, ids: Sequence[int]) -> dict[int, float]:
+        return {}
+
     def command_times(self, ids: Sequence[int]) -> dict[int, tuple[float, float]]:
         wanted = set(ids)
         return {e.seq: (e.t_start, e.t_end) for e in self._device._trace if e.seq in wanted}
