@@ -421,3 +421,25 @@ async def test_timing_on_the_gpu_takes_device_times_from_cuda_events():
     assert fills
     assert all(e["args"]["device_time"] == "cuda-events" for e in fills)
     assert fills[-1]["ts"] >= k["ts"] + k["dur"]  # stream order on the device clock
+
+
+async def test_graph_replays_and_zeros_have_device_slices_and_frees_follow_retirement():
+    trace = trio_cuda.trace.Trace()
+    sim = SimDevice(copy_time=0.002)
+    async with trio_cuda.open_scope(device=sim, trace=trace) as gpu:
+        x = gpu.zeros(16, F4)
+        g = await gpu.capture(ops.fill(x, 1.0))
+        await gpu.run(g.launch())
+        g.close()
+        y = await gpu.to_device(np.ones(4, F4))
+        gpu.submit(ops.fill(y, 1.0))
+        y.close()  # freed when that fill retires
+    names = [e["name"] for e in trace.to_chrome()["traceEvents"] if e["ph"] == "X" and e["cat"] == "enqueue"]
+    assert names.count("fill") >= 2  # zeros() and the fill of y
+    assert any(n.startswith("graph ") for n in names)
+    # every free comes after the retirement that released the allocation's last lease
+    events = trace.events
+    for i, e in enumerate(events):
+        if e.cat == "free":
+            assert any(p.cat == "retire" for p in events[:i])
+            assert events[i - 1].cat in ("retire", "free", "scope", "await"), events[i - 1]

@@ -444,6 +444,11 @@ class Completion:
                 except BaseException as exc:
                     sub.error = exc
                     break
+        tr = self._tracer
+        if tr is not None:  # named by who observed the completion; before the frees it causes
+            error = sub.error
+            args = None if error is None else {"error": f"{type(error).__name__}: {error}"[:300]}
+            tr.emit("retire", self._retirer(), self._trace_id, sub.stream.index, sub.id, args=args)
         live = AllocState.LIVE
         for alloc in sub.leases:
             alloc.active -= 1
@@ -463,11 +468,6 @@ class Completion:
         sub.owners = sub.finishers = None
         sub.leases = ()
         sub.op = None  # a kept future must not pin the op's arrays
-        tr = self._tracer
-        if tr is not None:  # named by who observed the completion
-            error = sub.error
-            args = None if error is None else {"error": f"{type(error).__name__}: {error}"[:300]}
-            tr.emit("retire", self._retirer(), self._trace_id, sub.stream.index, sub.id, args=args)
         self._settle(sub, SubState.FAILED if sub.error is not None else SubState.DONE)
 
     def _settle(self, sub: Submission, state: SubState) -> None:

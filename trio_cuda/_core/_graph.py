@@ -484,8 +484,10 @@ class _GraphLaunch(DeviceOp[Any]):
             ctx.after(other)
         if ctx.submission is not None:
             ctx.retain(_Replay(g, gen))
+        mark = ctx.mark()
         ctx.driver.graph_launch(ctx.stream.handle, g._exec)
         ctx._enqueued()
+        ctx.traced(f"graph {g._label}", mark)
         g._replays += 1
         return gen.output
 

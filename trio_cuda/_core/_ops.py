@@ -234,8 +234,10 @@ class _ZeroBytes(DeviceOp[Any]):
     def _enqueue(self, ctx: EnqueueContext) -> DeviceArray:
         arr = self._arr
         ctx.use([(arr, Access.WRITE)], what="zeros")
+        mark = ctx.mark()
         ctx.driver.fill(ctx.stream.handle, arr.ptr, b"\x00", arr.nbytes)
         ctx._enqueued()
+        ctx.traced("fill", mark)
         return arr
 
     def __repr__(self) -> str:
