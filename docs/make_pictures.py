@@ -3,6 +3,7 @@ with a lifetime trace, render each trace's timeline page, and screenshot it
 in headless Chromium.
 
     python3 docs/make_pictures.py        # writes docs/_static/traces/*.png
+                                         # and docs/_static/lessons/*.png
 
 Needs a ``chromium`` binary on PATH. The pictures are committed; run this
 again when the trace page or the programs change.
@@ -23,7 +24,10 @@ import trio_cuda
 from trio_cuda import In, InOut, Kernel, Scalar
 from trio_cuda.testing import SimDevice
 
-OUT = Path(__file__).resolve().parent / "_static" / "traces"
+DOCS = Path(__file__).resolve().parent
+OUT = DOCS / "_static" / "traces"
+LESSONS_OUT = DOCS / "_static" / "lessons"
+LESSONS = DOCS.parent / "examples" / "lifetimes"
 SRC = 'extern "C" __global__ void scale(float* x, int n) {}'
 SCALE = Kernel.from_source(
     SRC, "scale", params=[InOut("f4"), Scalar("i4")], reference=lambda x, n: x.__imul__(2)
@@ -106,6 +110,18 @@ def main() -> int:
             trace.write(page)
             screenshot(page, OUT / f"{name}.png", chromium)
             print(f"{OUT / (name + '.png')}: {len(trace.events)} events")
+        # the lessons of the lifetimes chapter, each run on the simulator
+        LESSONS_OUT.mkdir(parents=True, exist_ok=True)
+        for lesson in sorted(LESSONS.glob("[0-9][0-9]_*.py")):
+            page = Path(tmp) / f"{lesson.stem}.html"
+            subprocess.run(
+                [sys.executable, str(lesson), "--device", "sim", "--trace", str(page)],
+                check=True,
+                capture_output=True,
+                timeout=300,
+            )
+            screenshot(page, LESSONS_OUT / f"{lesson.stem}.png", chromium)
+            print(f"{LESSONS_OUT / (lesson.stem + '.png')}")
     return 0
 
 
