@@ -129,6 +129,11 @@ class ScopeManager:
                     ext.abandon(timeout)  # still held when drain_timeout passed
                 if scope._work_remains():
                     scope._abandon_in_flight(timeout)
+                if scope._tracer is not None:
+                    try:
+                        scope._tracer.collect_times(scope, scope._trace_id)
+                    except Exception as trace_exc:  # a trace must never stop the release
+                        internal.append(trace_exc)
                 scope._release_everything()
         finally:
             tracer = scope._tracer

@@ -148,9 +148,9 @@ class Tracer:
         )
         return sid
 
-    def close_scope(self, scope: ResourceScope, sid: int) -> None:
-        """At scope exit, after everything retired: the device times of this
-        scope's commands (where the driver keeps them), then the exit."""
+    def collect_times(self, scope: ResourceScope, sid: int) -> None:
+        """At scope exit, after the drain and before the driver closes: the
+        device times of this scope's commands and timing marks."""
         wanted = [
             cmd
             for e in self.events
@@ -175,6 +175,9 @@ class Tracer:
                     self.marks[(sid, mark)] = t
             except Exception:  # the device is gone: host-observed times only
                 pass
+
+    def close_scope(self, scope: ResourceScope, sid: int) -> None:
+        """At scope exit, after everything was released: the exit event."""
         st = scope.statistics()
         self.emit(
             "scope",
