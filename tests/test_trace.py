@@ -254,6 +254,41 @@ def test_the_trace_command_runs_a_program_and_writes_its_trace(tmp_path):
     )
     assert bad.returncode == 2
     assert "expected a file name ending in .html or .json" in bad.stderr
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trio_cuda",
+            "trace",
+            "-o",
+            str(tmp_path / "x.json"),
+            str(tmp_path / "nope.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2
+    assert "SCRIPT: expected a Python file" in missing.stderr
+    assert not (tmp_path / "x.json").exists()
+    # a program that fails still leaves its trace behind, and its exit status
+    failing = tmp_path / "failing.py"
+    failing.write_text(
+        "import trio, trio_cuda\n"
+        "async def main():\n"
+        "    async with trio_cuda.open_scope(device='sim') as gpu:\n"
+        "        gpu.zeros(4, 'f4')\n"
+        "    raise SystemExit(3)\n"
+        "trio.run(main)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "trio_cuda", "trace", "-o", str(tmp_path / "f.json"), str(failing)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert json.loads((tmp_path / "f.json").read_text())["otherData"]["events"] > 0
 
 
 def test_the_demo_writes_its_trace(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import platform
 import sys
 from collections.abc import Sequence
@@ -152,6 +153,9 @@ def _trace(args: argparse.Namespace) -> int:
         print(f"-o: expected a file name ending in .html or .json, got {out!r}", file=sys.stderr)
         return 2
     script = str(args.script)
+    if not os.path.isfile(script):
+        print(f"SCRIPT: expected a Python file, got {script!r} (no such file)", file=sys.stderr)
+        return 2
     saved = sys.argv[:]
     sys.argv = [script, *args.args]
     recording = trace.enable(limit=args.limit)
