@@ -1223,7 +1223,7 @@ class Runner:
             return
         arr = h.arr.as_readonly() if ro else h.arr
         self.exported = True
-        capsule = arr.__dlpack__(max_version=(1, 0))
+        capsule = arr.__dlpack__(max_version=(1, 0), dl_device=arr.__dlpack_device__())
         if arr is not h.arr:
             arr.close()
         del arr

@@ -781,7 +781,7 @@ def test_drain_timeout_zero_finishes_a_released_export() -> None:
         async with trio_cuda.open_scope(device=sim, drain_timeout=0) as gpu:
             x = gpu.zeros(4, np.float32)
             await trio.testing.wait_all_tasks_blocked()
-            capsule = x.__dlpack__(max_version=(1, 0))
+            capsule = x.__dlpack__(max_version=(1, 0), dl_device=x.__dlpack_device__())
             del capsule
             gc.collect()
         stats.append(gpu.statistics())

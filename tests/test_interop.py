@@ -111,7 +111,7 @@ async def test_read_only_export_shares_reads_and_refuses_writes(sim):
         with pytest.raises(
             BufferError, match=r"read-only array can only be exported to consumers of DLPack 1.0"
         ):
-            ro.__dlpack__()
+            ro.__dlpack__(dl_device=ro.__dlpack_device__())
         y.close()
         await settle()
         await a.run(ops.fill(x, 5))
@@ -138,7 +138,7 @@ async def test_export_makes_the_consumer_stream_wait_for_in_flight_writes(sim):
 async def test_an_unconsumed_capsule_releases_its_lease(sim):
     async with trio_cuda.open_scope(device=sim) as gpu:
         x = await gpu.to_device(np.ones(4, F4))
-        capsule = x.__dlpack__(max_version=(1, 0))
+        capsule = x.__dlpack__(max_version=(1, 0), dl_device=x.__dlpack_device__())
         assert gpu.statistics().leases_held == 1
         del capsule
         await settle()
@@ -170,7 +170,7 @@ async def test_a_capsule_released_after_its_scope_exited_is_harmless(sim):
     with pytest.warns(ResourceWarning, match="still held by their consumer"):
         async with trio_cuda.open_scope(device=sim) as a:
             x = await a.to_device(np.ones(4, F4))
-            capsule = x.__dlpack__(stream=None, max_version=(1, 0))
+            capsule = x.__dlpack__(stream=None, max_version=(1, 0), dl_device=x.__dlpack_device__())
     del capsule
     gc.collect()
     assert new_exports() == 0
@@ -183,19 +183,27 @@ async def test_dlpack_export_bad_input(sim):
         with pytest.raises(
             BufferError, match=r"^__dlpack__: expected a dtype DLPack can carry .* got \[\('a'"
         ):
-            s.__dlpack__(max_version=(1, 0))
+            s.__dlpack__(max_version=(1, 0), dl_device=s.__dlpack_device__())
         be = gpu.zeros(3, ">f4")
         with pytest.raises(BufferError, match="native byte order"):
-            be.__dlpack__(max_version=(1, 0))
+            be.__dlpack__(max_version=(1, 0), dl_device=be.__dlpack_device__())
         x = gpu.zeros(3, F4)
         with pytest.raises(BufferError, match=r"^__dlpack__: dl_device: expected \(12, "):
             x.__dlpack__(dl_device=(2, 0))
         with pytest.raises(BufferError, match=r"^__dlpack__: copy: expected None or False"):
             x.__dlpack__(copy=True)
+        dev = x.__dlpack_device__()
         with pytest.raises(TypeError, match=r"^__dlpack__: stream: expected None or an int"):
-            x.__dlpack__(stream="s")
+            x.__dlpack__(stream="s", dl_device=dev)
         with pytest.raises(ValueError, match=r"^stream: expected the address of a live stream"):
-            x.__dlpack__(stream=12345)
+            x.__dlpack__(stream=12345, dl_device=dev)
+        # simulated memory goes only to a consumer that names its device (trio_cuda.borrow):
+        # NumPy gets a clear error and nothing is taken
+        with pytest.raises(BufferError, match=r"simulated memory can only be imported by trio_cuda.borrow"):
+            x.__dlpack__(max_version=(1, 0))
+        with pytest.raises(BufferError, match=r"simulated memory can only be imported"):
+            np.from_dlpack(x)
+        await gpu.run(ops.fill(x, 1.0))  # no lease was left behind
         await settle()
         assert new_exports() == 0
         assert gpu.statistics().leases_held == 0
@@ -404,7 +412,9 @@ async def test_exporting_memory_another_scope_is_writing_orders_after_that_write
             sim.hold()
             fut = b.submit(ops.copy(x, src))  # b's copy writes a's x, in flight
             assert [w.scope for w in x._alloc.writers] == [b]
-            capsule = x.__dlpack__(max_version=(1, 0))  # exported by a, ordered after b's copy
+            capsule = x.__dlpack__(
+                max_version=(1, 0), dl_device=x.__dlpack_device__()
+            )  # exported by a, ordered after b's copy
             assert not fut.done()
             sim.release()
             await fut.wait()

@@ -34,6 +34,7 @@ from ._core._dlpack import (
     kDLCPU,
     kDLCUDAHost,
     kDLCUDAManaged,
+    kDLExtDev,
     np_dtype,
 )
 from ._core._ops import DeviceOp
@@ -91,10 +92,13 @@ def _from_dlpack(
             f"got {type(obj).__name__} on {device_name(device[0])}, id {device[1]}"
         )
     consumer = scope._driver.stream_address(stream.handle)
-    try:
-        capsule = obj.__dlpack__(stream=consumer, max_version=(1, 1))
-    except TypeError:  # a producer of DLPack < 1.0 (no max_version)
-        capsule = obj.__dlpack__(stream=consumer)
+    if device[0] == kDLExtDev:  # simulated memory: exported only to a consumer that names its device
+        capsule = obj.__dlpack__(stream=consumer, max_version=(1, 1), dl_device=device)
+    else:
+        try:
+            capsule = obj.__dlpack__(stream=consumer, max_version=(1, 1))
+        except TypeError:  # a producer of DLPack < 1.0 (no max_version)
+            capsule = obj.__dlpack__(stream=consumer)
     tensor = ImportedTensor(capsule)
     try:
         code, bits, lanes = tensor.dtype

@@ -157,6 +157,11 @@ class InteropContext(Protocol):
         """Release a fence's resources."""
         ...
 
+    def wait_foreign_event(self, stream: StreamHandle, event: int) -> None:
+        """Make ``stream`` wait, device-side, for another library's event
+        (a CUevent handle); backends without foreign events raise TypeError."""
+        ...
+
     def copy_peer(
         self,
         stream: StreamHandle,

@@ -511,7 +511,7 @@ def dlpack_export(
     copy: object,
 ) -> object:
     """``__dlpack__`` of ``arr``."""
-    from ._dlpack import dl_dtype, make_capsule
+    from ._dlpack import dl_dtype, kDLExtDev, make_capsule
 
     what = "__dlpack__"
     arr._check_usable(what)
@@ -522,6 +522,15 @@ def dlpack_export(
         )
     if copy not in (None, False):
         raise TypeError(f"{what}: copy: expected None, False or True, got {copy!r}")
+    if dl_device is None and device[0] == kDLExtDev:
+        # Only trio_cuda.borrow on the same SimDevice reads simulated memory, and it
+        # names the device. Refuse anyone else before anything is taken: a consumer
+        # that refused the capsule later (NumPy) would leave its lease behind.
+        raise BufferError(
+            f"{what}: dl_device: simulated memory can only be imported by trio_cuda.borrow on the same "
+            f"SimDevice, which asks for dl_device={device}; got None (NumPy and other libraries cannot "
+            f"read it: copy it to the host with 'await gpu.to_host(arr)')"
+        )
     if dl_device is not None and tuple(dl_device) != device:  # type: ignore[arg-type]
         raise BufferError(
             f"{what}: dl_device: expected {device} (the array's own device), got {dl_device!r}; "

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, final
 
 import attrs
 
+from ._errors import ScopeClosedError
 from ._final import NoPublicConstructor
 
 if TYPE_CHECKING:
@@ -77,6 +78,18 @@ class Stream(metaclass=NoPublicConstructor):
     def scope(self) -> ResourceScope:
         """The scope this stream belongs to."""
         return self._scope
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol (cuda.core): ``(0, handle)``, the stream's
+        ``CUstream`` as an int, so that ``cupy.cuda.ExternalStream``,
+        ``torch.cuda.ExternalStream`` and ``cuda.core`` can adopt it. Work
+        enqueued on it that way is outside trio_cuda's leases unless it runs
+        inside :func:`trio_cuda.ops.external`. On the simulator the handle
+        names the simulated stream (``ops.after`` accepts it)."""
+        scope = self._scope
+        if scope._closed:
+            raise ScopeClosedError(f"__cuda_stream__: the scope of stream {self.index} has exited")
+        return (0, scope._driver.stream_address(self.handle))
 
     def statistics(self) -> StreamStatistics:
         """A snapshot of counters (see the class of the result)."""

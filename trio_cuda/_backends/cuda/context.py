@@ -304,6 +304,13 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
         """Destroy a fence's event (a wait already enqueued is unaffected)."""
         cu.cuEventDestroy(fence)
 
+    def wait_foreign_event(self, stream: StreamHandle, event: int) -> None:
+        """Make ``stream`` wait, device-side, for another library's CUevent."""
+        s = self._stream(stream)
+        (err,) = cu.cuStreamWaitEvent(s.cu, cu.CUevent(event), 0)
+        if err:
+            raise cuda_error(err, "cuStreamWaitEvent (foreign event)")
+
     def dlpack_device(self) -> tuple[int, int]:
         """``(kDLCUDA, ordinal)``."""
         return (2, self.ordinal)

@@ -445,6 +445,12 @@ class SimContext:
     def drop_fence(self, fence: object) -> None:
         """Nothing to free on the simulator."""
 
+    def wait_foreign_event(self, stream: StreamHandle, event: int) -> None:
+        raise TypeError(
+            "ops.after: the simulator has no foreign events; order after a stream instead "
+            "(anything with __cuda_stream__, such as another scope's trio_cuda.Stream)"
+        )
+
     def dlpack_device(self) -> tuple[int, int]:
         """``(kDLExtDev, n)``: simulated memory is no real device's; only
         ``trio_cuda.borrow`` on the same SimDevice accepts it."""
