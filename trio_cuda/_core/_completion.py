@@ -31,6 +31,7 @@ import trio
 from trio.lowlevel import Abort, checkpoint, current_task, reschedule, wait_task_rescheduled
 
 from ._array import Allocation, AllocState
+from ._dlpack import UNCONSUMED, sweep_dropped
 from ._driver import PENDING as _PENDING
 from ._driver import MarkerState, Poll
 from ._errors import CompletionUnknownError
@@ -379,6 +380,8 @@ class Completion:
         before, so the caller scans again; retiring alone never does."""
         self._flush_all()
         progressed = False
+        if UNCONSUMED:  # DLPack capsules dropped unconsumed release their exports
+            sweep_dropped()
         gc = self._gc_releases
         while gc:
             self._release_handle(gc.popleft())

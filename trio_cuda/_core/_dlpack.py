@@ -6,9 +6,11 @@ Invariants:
   capsule name ``"dltensor"``) or ``DLManagedTensorVersioned`` (``"dltensor_versioned"``)
   and the Python objects behind it (kept in ``_HOLDERS`` under the struct's
   address). Its ``release`` callback runs exactly once: when the consumer calls
-  the tensor's deleter, or, if no consumer ever took the capsule, when the
-  capsule is destroyed (the DLPack rule: the capsule destructor calls the
-  deleter only while the capsule still has its original name).
+  the tensor's deleter, or, if no consumer took the capsule, when
+  :func:`sweep_dropped` finds it dropped with its original name (the scope
+  sweeps at each retirement pass, conflicting access, ``statistics()`` and
+  exit). Capsules have no destructor: one would run with a refusing
+  consumer's exception set, and fail.
 * The deleter may run on any thread; ``release`` callbacks must only hand work
   to the Trio loop, never touch runtime state themselves.
 * :func:`consume_capsule` takes a foreign capsule over (renames it to
@@ -19,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, Final, final
@@ -111,12 +114,6 @@ _api = ctypes.pythonapi
 _PyCapsule_New = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
     ("PyCapsule_New", _api)
 )
-_PyCapsule_IsValid_raw = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
-    ("PyCapsule_IsValid", _api)
-)
-_PyCapsule_GetPointer_raw = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", _api)
-)
 _PyCapsule_IsValid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
     ("PyCapsule_IsValid", _api)
 )
@@ -197,24 +194,39 @@ def _run_release(addr: int) -> None:
 
 
 def _on_delete(addr: int | None) -> None:
+    # The consumer's deleter call (any thread): it consumed the capsule and is done.
     if addr:
+        UNCONSUMED.pop(addr, None)
         _run_release(addr)
 
 
-def _on_capsule_destroyed(capsule: int | None) -> None:
-    # The capsule is being destroyed: it must not be touched as a Python object.
-    if not capsule:
-        return
-    for name in (b"dltensor_versioned", b"dltensor"):
-        if _PyCapsule_IsValid_raw(capsule, _name(name)):
-            addr = _PyCapsule_GetPointer_raw(capsule, _name(name))
-            _on_delete(addr)
-            return
-
-
 _DELETER: Final = _Deleter(_on_delete)
-_CAPSULE_DESTRUCTOR: Final = _Deleter(_on_capsule_destroyed)
-_CAPSULE_DESTRUCTOR_PTR: Final = ctypes.cast(_CAPSULE_DESTRUCTOR, ctypes.c_void_p)
+
+#: capsules not consumed yet, by their managed tensor's address. A capsule has
+#: no destructor: a Python destructor can run while the consumer has an
+#: exception set (NumPy refusing a device), and any call it makes then fails
+#: and replaces that exception with a SystemError (and its lease was never
+#: released). Instead, a capsule dropped unconsumed is found here by
+#: :func:`sweep_dropped` and released.
+UNCONSUMED: dict[int, object] = {}
+_CONSUMED_NAMES: Final = (b"used_dltensor_versioned", b"used_dltensor")
+
+
+def sweep_dropped() -> int:
+    """Release the exports whose capsules were dropped without being consumed
+    (a consumer refused them, or nobody took them); forget the ones a
+    consumer took (it calls the deleter when done). Returns how many were
+    released. Call it on a Trio loop."""
+    released = 0
+    for addr, capsule in list(UNCONSUMED.items()):
+        if any(_PyCapsule_IsValid(capsule, _name(n)) for n in _CONSUMED_NAMES):
+            UNCONSUMED.pop(addr, None)
+        # references: the table, the list's pair, the loop variable, the argument
+        elif sys.getrefcount(capsule) <= 4:
+            UNCONSUMED.pop(addr, None)
+            _run_release(addr)
+            released += 1
+    return released
 
 
 def make_capsule(
@@ -256,14 +268,18 @@ def make_capsule(
     addr = ctypes.addressof(struct)
     _HOLDERS[addr] = _Holder(struct, c_shape, c_strides, release)
     try:
-        return _PyCapsule_New(addr, _name(name), _CAPSULE_DESTRUCTOR_PTR)
+        capsule = _PyCapsule_New(addr, _name(name), None)
     except BaseException:
         _HOLDERS.pop(addr, None)
         raise
+    UNCONSUMED[addr] = capsule
+    return capsule
 
 
 def live_exports() -> int:
-    """Capsules made here whose deleter has not run yet (for tests)."""
+    """Capsules made here whose deleter has not run yet (for tests); capsules
+    dropped unconsumed are swept first."""
+    sweep_dropped()
     return len(_HOLDERS)
 
 

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, final
 import trio
 
 from ._array import AllocState
+from ._dlpack import UNCONSUMED, sweep_dropped
 from ._errors import AccessConflictError, CompletionUnknownError
 from ._extent import array_extent
 from ._leases import overlapping
@@ -103,6 +104,7 @@ class ExportRegistry:
         if not self.exports:
             await trio.lowlevel.checkpoint()
             return
+        sweep_dropped()  # capsules dropped unconsumed are released, not abandoned
         abandon_exports(self.scope, why="still held by their consumer", live_only=True)
         await finish_releases(self.scope)
 
@@ -111,6 +113,7 @@ class ExportRegistry:
         last look first (``drain_timeout=0`` waits for nothing): a release
         whose fence needs no blocking call is finished now, so that its lease
         retires like the scope's other work instead of being leaked."""
+        sweep_dropped()  # capsules dropped unconsumed are released, not abandoned
         for e in list(self.exports):
             if e.state is ExportState.RELEASING and not e._blocking_fence():
                 e.finish()
@@ -379,6 +382,8 @@ def conflict(
     raises :class:`AccessConflictError`."""
     op = other.op
     export = op._export if isinstance(op, _ExportOp) else None
+    if export is not None and export.state is ExportState.LIVE and UNCONSUMED:
+        sweep_dropped()  # a capsule its consumer refused or dropped releases it now
     if export is not None and export.state is ExportState.RELEASING and not export._blocking_fence():
         export.finish()
         return other

@@ -35,6 +35,7 @@ import trio
 from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_order, normalize_shape
 from ._completion import Completion
 from ._config import check_device_limits
+from ._dlpack import UNCONSUMED, sweep_dropped
 from ._driver import DeviceContext, DeviceInfo
 from ._errors import ScopeClosedError
 from ._export import finish_releases
@@ -265,6 +266,8 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
 
     def statistics(self) -> ScopeStatistics:
         """A snapshot of the scope's counters (see :class:`ScopeStatistics`)."""
+        if UNCONSUMED:  # DLPack capsules dropped unconsumed release their exports
+            sweep_dropped()
         retained: set[Allocation] = set()
         for s in self._streams:
             for e in (*s._pending, *s._unmarked):
