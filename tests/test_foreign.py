@@ -171,3 +171,39 @@ async def test_after_refuses_what_it_cannot_order_after(sim):
             ops.after(Bad())
         with pytest.raises(trio_cuda.GraphCaptureError, match="ops.after"):
             await gpu.capture(ops.after(gpu.streams[1]))
+
+
+async def test_external_checks_its_arrays_before_fn_runs_and_works_unsafe(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(4, F4)
+        called = []
+        closed = gpu.zeros(4, F4)
+        closed.close()
+        with pytest.raises(trio_cuda.ScopeClosedError, match="ops.external: the array is closed"):
+            await gpu.run(ops.external(called.append, reads=[closed]))
+        assert called == []  # refused before fn ran
+        # through unsafe.async_on: no lease, fn runs at once
+        out = unsafe.async_on(
+            ops.external(lambda s: unsafe.async_on(add(x, 1.0), s) and "ok", writes=[x]), gpu.streams[0]
+        )
+        assert out == "ok"
+        await gpu.run(ops.value(None), stream=gpu.streams[0])
+        np.testing.assert_array_equal(await gpu.to_host(x), np.ones(4, F4))
+
+
+async def test_external_raising_a_base_exception_is_still_retained(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        y = gpu.zeros(4, F4)
+        await gpu.run(ops.value(None))
+
+        def interrupted(stream):
+            unsafe.async_on(add(y, 1.0), stream)
+            raise KeyboardInterrupt
+
+        with held(sim):
+            with pytest.raises(KeyboardInterrupt):
+                gpu.submit(ops.external(interrupted, writes=y))
+            assert gpu.statistics().leases_held == 1
+        await trio.testing.wait_all_tasks_blocked()
+        assert gpu.statistics().in_flight == 0
+        np.testing.assert_array_equal(await gpu.to_host(y), np.ones(4, F4))
