@@ -255,17 +255,8 @@ async def main(reps: int, only: str) -> dict[str, float]:
     out["floor 10k tasks"] = med([await floor_tasks(10_000, 3, streams) for _ in range(max(1, reps // 2))])
 
     async with scope_manager(EmuContext, streams=4) as gpu:
-        bufs = [gpu.empty(256, np.float32) for _ in range(4)]
-        op = EMPTY.launch(*bufs, 256, grid=1, block=1)
-        s = gpu.streams[0]
-        await gpu.run(op, stream=s)
-        per = []
-        for _ in range(reps):
-            t0 = perf()
-            for _ in range(200):
-                await gpu.run(op, stream=s)
-            per.append((perf() - t0) / 200 * 1e6)
-        out["lib roundtrip"] = med(per)
+        op, s = await _launch_setup(gpu)
+        out["lib roundtrip"] = await _roundtrip(gpu, op, s, reps)
         per = []
         for _ in range(reps):
             gc.disable()
@@ -282,18 +273,29 @@ async def main(reps: int, only: str) -> dict[str, float]:
     # the same round trip with a lifetime trace recording
     trace = trio_cuda.trace.Trace(limit=100_000)
     async with scope_manager(EmuContext, streams=4, trace=trace._tracer) as gpu:
-        bufs = [gpu.empty(256, np.float32) for _ in range(4)]
-        op = EMPTY.launch(*bufs, 256, grid=1, block=1)
-        s = gpu.streams[0]
-        await gpu.run(op, stream=s)
-        per = []
-        for _ in range(reps):
-            t0 = perf()
-            for _ in range(200):
-                await gpu.run(op, stream=s)
-            per.append((perf() - t0) / 200 * 1e6)
-        out["traced roundtrip"] = med(per)
+        op, s = await _launch_setup(gpu)
+        out["traced roundtrip"] = await _roundtrip(gpu, op, s, reps)
     return out
+
+
+async def _launch_setup(gpu: Any) -> tuple[Any, Any]:
+    """The benchmark's launch (4 arrays, loaded) and the stream it runs on."""
+    bufs = [gpu.empty(256, np.float32) for _ in range(4)]
+    op = EMPTY.launch(*bufs, 256, grid=1, block=1)
+    s = gpu.streams[0]
+    await gpu.run(op, stream=s)
+    return op, s
+
+
+async def _roundtrip(gpu: Any, op: Any, s: Any, reps: int) -> float:
+    """Median µs of one ``await gpu.run(op)``, 200 in a row per repeat."""
+    per = []
+    for _ in range(reps):
+        t0 = perf()
+        for _ in range(200):
+            await gpu.run(op, stream=s)
+        per.append((perf() - t0) / 200 * 1e6)
+    return med(per)
 
 
 def report(out: dict[str, float]) -> None:
