@@ -207,3 +207,23 @@ async def test_external_raising_a_base_exception_is_still_retained(sim):
         await trio.testing.wait_all_tasks_blocked()
         assert gpu.statistics().in_flight == 0
         np.testing.assert_array_equal(await gpu.to_host(y), np.ones(4, F4))
+
+
+async def test_foreign_ops_from_a_worker_thread_or_another_run_are_refused(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        y = gpu.zeros(4, F4)
+        called = []
+        op = ops.external(called.append, writes=[y])
+        with pytest.raises(RuntimeError, match="thread"):
+            await trio.to_thread.run_sync(gpu.submit, op)
+
+        def other_run():
+            async def main():
+                gpu.submit(ops.after(gpu.streams[1]))
+
+            trio.run(main)
+
+        with pytest.raises(RuntimeError):
+            await trio.to_thread.run_sync(other_run)
+        assert called == []  # fn never ran
+        assert gpu.statistics().in_flight == 0

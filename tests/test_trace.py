@@ -478,3 +478,45 @@ async def test_graph_replays_and_zeros_have_device_slices_and_frees_follow_retir
         if e.cat == "free":
             assert any(p.cat == "retire" for p in events[:i])
             assert events[i - 1].cat in ("retire", "free", "scope", "await"), events[i - 1]
+
+
+@pytest.mark.parametrize("limit", [float("nan"), float("inf"), 1.5, True, -1, "10"])
+def test_a_trace_limit_must_be_a_positive_int(limit):
+    with pytest.raises(ValueError, match="limit: expected an int >= 1"):
+        trio_cuda.trace.Trace(limit=limit)
+    with pytest.raises(TypeError, match="timing: expected a bool"):
+        trio_cuda.trace.Trace(timing=1)
+
+
+async def test_a_traced_scope_cancelled_with_work_in_flight_exits_and_records_it():
+    sim = SimDevice(kernel_time=0.05)
+    trace = trio_cuda.trace.Trace()
+    with trio.fail_after(5):  # a hung exit fails here
+        with trio.move_on_after(0.01) as cs:
+            async with trio_cuda.open_scope(device=sim, trace=trace) as gpu:
+                x = await gpu.to_device(np.zeros(4, F4))
+                await gpu.run(add(x, 1.0))
+        assert cs.cancelled_caught
+    got = cats(trace)
+    assert got["cancel"] == 1
+    assert [e.name for e in trace.events if e.cat == "scope"] == ["open", "close"]
+    # the cancelled work was retired (by the handoff or at the exit), then its memory freed
+    retire = max(e.t for e in trace.events if e.cat == "retire")
+    free = max(e.t for e in trace.events if e.cat == "free")
+    assert free >= retire
+    assert sim.violations == []
+    assert sim.live_allocations == []
+
+
+async def test_a_host_closure_raising_a_base_exception_is_traced_and_reported():
+    trace = trio_cuda.trace.Trace()
+
+    def boom():
+        raise SystemExit(7)
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with trio_cuda.open_scope(device=SimDevice(), trace=trace) as gpu:
+            gpu.submit(ops.host_closure(boom))
+    assert info.group_contains(SystemExit)
+    assert any(e.cat == "retire" and e.args and "SystemExit" in e.args["error"] for e in trace.events)
+    assert trace.events[-1].cat == "scope"
