@@ -10,11 +10,12 @@ exit).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -63,3 +64,14 @@ def run_bounded(
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("value")
+
+
+@contextlib.contextmanager
+def held(dev: Any) -> Iterator[None]:
+    """Hold a SimDevice (or SimHost) for the block, and release it however the
+    block ends: a failed assertion must not leave a scope exit waiting forever."""
+    dev.hold()
+    try:
+        yield
+    finally:
+        dev.release()

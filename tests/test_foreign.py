@@ -1,13 +1,13 @@
 """Foreign work inside the lifetime contract: ``Stream.__cuda_stream__``,
 ``ops.external`` and ``ops.after``, on the simulator."""
 
-import contextlib
 import itertools
 import time
 
 import numpy as np
 import pytest
 import trio
+from _guard import held
 from _kernels import add
 
 import trio_cuda
@@ -15,15 +15,6 @@ from trio_cuda import AccessConflictError, ops, unsafe
 from trio_cuda.testing import SimDevice
 
 F4 = np.float32
-
-
-@contextlib.contextmanager
-def held(dev):
-    dev.hold()
-    try:
-        yield
-    finally:
-        dev.release()
 
 
 async def test_streams_follow_the_cuda_stream_protocol(sim):

@@ -4,9 +4,7 @@ on the simulated device."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -14,6 +12,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from _guard import held
 from _kernels import ADD, COPY, add, copy, saxpy
 
 import trio_cuda
@@ -31,17 +30,6 @@ def host(n: int = N, start: float = 0.0) -> np.ndarray:
 def work_counts(sim: SimDevice) -> tuple[int, int, int]:
     s = sim.statistics()
     return (s.launches, s.copies, s.fills)
-
-
-@contextlib.contextmanager
-def held(sim: SimDevice) -> Iterator[None]:
-    """Hold the device for the block, and release it however the block ends
-    (a failed assertion must not leave the scope exit waiting forever)."""
-    sim.hold()
-    try:
-        yield
-    finally:
-        sim.release()
 
 
 def launch_streams(sim: SimDevice, *names: str) -> list[int]:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from _guard import held
 from _kernels import COPY
 
 import trio_cuda
@@ -42,16 +43,6 @@ def read(x: trio_cuda.DeviceArray) -> trio_cuda.KernelLaunch:
 
 def copy(src: trio_cuda.DeviceArray, dst: trio_cuda.DeviceArray) -> trio_cuda.KernelLaunch:
     return COPY.launch(src, dst, np.int32(src.size), grid=1, block=N)
-
-
-@contextlib.contextmanager
-def held(sim: SimDevice) -> Iterator[None]:
-    """Hold the device for the block, and release it however the block ends."""
-    sim.hold()
-    try:
-        yield
-    finally:
-        sim.release()
 
 
 @contextlib.contextmanager

@@ -7,13 +7,13 @@ arguments, builders, copies, fills, downloads, graphs, exports, ``borrow()``
 and cross-device copies. Freeing stays per allocation.
 """
 
-import contextlib
 import gc
 
 import numpy as np
 import pytest
 import trio
 import trio.testing
+from _guard import held
 from _kernels import ADD, COPY, add, copy
 
 import trio_cuda
@@ -23,17 +23,6 @@ from trio_cuda.testing import SimDevice, SimHost
 F4 = np.float32
 N = 8
 H = N // 2
-
-
-@contextlib.contextmanager
-def held(dev):
-    """Hold the device for the block, and release it however the block ends
-    (a failed assertion must not leave the scope's exit waiting for ever)."""
-    dev.hold()
-    try:
-        yield
-    finally:
-        dev.release()
 
 
 def _arange(n=N):
