@@ -1,12 +1,15 @@
 """``ops.external``, ``ops.after`` and ``Stream.__cuda_stream__`` on a real GPU,
-with the CUDA driver API as the "other library". Marked ``gpu``."""
+with the CUDA driver API, CuPy (cuBLAS), PyTorch and cuda.core as the "other
+library" (each skipped where it is not installed). Marked ``gpu``."""
+
+import time
 
 import numpy as np
 import pytest
 import trio
 
 import trio_cuda
-from trio_cuda import ops
+from trio_cuda import ops, unsafe
 from trio_cuda._backends import probe_cuda
 
 _PROBE = probe_cuda()
@@ -92,3 +95,197 @@ async def test_numpy_from_dlpack_of_a_gpu_array_leaves_nothing_behind():
             np.from_dlpack(x)
         await gpu.run(ops.fill(x, 1.0))  # no export lease left behind
         np.testing.assert_array_equal(await gpu.to_host(x), np.ones(4, np.float32))
+
+
+# --------------------------------------------------------------------------- CuPy, PyTorch, cuda.core
+
+N = 1 << 16
+
+
+async def _ticking(fn):
+    """Run ``await fn()`` while a ticker runs; return (seconds it took, ticks seen)."""
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.sleep(0.001)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        t0 = time.perf_counter()
+        await fn()
+        elapsed = time.perf_counter() - t0
+        nursery.cancel_scope.cancel()
+    return elapsed, ticks
+
+
+async def test_other_libraries_adopt_a_trio_cuda_stream():
+    async with trio_cuda.open_scope(device="cuda", streams=2) as gpu:
+        stream = gpu.streams[1]
+        version, handle = stream.__cuda_stream__()
+        assert version == 0
+        assert isinstance(handle, int)
+        assert handle != 0
+        adopted = 0
+        try:
+            import cupy
+        except ImportError:
+            pass
+        else:
+            assert cupy.cuda.ExternalStream(handle).ptr == handle
+            adopted += 1
+        try:
+            import torch
+        except ImportError:
+            pass
+        else:
+            dev = torch.device("cuda", gpu.device.ordinal)
+            assert torch.cuda.ExternalStream(handle, device=dev).cuda_stream == handle
+            adopted += 1
+        try:
+            from cuda.core import Device
+        except ImportError:
+            pass
+        else:
+            dev = Device(gpu.device.ordinal)
+            dev.set_current()
+            core_stream = dev.create_stream(stream)  # through __cuda_stream__
+            assert int(core_stream.handle) == handle
+            adopted += 1
+        if adopted == 0:
+            pytest.skip("none of CuPy, PyTorch and cuda.core is installed")
+
+
+def _spin_cupy(cupy):
+    return cupy.RawKernel(SPIN, "spin")
+
+
+async def test_cublas_through_cupy_in_external_is_ordered_by_its_leases():
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(3)
+    n = 256
+    w_h = rng.standard_normal((n, n)).astype(np.float32)
+    x_h = rng.standard_normal(n).astype(np.float32)
+    spin = _spin_cupy(cupy)
+    with cupy.cuda.Device(0):
+        scratch = cupy.zeros(4, cupy.float32)
+        cupy.cuda.Device().synchronize()
+    async with trio_cuda.open_scope(device="cuda", streams=2) as gpu:
+        w, x = await gpu.to_device(w_h), await gpu.to_device(x_h)
+        y = gpu.zeros(n, np.float32)
+
+        def gemv(stream):
+            with cupy.cuda.Device(gpu.device.ordinal), cupy.cuda.ExternalStream(stream.__cuda_stream__()[1]):
+                spin((1,), (1,), (scratch, np.uint64(30_000_000)))  # 30 ms before cuBLAS writes y
+                w_cp = cupy.asarray(unsafe.cuda_view(w))
+                x_cp = cupy.asarray(unsafe.cuda_view(x))
+                y_cp = cupy.asarray(unsafe.cuda_view(y))
+                assert y_cp.data.ptr == y.ptr  # a view, no copy
+                cupy.matmul(w_cp, x_cp, out=y_cp)
+            return "gemv"
+
+        fut = gpu.submit(ops.external(gemv, reads=[w, x], writes=[y]), stream=gpu.streams[1])
+        assert gpu.statistics().leases_held >= 1
+        # a write on the other stream waits, device-side, for cuBLAS's write (WAW): it lands last
+        elapsed, ticks = await _ticking(lambda: gpu.run(ops.fill(y, 0.0), stream=gpu.streams[0]))
+        assert elapsed >= 0.02, elapsed
+        assert ticks >= 5, ticks  # the loop ran while the device worked
+        assert await fut.wait() == "gemv"
+        np.testing.assert_array_equal(await gpu.to_host(y), np.zeros(n, np.float32))
+        # and a read on the other stream waits for it too (RAW): the result is cuBLAS's
+        await gpu.run(ops.external(gemv, reads=[w, x], writes=[y]), stream=gpu.streams[1])
+        np.testing.assert_allclose(await gpu.to_host(y), w_h @ x_h, rtol=1e-4, atol=1e-4)
+        assert gpu.statistics().leases_held == 0
+
+
+async def test_cupy_work_in_external_is_captured_and_replayed_under_leases():
+    cupy = pytest.importorskip("cupy")
+    async with trio_cuda.open_scope(device="cuda", streams=2) as gpu:
+        x = gpu.zeros(N, np.float32)
+        y = gpu.zeros(N, np.float32)
+        x_cp = cupy.asarray(unsafe.cuda_view(x))
+        y_cp = cupy.asarray(unsafe.cuda_view(y))
+
+        def scale(stream):
+            with cupy.cuda.Device(gpu.device.ordinal), cupy.cuda.ExternalStream(stream.__cuda_stream__()[1]):
+                cupy.multiply(x_cp, 2.0, out=y_cp)  # an elementwise kernel, no allocation
+
+        graph = await gpu.capture(ops.external(scale, reads=[x], writes=[y]))
+        try:
+            for k in (1.0, 5.0):
+                await gpu.run(ops.fill(x, k))
+                await gpu.run(graph.launch())
+                np.testing.assert_array_equal(await gpu.to_host(y), np.full(N, 2 * k, np.float32))
+        finally:
+            graph.close()
+
+
+async def test_torch_in_external_and_after_torch_streams_and_events():
+    torch = pytest.importorskip("torch")
+    async with trio_cuda.open_scope(device="cuda", streams=2) as gpu:
+        dev = torch.device("cuda", gpu.device.ordinal)
+        a = await gpu.to_device(np.arange(N, dtype=np.float32))
+        out = gpu.zeros(N, np.float32)
+
+        def torch_mul(stream):
+            s = torch.cuda.ExternalStream(stream.__cuda_stream__()[1], device=dev)
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(50_000_000)  # the write lands late
+                a_t = torch.as_tensor(unsafe.cuda_view(a), device=dev)
+                out_t = torch.as_tensor(unsafe.cuda_view(out), device=dev)
+                torch.mul(a_t, 2.0, out=out_t)
+            return out
+
+        got = await gpu.run(ops.external(torch_mul, reads=[a], writes=[out]), stream=gpu.streams[1])
+        assert got is out
+        np.testing.assert_array_equal(await gpu.to_host(out), 2 * np.arange(N, dtype=np.float32))
+
+        # ops.after: Torch enqueues on its own stream; trio_cuda waits for it device-side
+        side = torch.cuda.Stream(device=dev)
+        with torch.cuda.stream(side):
+            t = torch.zeros(N, device=dev)
+            torch.cuda._sleep(100_000_000)
+            t.add_(3.0)
+            done = torch.cuda.Event()
+            done.record(side)
+        elapsed, ticks = await _ticking(lambda: gpu.run(ops.after(side)))
+        assert elapsed >= 0.02, elapsed
+        assert ticks >= 5, ticks
+        assert side.query()  # everything Torch had enqueued is complete
+        await gpu.run(ops.after(done))  # an event: already complete, no wait
+        # the README's form: the current (default) stream
+        with torch.cuda.device(dev):
+            u = torch.ones(N, device=dev)
+            torch.cuda._sleep(50_000_000)
+            u.mul_(7.0)
+            await gpu.run(ops.after(torch.cuda.current_stream()))
+            assert torch.cuda.current_stream().query()
+        view = trio_cuda.borrow(t, access="read")
+        np.testing.assert_array_equal(await gpu.to_host(view), np.full(N, 3.0, np.float32))
+        with pytest.raises(ValueError, match="never recorded"):
+            ops.after(torch.cuda.Event())
+        del view
+
+
+async def test_after_cupy_streams_and_events():
+    cupy = pytest.importorskip("cupy")
+    spin = _spin_cupy(cupy)
+    async with trio_cuda.open_scope(device="cuda") as gpu:
+        with cupy.cuda.Device(gpu.device.ordinal):
+            scratch = cupy.zeros(4, cupy.float32)
+            cs = cupy.cuda.Stream(non_blocking=True)
+            with cs:
+                spin((1,), (1,), (scratch, np.uint64(30_000_000)))
+                event = cs.record()
+            elapsed, ticks = await _ticking(lambda: gpu.run(ops.after(cs)))
+            assert elapsed >= 0.02, elapsed
+            assert ticks >= 5, ticks
+            assert cs.done
+            with cs:
+                spin((1,), (1,), (scratch, np.uint64(30_000_000)))
+                event = cs.record()
+            elapsed, _ = await _ticking(lambda: gpu.run(ops.after(event)))
+            assert elapsed >= 0.02, elapsed
+            assert event.done

@@ -218,3 +218,23 @@ async def test_foreign_ops_from_a_worker_thread_or_another_run_are_refused(sim):
             await trio.to_thread.run_sync(other_run)
         assert called == []  # fn never ran
         assert gpu.statistics().in_flight == 0
+
+
+async def test_unsafe_cuda_view_is_refused_for_simulated_memory_and_bad_input(sim):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        y = gpu.zeros(4, F4)
+        before = gpu.statistics()
+        with pytest.raises(ValueError, match="cuda backend"):
+            unsafe.cuda_view(y)
+        with pytest.raises(TypeError, match="DeviceArray"):
+            unsafe.cuda_view(np.zeros(4, F4))  # type: ignore[arg-type]
+        assert gpu.statistics() == before
+
+
+async def test_after_refuses_an_event_never_recorded():
+    class Event:  # what a Torch event looks like before its first record()
+        __module__ = "torch.cuda.streams"
+        cuda_event = 0
+
+    with pytest.raises(ValueError, match="never recorded"):
+        ops.after(Event())

@@ -69,8 +69,9 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, device: str, log: Path) -> None:
+    def __init__(self, device: str, log: Path, matmul: str = "auto") -> None:
         self.device = device
+        self.matmul = matmul
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -87,6 +88,8 @@ class Server:
                     str(self.port),
                     "--device",
                     device,
+                    "--matmul",
+                    matmul,
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -119,14 +122,20 @@ class Server:
 
 @pytest.fixture(
     scope="module",
-    params=["sim", pytest.param("cuda", marks=pytest.mark.gpu)],
+    # on a GPU: cuBLAS through CuPy inside ops.external where CuPy is installed, and the kernels
+    params=[
+        "sim",
+        pytest.param("cuda", marks=pytest.mark.gpu),
+        pytest.param("cuda-kernel", marks=pytest.mark.gpu),
+    ],
 )
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    if request.param == "cuda":
+    device, _, matmul = str(request.param).partition("-")
+    if device == "cuda":
         probe = probe_cuda()
         if not probe.available:
             pytest.skip(f"no CUDA GPU: {probe.reason}")
-    srv = Server(request.param, tmp_path_factory.mktemp("service") / "server.log")
+    srv = Server(device, tmp_path_factory.mktemp("service") / "server.log", matmul or "auto")
     try:
         srv.wait_ready()
         yield srv
@@ -229,10 +238,33 @@ async def test_many_clients_some_cancel(server: Server, capsys: pytest.CaptureFi
     lat = np.asarray(latencies) * 1e3
     with capsys.disabled():
         print(
-            f"\n[service/{server.device}] {CLIENTS} concurrent clients, {gave_up} gave up mid-request: "
+            f"\n[service/{server.device}/{server.matmul}] {CLIENTS} concurrent clients, "
+            f"{gave_up} gave up mid-request: "
             f"{len(results)} completed in {elapsed:.2f} s = {len(results) / elapsed:.0f} req/s, "
             f"latency p50 {np.percentile(lat, 50):.1f} ms, p99 {np.percentile(lat, 99):.1f} ms"
         )
+
+
+def test_load_script_verifies_and_settles(server: Server) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(SERVE.parent / "load.py"),
+            "--url",
+            server.url,
+            "--clients",
+            "16",
+            "--requests",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 wrong" in out.stdout, out.stdout
+    assert "in_flight=0, leases_held=0" in out.stdout, out.stdout
 
 
 def test_sigint_stops_cleanly(server: Server) -> None:

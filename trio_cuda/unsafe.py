@@ -7,14 +7,15 @@ caller keeps every array alive and orders every access itself.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar, final
 
+from ._core._array import DeviceArray
 from ._core._ops import DeviceOp
 from ._core._stream import Stream
 
 T = TypeVar("T")
 
-__all__ = ["async_on"]
+__all__ = ["CudaView", "async_on", "cuda_view"]
 
 
 def async_on(op: DeviceOp[T], stream: Stream) -> T:
@@ -29,3 +30,51 @@ def async_on(op: DeviceOp[T], stream: Stream) -> T:
     if type(stream) is not Stream:
         raise TypeError(f"stream: expected a Stream, got {type(stream).__name__}")
     return stream.scope._enqueue_unsafe(op, stream)
+
+
+@final
+class CudaView:
+    """A lease-free CUDA Array Interface (v3) view of a :class:`DeviceArray`,
+    from :func:`cuda_view`. It keeps the array's handle alive, nothing more."""
+
+    __slots__ = ("__cuda_array_interface__", "array")
+
+    def __init__(self, array: DeviceArray, cai: dict[str, Any]) -> None:
+        self.array = array
+        self.__cuda_array_interface__ = cai
+
+    def __repr__(self) -> str:
+        return f"<unsafe.CudaView of {self.array!r}>"
+
+
+def cuda_view(arr: DeviceArray) -> CudaView:
+    """A view of ``arr`` that another library can wrap without a lease:
+    ``cupy.asarray(cuda_view(x))``, ``torch.as_tensor(cuda_view(x), device="cuda")``.
+
+    Unlike ``arr.__cuda_array_interface__``, it takes no lease and names no
+    stream to synchronise with: its consumer orders nothing. Its place is
+    inside :func:`trio_cuda.ops.external`, whose ``reads``/``writes`` leases
+    cover ``arr`` while the foreign work runs; anywhere else the caller orders
+    every access and keeps the scope open while the consumer uses the memory.
+    Only on the ``cuda`` backend (simulated memory has no CUDA address)."""
+    if not isinstance(arr, DeviceArray):
+        raise TypeError(f"arr: expected a DeviceArray, got {type(arr).__name__}")
+    backend = arr.scope.device.backend
+    if backend != "cuda":
+        raise ValueError(
+            f"arr: expected an array on the cuda backend, got one on the {backend!r} backend, "
+            "whose memory has no CUDA address"
+        )
+    arr._check_usable("cuda_view")
+    dt = arr.dtype
+    cai: dict[str, Any] = {
+        "shape": arr.shape,
+        "typestr": dt.str,
+        "data": (arr.ptr, arr.readonly),
+        "version": 3,
+        "strides": None if arr.c_contiguous else arr.strides,
+        "stream": None,
+    }
+    if dt.fields is not None:
+        cai["descr"] = dt.descr
+    return CudaView(arr, cai)

@@ -13,6 +13,7 @@ is really cancelled; work already on the device is retired by the scope when
 it completes, and nothing it uses is freed early (that is trio_cuda's job).
 
     python examples/service/serve.py --host 127.0.0.1 --port 8000 [--device auto|sim|cuda:N]
+                                     [--matmul auto|kernel|cublas]
 
     GET  /health  -> {"dim": 64}
     POST /score   {"x": [64 floats]} -> {"y": [64 floats]}
@@ -35,7 +36,7 @@ import numpy as np
 import trio
 
 import trio_cuda
-from trio_cuda import In, Kernel, Out, Scalar, ops
+from trio_cuda import In, Kernel, Out, Scalar, ops, unsafe
 
 D = 64
 SEED = 20241201
@@ -90,23 +91,32 @@ def reference(x: np.ndarray, seed: int = SEED) -> np.ndarray:
 class Scorer:
     """The model on the device, and the per-request GPU work."""
 
-    def __init__(self, gpu: trio_cuda.ResourceScope, w: trio_cuda.DeviceArray, b: trio_cuda.DeviceArray):
+    def __init__(
+        self,
+        gpu: trio_cuda.ResourceScope,
+        w: trio_cuda.DeviceArray,
+        b: trio_cuda.DeviceArray,
+        matmul: str = "auto",
+    ):
         self.gpu, self.w, self.b = gpu, w, b
         self.cupy: Any = None
-        if gpu.device.backend == "cuda":
+        if matmul not in ("auto", "kernel", "cublas"):
+            raise ValueError(f"matmul: expected 'auto', 'kernel' or 'cublas', got {matmul!r}")
+        if matmul != "kernel" and gpu.device.backend == "cuda":
             try:
                 import cupy  # optional: cuBLAS does the matmul
             except Exception:  # not installed, or not for this CUDA: the kernels do it
-                pass
+                if matmul == "cublas":
+                    raise
             else:
                 self.cupy = cupy
                 self.w_cp = self._as_cupy(w, (D, D))
+        elif matmul == "cublas":
+            raise ValueError(f"matmul: 'cublas' needs a GPU, got the {gpu.device.backend!r} backend")
 
     def _as_cupy(self, arr: trio_cuda.DeviceArray, shape: tuple[int, ...]) -> Any:
-        # wrap the pointer without CUDA Array Interface stream synchronisation
-        cp = self.cupy
-        mem = cp.cuda.UnownedMemory(arr.ptr, arr.nbytes, arr)
-        return cp.ndarray(shape, cp.float32, cp.cuda.MemoryPointer(mem, 0))
+        # no lease of its own: ops.external's reads/writes cover the memory while cuBLAS runs
+        return self.cupy.asarray(unsafe.cuda_view(arr)).reshape(shape)
 
     def _matmul(self, x: trio_cuda.DeviceArray, h: trio_cuda.DeviceArray) -> trio_cuda.DeviceOp[Any]:
         if self.cupy is None:
@@ -215,7 +225,7 @@ def make_app(scorer: Scorer, sim: Any) -> Any:
     return app
 
 
-async def serve(host: str, port: int, device: str) -> None:
+async def serve(host: str, port: int, device: str, matmul: str = "auto") -> None:
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
@@ -225,7 +235,7 @@ async def serve(host: str, port: int, device: str) -> None:
     async with trio_cuda.open_scope(device=sim if sim is not None else device) as gpu:
         w_host, b_host = model()
         w, b = await gpu.to_device(w_host), await gpu.to_device(b_host)
-        scorer = Scorer(gpu, w, b)
+        scorer = Scorer(gpu, w, b, matmul)
         config = Config()
         config.bind = [f"{host}:{port}"]
         config.graceful_timeout = 5.0
@@ -253,9 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--device", default="auto", help="auto, sim or cuda:N")
+    ap.add_argument(
+        "--matmul",
+        default="auto",
+        choices=["auto", "kernel", "cublas"],
+        help="the matmul: cuBLAS via CuPy where installed (auto), or always the kernel",
+    )
     args = ap.parse_args(argv)
     try:
-        trio.run(serve, args.host, args.port, args.device)
+        trio.run(serve, args.host, args.port, args.device, args.matmul)
     except KeyboardInterrupt:
         return 130
     return 0

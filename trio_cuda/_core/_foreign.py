@@ -184,4 +184,6 @@ def after(obj: object) -> DeviceOp[None]:
     point is taken when the op is submitted. It takes no lease; its output is
     None."""
     kind, value = _foreign(obj)
+    if kind == "event" and value == 0:  # Torch creates its CUDA event at the first record()
+        raise ValueError(f"obj: expected a recorded event, got a {type(obj).__name__} never recorded")
     return _After(obj, kind, value)
