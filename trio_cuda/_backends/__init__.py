@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING
 import attrs
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .._core._driver import DeviceContext
+    from .sim import SimDevice
 
 log = logging.getLogger("trio_cuda")
 
@@ -68,9 +71,14 @@ def _open_cuda(ordinal: int) -> DeviceContext:
     return open_context(ordinal)
 
 
-def open_device(device: object) -> DeviceContext:
-    """Resolve ``open_scope(device=...)`` to a fresh driver context."""
+def open_device(device: object, make_sim: Callable[[], SimDevice] | None = None) -> DeviceContext:
+    """Resolve ``open_scope(device=...)`` to a fresh driver context. ``make_sim``
+    makes the simulator of "sim" and of the "auto" fallback (``SimDevice()``
+    when None)."""
     from .sim import SimDevice
+
+    if make_sim is None:
+        make_sim = SimDevice
 
     if isinstance(device, SimDevice):
         return device.open_context()
@@ -79,7 +87,7 @@ def open_device(device: object) -> DeviceContext:
             f"device: expected 'auto', 'sim', 'cuda', 'cuda:N' or a SimDevice, got {type(device).__name__}"
         )
     if device == "sim":
-        return SimDevice().open_context()
+        return make_sim().open_context()
     if device == "auto":
         probe = probe_cuda()
         if probe.available and _cuda_backend_available():
@@ -87,7 +95,7 @@ def open_device(device: object) -> DeviceContext:
             return _open_cuda(0)
         reason = probe.reason if not probe.available else "the cuda backend is not installed"
         log.info("trio_cuda: using the simulated device: %s", reason)
-        return SimDevice().open_context()
+        return make_sim().open_context()
     m = re.fullmatch(r"cuda(?::(\d+))?", device)
     if m is None:
         raise ValueError(f"device: expected 'auto', 'sim', 'cuda' or 'cuda:N', got {device!r}")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, final
 
 import trio
 
+from ._asynclib import require_trio
 from ._policy import FollowWriter, SchedulingPolicy
 from ._scope import ResourceScope, _current
 from ._trace import Tracer, process_tracer
@@ -80,6 +81,7 @@ class ScopeManager:
         self._entered = False
 
     async def __aenter__(self) -> ResourceScope:
+        require_trio("open_scope()")
         await trio.lowlevel.checkpoint()
         if self._entered:
             raise RuntimeError(

@@ -51,6 +51,7 @@ import attrs
 import trio
 
 from ._array import Allocation, AllocState, DeviceArray
+from ._asynclib import require_trio
 from ._driver import MarkerState
 from ._errors import CompletionUnknownError, KernelArgumentError, ScopeClosedError, TrioCudaError
 from ._extent import array_extent
@@ -459,6 +460,7 @@ class PoolManager:
         self._entered = False
 
     async def __aenter__(self) -> DevicePool:
+        require_trio("open_device_pool()")
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._entered:
             raise RuntimeError(
