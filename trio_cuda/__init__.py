@@ -21,6 +21,7 @@ from ._core._errors import CudaError as CudaError
 from ._core._errors import GraphCaptureError as GraphCaptureError
 from ._core._errors import KernelArgumentError as KernelArgumentError
 from ._core._errors import LaunchError as LaunchError
+from ._core._errors import MissingReferenceError as MissingReferenceError
 from ._core._errors import OutOfMemoryError as OutOfMemoryError
 from ._core._errors import ScopeClosedError as ScopeClosedError
 from ._core._errors import TrioCudaError as TrioCudaError
@@ -28,6 +29,7 @@ from ._core._future import DeviceFuture as DeviceFuture
 from ._core._future import FutureStatistics as FutureStatistics
 from ._core._graph import CudaGraph as CudaGraph
 from ._core._graph import GraphStatistics as GraphStatistics
+from ._core._kernel import NO_REFERENCE as NO_REFERENCE
 from ._core._kernel import Kernel as Kernel
 from ._core._launch import KernelLaunch as KernelLaunch
 from ._core._multi import DevicePolicy as DevicePolicy

@@ -62,3 +62,10 @@ class GraphCaptureError(TrioCudaError):
 
 class ScopeClosedError(TrioCudaError):
     """The resource scope (or the array or stream) is closed."""
+
+
+class MissingReferenceError(TrioCudaError):
+    """A kernel without a ``reference=`` was submitted to the simulator, which
+    runs a kernel's CPU behaviour and has nothing to run. Nothing was enqueued
+    or retained. Give the kernel a ``reference=`` function, or
+    ``reference=trio_cuda.NO_REFERENCE`` to run it there as a no-op on purpose."""

@@ -11,14 +11,21 @@ Invariants:
 * The fast path (:func:`_compile_fast`) either returns the launch the checked
   path would build, or None; then the checked path runs, and raises the
   precise error.
+* ``reference`` is a callable, :data:`NO_REFERENCE` (no CPU behaviour, on
+  purpose) or None (not given); anything else is refused when the kernel is
+  made. What a backend does without one is the backend's business (the
+  simulator refuses to load such a kernel).
+* A kernel's repr never prints its source or image, only their size and hash.
 """
 
 from __future__ import annotations
 
+import enum
+import hashlib
 import math
 import struct
-from collections.abc import Callable, Sequence
-from typing import Literal, final
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Final, Literal, TypeAlias, final
 
 import attrs
 import numpy as np
@@ -40,13 +47,49 @@ from ._builder import LaunchBuilder
 from ._config import LaunchConfig, cached_config
 from ._errors import KernelArgumentError
 from ._launch import ArgView, KernelLaunch, PreparedLaunch, _LaunchUnderConstruction, _merge_accesses
-from ._ops import Access
+from ._ops import Access, DeviceOp, _Map, _Shared, _Then, _Zip
 from ._params import In, InOut, Out, Param, Scalar, Slice, _check_array, _convert_scalar, _param_label
 
-__all__ = ["Kernel"]
+__all__ = ["NO_REFERENCE", "Kernel", "NoReference", "Reference", "static_launches"]
 
 #: a kernel's generated fast path, ``fast(args, config)`` (see :func:`_compile_fast`)
 FastLauncher = Callable[[tuple[object, ...], LaunchConfig], "KernelLaunch | None"]
+
+
+class NoReference(enum.Enum):
+    """``reference=trio_cuda.NO_REFERENCE`` says that a kernel has no CPU
+    behaviour on purpose: the simulator runs it as a no-op (it still takes its
+    leases and its simulated time) instead of refusing it with
+    :class:`~trio_cuda.MissingReferenceError`. On a GPU it changes nothing.
+    (``NoReference`` is its type, an enum of this one member.)"""
+
+    NO_REFERENCE = "NO_REFERENCE"
+
+    def __repr__(self) -> str:
+        return "trio_cuda.NO_REFERENCE"
+
+
+#: a kernel's ``reference=`` that says "no CPU behaviour, on purpose" (see :class:`NoReference`)
+NO_REFERENCE: Final = NoReference.NO_REFERENCE
+
+#: what ``reference=`` accepts: a function run on NumPy views, :data:`NO_REFERENCE`, or None
+Reference: TypeAlias = "Callable[..., object] | Literal[NoReference.NO_REFERENCE] | None"
+
+
+def _check_reference(reference: object) -> Reference:
+    if reference is None or reference is NO_REFERENCE or callable(reference):
+        return reference
+    raise TypeError(
+        "reference: expected a function of one argument per kernel parameter (run on NumPy views), "
+        f"trio_cuda.NO_REFERENCE or None, got {type(reference).__name__}"
+    )
+
+
+def _short_param(param: Param) -> str:
+    dt = param.dtype
+    kind = f"struct of {dt.itemsize} B" if dt.fields else dt.name
+    name = f"{param.name}: " if param.name else ""
+    return f"{name}{type(param).__name__}({kind})"
 
 
 def _check_params(params: Sequence[object]) -> tuple[Param, ...]:
@@ -59,13 +102,18 @@ def _check_params(params: Sequence[object]) -> tuple[Param, ...]:
 
 
 @final
-@attrs.define(eq=False)
+@attrs.define(eq=False, repr=False)
 class Kernel:
     """A GPU kernel with a typed parameter list.
 
     Use :meth:`from_source` (CUDA C++, compiled with NVRTC), :meth:`from_ptx`
     or :meth:`from_cubin`. ``reference`` is the kernel's behaviour on the CPU:
-    the simulator runs it on NumPy views, and tests use it as an oracle.
+    the simulator runs it on NumPy views, and tests use it as an oracle. It
+    receives one argument per kernel parameter, as the kernel sees it: an
+    array as a NumPy view (read-only for ``In``), a ``Slice`` as a view
+    followed by its length, a scalar as a NumPy scalar. The simulator refuses
+    a kernel without one (:class:`~trio_cuda.MissingReferenceError`);
+    ``reference=trio_cuda.NO_REFERENCE`` runs it there as a no-op on purpose.
     """
 
     name: str
@@ -74,9 +122,9 @@ class Kernel:
     image: bytes | None = None
     image_kind: Literal["source", "ptx", "cubin"] = "source"
     options: tuple[str, ...] = ()
-    reference: Callable[..., object] | None = None
-    _plan: ParamPlan = attrs.field(init=False, repr=False)
-    _fast: FastLauncher | None = attrs.field(init=False, repr=False)
+    reference: Reference = attrs.field(default=None, converter=_check_reference)
+    _plan: ParamPlan = attrs.field(init=False)
+    _fast: FastLauncher | None = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         layout: list[tuple[int, int]] = []
@@ -85,6 +133,24 @@ class Kernel:
         self._plan = ParamPlan.from_layout(layout)
         self._fast = _compile_fast(self)
 
+    def __repr__(self) -> str:
+        params = ", ".join(_short_param(p) for p in self.params)
+        if self.source is not None:
+            data = self.source.encode()
+            code = f"source=<{len(self.source)} chars, sha256 {hashlib.sha256(data).hexdigest()[:12]}>"
+        elif self.image is not None:
+            digest = hashlib.sha256(self.image).hexdigest()[:12]
+            code = f"{self.image_kind}=<{len(self.image)} bytes, sha256 {digest}>"
+        else:  # pragma: no cover - every constructor gives one
+            code = "no code"
+        options = f", options={self.options!r}" if self.options else ""
+        ref = self.reference
+        if ref is None or ref is NO_REFERENCE:
+            shown = repr(ref)
+        else:
+            shown = getattr(ref, "__qualname__", None) or type(ref).__name__
+        return f"<Kernel {self.name}({params}) {code}{options} reference={shown}>"
+
     @classmethod
     def from_source(
         cls,
@@ -92,11 +158,17 @@ class Kernel:
         name: str,
         *,
         params: Sequence[Param],
-        reference: Callable[..., object] | None = None,
+        reference: Reference = None,
         options: Sequence[str] = (),
     ) -> Kernel:
         """A kernel in CUDA C++ source. ``name`` is the (``extern "C"``)
-        function name; ``options`` are extra NVRTC options."""
+        function name; ``options`` are extra NVRTC options. ``reference`` is
+        the kernel's CPU behaviour (see :class:`Kernel`).
+
+        The source is compiled when a scope first loads the kernel: on a GPU
+        for its device, and on the simulator too where NVRTC can be loaded
+        without a driver, so that a compile error or a missing ``name``
+        surfaces there as well (``TRIO_CUDA_SIM_COMPILE=0`` turns that off)."""
         if not isinstance(source, str):
             raise TypeError(f"source: expected str, got {type(source).__name__}")
         if not isinstance(name, str) or not name:
@@ -117,9 +189,10 @@ class Kernel:
         name: str,
         *,
         params: Sequence[Param],
-        reference: Callable[..., object] | None = None,
+        reference: Reference = None,
     ) -> Kernel:
-        """A kernel in PTX, loaded (JIT-compiled) by the driver."""
+        """A kernel in PTX, loaded (JIT-compiled) by the driver. The simulator
+        checks that the PTX declares an entry ``name``."""
         image = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
         return cls(
             name=name, params=_check_params(params), image=image, image_kind="ptx", reference=reference
@@ -132,7 +205,7 @@ class Kernel:
         name: str,
         *,
         params: Sequence[Param],
-        reference: Callable[..., object] | None = None,
+        reference: Reference = None,
     ) -> Kernel:
         """A kernel in a compiled cubin (or fatbin) image."""
         return cls(
@@ -221,6 +294,24 @@ class Kernel:
     def builder(self) -> LaunchBuilder:
         """An inert, unchecked launch builder; see :class:`LaunchBuilder`."""
         return LaunchBuilder._create(self)
+
+
+def static_launches(op: DeviceOp[Any]) -> Iterator[PreparedLaunch]:
+    """The kernel launches that submitting ``op`` will enqueue, as far as they
+    are known before it runs: the op itself, the parts of a ``zip``, the op
+    under a ``map`` or ``shared()`` (not yet executed), and the first part of a
+    ``then`` (what its closure returns is only known once it ran). A scope
+    loads their kernels before it enqueues anything, so that a kernel that
+    cannot be loaded fails the submission with nothing enqueued."""
+    stack: list[DeviceOp[Any]] = [op]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, KernelLaunch):
+            yield cur.prepared
+        elif isinstance(cur, _Zip):
+            stack.extend(reversed(cur._ops))
+        elif isinstance(cur, _Then | _Map) or (isinstance(cur, _Shared) and not cur._done):
+            stack.append(cur._op)
 
 
 # --------------------------------------------------------------------------- fast path
