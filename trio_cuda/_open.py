@@ -8,22 +8,66 @@ Invariants:
   only ever sees a :class:`~trio_cuda._core._driver.DeviceContext`.
 * Every option is checked when the manager is made, before any device is
   touched; the device itself is opened when the manager is entered.
+* The simulator that ``"sim"`` and the ``"auto"`` fallback make takes its
+  timing from the environment (:data:`SIM_ENVIRONMENT`), read and checked
+  when the manager is made; an explicit ``SimDevice`` is used as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Iterable
-from typing import Literal
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
 
 from ._backends import open_device, probe_cuda
+from ._backends.sim import SimDevice
 from ._core._manager import ScopeManager, scope_manager
-from ._core._multi import DevicePolicy, LeastLoadedDevice, PoolManager
+from ._core._multi import DevicePolicy, DevicePool, LeastLoadedDevice, PoolManager
 from ._core._policy import FollowWriter, SchedulingPolicy
+from ._core._scope import ResourceScope
 from ._core._trace import Tracer
 from .trace import Trace
 
-__all__ = ["open_device_pool", "open_scope"]
+__all__ = ["SIM_ENVIRONMENT", "open_device_pool", "open_scope", "sim_options_from_env"]
+
+#: the environment variables that set the timing of the simulator trio_cuda
+#: makes itself (``device="sim"``, and "auto" without a GPU): the SimDevice
+#: option each one sets, in seconds
+SIM_ENVIRONMENT: Mapping[str, str] = {
+    "TRIO_CUDA_SIM_KERNEL_TIME": "kernel_time",
+    "TRIO_CUDA_SIM_COPY_TIME": "copy_time",
+}
+
+
+def sim_options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, float]:
+    """The :class:`~trio_cuda.testing.SimDevice` options that the variables of
+    :data:`SIM_ENVIRONMENT` set in ``environ`` (``os.environ`` when None); an
+    unset or empty variable sets nothing. Raises ``ValueError`` naming the
+    variable unless its value is a finite number of seconds >= 0."""
+    env = os.environ if environ is None else environ
+    options: dict[str, float] = {}
+    for var, option in SIM_ENVIRONMENT.items():
+        raw = env.get(var, "").strip()
+        if not raw:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(
+                f"{var}: expected a number of seconds >= 0 (for SimDevice({option}=...)), got {raw!r}"
+            )
+        options[option] = value
+    return options
+
+
+def _sim_factory() -> Callable[[], SimDevice] | None:
+    options: dict[str, Any] = dict(sim_options_from_env())
+    return functools.partial(SimDevice, **options) if options else None
 
 
 def open_scope(
@@ -34,12 +78,17 @@ def open_scope(
     *,
     policy: SchedulingPolicy | None = None,
     trace: Trace | Literal[False] | None = None,
-) -> ScopeManager:
+) -> contextlib.AbstractAsyncContextManager[ResourceScope]:
     """Open a :class:`~trio_cuda.ResourceScope`: ``async with open_scope() as gpu:``.
 
     ``device`` is "auto" (the real GPU when a driver and a device answer, else
     the simulator; the choice is logged), "sim", a
-    :class:`~trio_cuda.testing.SimDevice`, "cuda" or "cuda:N". ``streams`` is
+    :class:`~trio_cuda.testing.SimDevice`, "cuda" or "cuda:N". The simulator
+    that "sim" and "auto" make runs each kernel for
+    ``TRIO_CUDA_SIM_KERNEL_TIME`` seconds and each copy or fill for
+    ``TRIO_CUDA_SIM_COPY_TIME`` seconds when these environment variables are
+    set (0 otherwise: work completes as soon as it is enqueued), so that a
+    program can be cancelled mid-kernel without a GPU or a code change. ``streams`` is
     the size of the stream pool; ``conflicts`` is "order" (cross-stream
     conflicts become device-side waits) or "error" (they raise
     :class:`~trio_cuda.AccessConflictError`). ``drain_timeout`` bounds the
@@ -55,6 +104,17 @@ def open_scope(
     :func:`trio_cuda.trace.enable` turned one on; False never records. The
     manager opens one scope once.
     """
+    return _scope_manager(device, streams, conflicts, drain_timeout, policy, trace)
+
+
+def _scope_manager(
+    device: object,
+    streams: int,
+    conflicts: Literal["order", "error"],
+    drain_timeout: float | None,
+    policy: SchedulingPolicy | None,
+    trace: Trace | Literal[False] | None,
+) -> ScopeManager:
     tracer: Tracer | Literal[False] | None
     if trace is None or trace is False:
         tracer = trace
@@ -62,8 +122,9 @@ def open_scope(
         tracer = trace._tracer
     else:
         raise TypeError(f"trace: expected None, False or a trio_cuda.trace.Trace, got {trace!r}")
+    make_sim = _sim_factory() if isinstance(device, str) and device in ("sim", "auto") else None
     return scope_manager(
-        functools.partial(open_device, device), streams, conflicts, drain_timeout, policy, tracer
+        functools.partial(open_device, device, make_sim), streams, conflicts, drain_timeout, policy, tracer
     )
 
 
@@ -96,7 +157,7 @@ def open_device_pool(
     *,
     policy: DevicePolicy | None = None,
     stream_policy: type[SchedulingPolicy] | None = None,
-) -> PoolManager:
+) -> contextlib.AbstractAsyncContextManager[DevicePool]:
     """Open a :class:`~trio_cuda.DevicePool`: ``async with open_device_pool(["cuda:0",
     "cuda:1"]) as pool:``.
 
@@ -119,5 +180,5 @@ def open_device_pool(
     managers = []
     for device in _resolve_devices(devices):
         sp = stream_policy() if stream_policy is not None else FollowWriter()
-        managers.append(open_scope(device, streams, conflicts, drain_timeout, policy=sp))
+        managers.append(_scope_manager(device, streams, conflicts, drain_timeout, sp, None))
     return PoolManager(managers, policy)
