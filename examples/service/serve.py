@@ -114,6 +114,13 @@ class Scorer:
         elif matmul == "cublas":
             raise ValueError(f"matmul: 'cublas' needs a GPU, got the {gpu.device.backend!r} backend")
 
+    def _cupy_stream(self, stream: trio_cuda.Stream) -> Any:
+        # CuPy adopts the stream through the CUDA stream protocol (``__cuda_stream__``)
+        from_external = getattr(self.cupy.cuda.Stream, "from_external", None)
+        if from_external is not None:
+            return from_external(stream)
+        return self.cupy.cuda.ExternalStream(stream.__cuda_stream__()[1])  # CuPy before 14
+
     def _as_cupy(self, arr: trio_cuda.DeviceArray, shape: tuple[int, ...]) -> Any:
         # no lease of its own: ops.external's reads/writes cover the memory while cuBLAS runs
         return self.cupy.asarray(unsafe.cuda_view(arr)).reshape(shape)
@@ -125,7 +132,7 @@ class Scorer:
 
         def cublas(stream: trio_cuda.Stream) -> trio_cuda.DeviceArray:
             cp = self.cupy
-            with cp.cuda.Device(gpu.device.ordinal), cp.cuda.ExternalStream(stream.__cuda_stream__()[1]):
+            with cp.cuda.Device(gpu.device.ordinal), self._cupy_stream(stream):
                 cp.matmul(self.w_cp, x_cp, out=h_cp)  # only enqueues
             return h
 

@@ -88,8 +88,9 @@ def external(
 
     At enqueue, ``fn(stream)`` is called on the event loop with the
     :class:`~trio_cuda.Stream` the op runs on; it enqueues its work there
-    (``cupy.cuda.ExternalStream(stream.__cuda_stream__()[1])``,
-    ``torch.cuda.ExternalStream(...)``, cuBLAS with that stream, ...) and
+    (``cupy.cuda.Stream.from_external(stream)``,
+    ``torch.cuda.ExternalStream(stream.__cuda_stream__()[1])``, cuBLAS with
+    that stream, ...) and
     returns the op's output. ``reads`` and ``writes`` are the trio_cuda arrays
     (views, or memory wrapped with :func:`trio_cuda.borrow`) the work touches:
     read leases on ``reads``, write leases on ``writes``, taken before ``fn``
