@@ -1,0 +1,176 @@
+"""Users' type checkers see trio_cuda's annotations: mypy --strict on a typed user program.
+
+The package is built as it is installed (setuptools' build_py, which copies the package
+data pyproject.toml declares) into a site directory outside the repository, and mypy runs
+from another directory with only that site directory added to the path, as in a user's
+project. Without the py.typed marker the same run reports the import as untyped, so the
+marker is what makes it work.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mypy", reason="mypy is in the test extra")
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAM = ROOT / "tests" / "typing" / "user_program.py"
+
+#: each line with the error code mypy must report on it
+MISTAKES = textwrap.dedent(
+    """\
+    import numpy as np
+    import trio_cuda
+
+
+    async def main() -> None:
+        async with trio_cuda.open_scope("sim") as gpu:
+            x = await gpu.to_device(np.ones(4))
+            n: int = await gpu.to_host(x)  # E: assignment
+            await gpu.run(42)  # E: arg-type
+            gpu.upload(x)  # E: attr-defined
+            fut = gpu.submit(trio_cuda.ops.value(1.5))
+            s: str = await fut.wait()  # E: assignment
+            trio_cuda.open_scope(conflicts="ignore")  # E: arg-type
+            x.no_such_attribute  # E: attr-defined
+    """
+)
+
+
+def _build(tmp: Path) -> Path:
+    """trio_cuda as installed: the package and its package data, in ``tmp/site``."""
+    src = tmp / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    shutil.copytree(ROOT / "trio_cuda", src / "trio_cuda", ignore=shutil.ignore_patterns("__pycache__"))
+    site = tmp / "site"
+    try:
+        import setuptools  # noqa: F401
+    except ImportError:  # pragma: no cover - no build backend: copy what pyproject.toml declares
+        data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+        assert "py.typed" in data["tool"]["setuptools"]["package-data"]["trio_cuda"]
+        shutil.copytree(src / "trio_cuda", site / "trio_cuda")
+        return site
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from setuptools import setup; setup()",
+            "-q",
+            "build_py",
+            "--build-lib",
+            str(site),
+        ],
+        cwd=src,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return site
+
+
+def _mypy(site: Path, work: Path, cache: Path, *files: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MYPYPATH", "PYTHONPATH", "PYTHONSTARTUP")}
+    env["PYTHONPATH"] = str(site)
+    config = work / "mypy.ini"
+    config.write_text("[mypy]\n")
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--config-file",
+            str(config),
+            "--cache-dir",
+            str(cache),
+            "--no-error-summary",
+            "--show-error-codes",
+            "--hide-error-context",
+            "--no-pretty",
+            *files,
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(tmp_path_factory.mktemp("installed"))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """mypy's cache for runs against ``site`` (NumPy's and Trio's stubs are read once)."""
+    return tmp_path_factory.mktemp("mypy-cache")
+
+
+def test_the_built_package_ships_py_typed(site: Path) -> None:
+    assert (site / "trio_cuda" / "py.typed").is_file()
+    assert (site / "trio_cuda" / "_core" / "_scope.py").is_file()
+    assert not (site / "tests").exists()
+
+
+def test_a_typed_user_program_checks_clean_and_mistakes_are_reported(
+    site: Path, cache: Path, tmp_path: Path
+) -> None:
+    work = tmp_path / "project"
+    work.mkdir()
+    shutil.copy2(PROGRAM, work / "user_program.py")
+    (work / "mistakes.py").write_text(MISTAKES)
+    result = _mypy(site, work, cache, "user_program.py", "mistakes.py")
+    report = result.stdout + result.stderr
+    # the library came from the installed copy, not from the repository
+    assert "user_program.py" not in report, report
+    expected = {
+        (i, m.group(1))
+        for i, line in enumerate(MISTAKES.splitlines(), 1)
+        if (m := re.search(r"# E: ([\w-]+)$", line))
+    }
+    found = {
+        (int(m.group(1)), m.group(2))
+        for m in re.finditer(r"^mistakes\.py:(\d+): error: .*\[([\w-]+)\]$", report, re.MULTILINE)
+    }
+    assert found == expected, report
+    assert result.returncode == 1
+
+
+def test_without_py_typed_users_get_untyped_imports(site: Path, cache: Path, tmp_path: Path) -> None:
+    untyped = tmp_path / "site"
+    shutil.copytree(site, untyped)
+    (untyped / "trio_cuda" / "py.typed").unlink()
+    work = tmp_path / "project"
+    work.mkdir()
+    (work / "program.py").write_text("import trio_cuda\n\nscope: int = trio_cuda.open_scope()\n")
+    result = _mypy(untyped, work, tmp_path / "cache", "program.py")
+    report = result.stdout + result.stderr
+    assert re.search(
+        r"^program\.py:1: error: .*py\.typed marker.*\[import-untyped\]$", report, re.MULTILINE
+    ), report
+    # with the marker, the same line is a type error: the annotations are read
+    typed = _mypy(site, work, cache, "program.py")
+    assert re.search(
+        r"^program\.py:3: error: Incompatible types in assignment "
+        r".*AbstractAsyncContextManager\[ResourceScope",
+        typed.stdout,
+        re.MULTILINE,
+    ), typed.stdout + typed.stderr
+
+
+def test_the_user_program_runs() -> None:
+    result = subprocess.run([sys.executable, str(PROGRAM)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

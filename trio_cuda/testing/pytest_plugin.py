@@ -1,0 +1,223 @@
+"""The trio_cuda pytest plugin: fixtures for testing code that uses trio_cuda.
+
+Installing trio_cuda registers it as the ``trio_cuda`` pytest plugin (the
+``pytest11`` entry point), so pytest loads it in every run of an environment
+that has trio_cuda (``-p no:trio_cuda`` turns it off; with
+``PYTEST_DISABLE_PLUGIN_AUTOLOAD`` set, ``-p trio_cuda`` turns it on).
+
+Fixtures (function-scoped):
+
+* ``trio_cuda_sim``: a fresh :class:`~trio_cuda.testing.SimDevice`. After
+  the test, the test fails at teardown if the device recorded a memcheck
+  violation or still holds an allocation.
+* ``trio_cuda_scope``: an open :class:`~trio_cuda.ResourceScope` on
+  ``trio_cuda_sim``.
+* ``trio_cuda_gpu_scope``: an open scope on a real GPU (``cuda:0``); the test
+  is skipped, with the reason, where there is none. Tests that use it are
+  marked ``gpu``.
+
+The two scope fixtures are Trio fixtures: they need pytest-trio, and a Trio
+test (``trio_mode = true``, or ``@pytest.mark.trio``).
+
+Markers: ``trio_cuda_sim(**options)`` passes SimDevice options to
+``trio_cuda_sim`` (``check=False`` turns its teardown checks off);
+``trio_cuda_scope(**options)`` passes ``open_scope`` options to both scope
+fixtures. ``--trio-cuda-kernel-time=SECONDS`` (or the environment variable
+``TRIO_CUDA_SIM_KERNEL_TIME``) sets ``trio_cuda_sim``'s ``kernel_time``.
+
+Invariants:
+
+* The plugin has no effect on tests that use none of its fixtures: its hooks
+  only register markers and an option, and mark the tests that use
+  ``trio_cuda_gpu_scope``. It registers ``gpu`` only where the project has
+  not registered it.
+* Nothing here touches CUDA until ``trio_cuda_gpu_scope`` is used: the probe
+  runs then, once per session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from .._backends import CudaProbe
+    from .._core._scope import ResourceScope
+    from . import SimDevice
+
+__all__ = ["trio_cuda_gpu_scope", "trio_cuda_scope", "trio_cuda_sim"]
+
+_KERNEL_TIME_OPTION = "--trio-cuda-kernel-time"
+_GPU_MARKER = "gpu: needs a real NVIDIA GPU (skipped cleanly without one)"
+_probe_key = pytest.StashKey["CudaProbe"]()
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("trio_cuda")
+    group.addoption(
+        _KERNEL_TIME_OPTION,
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="simulated seconds each kernel takes on the trio_cuda_sim device "
+        "(default: TRIO_CUDA_SIM_KERNEL_TIME, else 0)",
+    )
+
+
+def _registered(config: pytest.Config, marker: str) -> bool:
+    for line in config.getini("markers"):
+        name = line.split(":", 1)[0].split("(", 1)[0].strip()
+        if name == marker:
+            return True
+    return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "trio_cuda_sim(**options): SimDevice options of the trio_cuda_sim fixture "
+        "(check=False: no memcheck or leak check after the test)",
+    )
+    config.addinivalue_line(
+        "markers", "trio_cuda_scope(**options): open_scope() options of the trio_cuda scope fixtures"
+    )
+    if not _registered(config, "gpu"):
+        config.addinivalue_line("markers", _GPU_MARKER)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "trio_cuda_gpu_scope" in getattr(item, "fixturenames", ()):
+            item.add_marker("gpu")
+
+
+# --------------------------------------------------------------------------- options
+
+
+def _marker_options(request: pytest.FixtureRequest, name: str) -> dict[str, Any]:
+    marker = request.node.get_closest_marker(name)
+    if marker is None:
+        return {}
+    if marker.args:
+        raise TypeError(f"@pytest.mark.{name}: expected keyword arguments only, got {marker.args!r}")
+    return dict(marker.kwargs)
+
+
+def _sim_options(request: pytest.FixtureRequest) -> tuple[dict[str, Any], bool]:
+    from .._open import sim_options_from_env
+
+    options: dict[str, Any] = dict(sim_options_from_env())
+    kernel_time = request.config.getoption(_KERNEL_TIME_OPTION)
+    if kernel_time is not None:
+        options["kernel_time"] = kernel_time
+    options.update(_marker_options(request, "trio_cuda_sim"))
+    check = options.pop("check", True)
+    if not isinstance(check, bool):
+        raise TypeError(f"@pytest.mark.trio_cuda_sim: check: expected a bool, got {check!r}")
+    return options, check
+
+
+def _unclean(sim: SimDevice) -> str | None:
+    """What the test left on ``sim``, as a readable report, or None."""
+    violations = sim.violations
+    live = sim.live_allocations
+    if not violations and not live:
+        return None
+    lines = [f"trio_cuda_sim: the test left the simulated device {sim.name!r} unclean"]
+    if violations:
+        lines.append(f"  {len(violations)} memcheck violation(s):")
+        for v in violations:
+            on = "" if v.stream is None else f" on stream {v.stream}"
+            lines.append(f"    {v.kind}: {v.size} bytes at {v.address:#x}, by {v.op}{on}")
+    if live:
+        total = sum(a.nbytes for a in live)
+        lines.append(f"  {len(live)} allocation(s) never freed ({total} bytes):")
+        lines.extend(f"    {a.nbytes} bytes at {a.ptr:#x}" for a in live)
+    if violations:
+        lines.append(
+            "Violations the test expects: assert on trio_cuda_sim.violations, "
+            "then call trio_cuda_sim.clear_violations()."
+        )
+    if live:
+        lines.append(
+            "Memory left on purpose (quarantined work): mark the test "
+            "@pytest.mark.trio_cuda_sim(check=False)."
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def trio_cuda_sim(request: pytest.FixtureRequest) -> Iterator[SimDevice]:
+    """A fresh simulated device; the test fails at teardown if it left a
+    memcheck violation or an allocation on it."""
+    from . import SimDevice
+
+    options, check = _sim_options(request)
+    sim = SimDevice(**options)
+    yield sim
+    if check and (report := _unclean(sim)) is not None:
+        pytest.fail(report, pytrace=False)
+
+
+def _gpu_probe(config: pytest.Config) -> CudaProbe:
+    probe = config.stash.get(_probe_key, None)
+    if probe is None:
+        from .._backends import probe_cuda
+
+        probe = config.stash[_probe_key] = probe_cuda()
+    return probe
+
+
+@pytest.fixture
+def _trio_cuda_gpu(request: pytest.FixtureRequest) -> str:
+    """The GPU that trio_cuda_gpu_scope opens; skips the test without one."""
+    probe = _gpu_probe(request.config)
+    if not probe.available:
+        pytest.skip(f"needs a CUDA device: {probe.reason}")
+    return "cuda:0"
+
+
+@pytest.fixture
+async def trio_cuda_scope(
+    trio_cuda_sim: SimDevice, request: pytest.FixtureRequest
+) -> AsyncIterator[ResourceScope]:
+    """A scope open on ``trio_cuda_sim`` for the test. A device the test left
+    held is released before the scope exits (the exit waits for all the
+    scope's work)."""
+    from .. import open_scope
+
+    async with open_scope(trio_cuda_sim, **_marker_options(request, "trio_cuda_scope")) as gpu:
+        try:
+            yield gpu
+        finally:
+            if trio_cuda_sim.held:
+                trio_cuda_sim.release()
+
+
+@pytest.fixture
+async def trio_cuda_gpu_scope(
+    _trio_cuda_gpu: str, request: pytest.FixtureRequest
+) -> AsyncIterator[ResourceScope]:
+    """A scope open on a real GPU (``cuda:0``); the test is skipped, with the
+    probe's reason, where there is none."""
+    from .. import open_scope
+
+    async with open_scope(_trio_cuda_gpu, **_marker_options(request, "trio_cuda_scope")) as gpu:
+        yield gpu
