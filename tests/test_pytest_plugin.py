@@ -385,3 +385,28 @@ def test_plugin_module_imports_no_cuda() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def _documented_example() -> str:
+    """The example test file of docs/testing.rst (the block captioned tests/test_double.py)."""
+    text = (ROOT / "docs" / "testing.rst").read_text()
+    start = text.index("   :caption: tests/test_double.py\n")
+    lines = text[start:].splitlines()[1:]
+    while lines[0].strip().startswith(":"):
+        lines = lines[1:]
+    body = []
+    for line in lines:
+        if line and not line.startswith("   "):
+            break
+        body.append(line[3:])
+    return "\n".join(body)
+
+
+def test_the_documented_example_runs(pytester: pytest.Pytester) -> None:
+    example = _documented_example()
+    assert "async def test_cancelled_while_the_kernel_runs(trio_cuda_scope, trio_cuda_sim):" in example
+    pytester.makeini("[pytest]\ntrio_mode = true\n")
+    pytester.makepyfile(test_double=example)
+    result = run(pytester)
+    result.assert_outcomes(passed=3, skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED * needs a CUDA device: *"])

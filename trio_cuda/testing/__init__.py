@@ -5,6 +5,10 @@
 lists memcheck findings and ``live_allocations`` what was never freed.
 ``SimHost`` joins several SimDevices into one machine (peer copies,
 cross-device waits).
+
+``trio_cuda.testing.pytest_plugin`` is the pytest plugin (loaded by pytest
+where trio_cuda is installed): the fixtures ``trio_cuda_sim``,
+``trio_cuda_scope`` and ``trio_cuda_gpu_scope``; see :doc:`testing`.
 """
 
 from .._backends.sim.device import SimDevice as SimDevice
