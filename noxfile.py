@@ -10,12 +10,15 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests", "lint", "types", "docs"]
 nox.options.reuse_existing_virtualenvs = True
 
-LINT_PATHS = ["trio_cuda", "tests", "examples", "benchmarks", "noxfile.py", "docs/conf.py"]
+LINT_PATHS = ["trio_cuda", "tests", "examples", "benchmarks", "noxfile.py", "conftest.py", "docs/conf.py"]
+# Where pytest finds tests: the suite, and the code blocks of the docs and the README (conftest.py).
+TEST_PATHS = ["tests", "docs", "README.md"]
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The test suite on the simulated device (and the GPU, where one answers)."""
+    """The test suite and the docs' code blocks, on the simulated device (and the GPU, where one
+    answers). With the docs extra, tests/test_docs_render.py also builds and renders the HTML."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 
@@ -39,7 +42,8 @@ def types(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Build the HTML docs; any Sphinx warning is an error."""
+    """Build the HTML docs (furo, myst-parser for the design records); any Sphinx warning is an
+    error. Their code blocks run in the ``tests`` session."""
     session.install("-e", ".[docs]")
     session.run(
         "sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html", *session.posargs
@@ -48,10 +52,12 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def gpu(session: nox.Session) -> None:
-    """Only the tests that need a real NVIDIA GPU, and the batch job on it."""
+    """Only the tests that need a real NVIDIA GPU -- the suite's and the docs' code blocks marked
+    ``:class: gpu`` (those importing CuPy or PyTorch skip where it is not installed) -- and the
+    batch job on it."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "trio_cuda", "info")
-    session.run("python", "-m", "pytest", "-q", "-m", "gpu", *session.posargs)
+    session.run("python", "-m", "pytest", "-q", "-m", "gpu", *TEST_PATHS, *session.posargs)
     session.run("python", "-m", "trio_cuda", "demo", "--device", "cuda")
 
 
