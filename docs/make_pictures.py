@@ -28,10 +28,18 @@ DOCS = Path(__file__).resolve().parent
 OUT = DOCS / "_static" / "traces"
 LESSONS_OUT = DOCS / "_static" / "lessons"
 LESSONS = DOCS.parent / "examples" / "lifetimes"
-SRC = 'extern "C" __global__ void scale(float* x, int n) {}'
-SCALE = Kernel.from_source(
-    SRC, "scale", params=[InOut("f4"), Scalar("i4")], reference=lambda x, n: x.__imul__(2)
-)
+SRC = r"""
+extern "C" __global__ void scale(float* x, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] *= 2.0f;
+}
+"""
+
+
+def _scale_ref(x: np.ndarray, n: np.int32) -> None:  # what ``scale`` does, on the CPU
+    x[:n] *= 2
+
+
+SCALE = Kernel.from_source(SRC, "scale", params=[InOut("f4"), Scalar("i4")], reference=_scale_ref)
 READ = Kernel.from_source(
     'extern "C" __global__ void read(const float* x, int n) {}',
     "read",

@@ -65,3 +65,10 @@ def copy(src, dst):
 
 def add(x, v):
     return ADD.launch(x, np.float32(v), x.size, grid=(x.size + 127) // 128, block=128)
+
+
+def stub_source(name):
+    """CUDA C++ that defines an empty kernel ``name``: for tests of the
+    simulator, which runs a kernel's ``reference=`` and only checks that its
+    code compiles and defines the kernel."""
+    return f'extern "C" __global__ void {name}() {{}}'

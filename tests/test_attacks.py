@@ -38,7 +38,7 @@ import pytest
 import trio
 import trio.testing
 from _guard import Hang, run_bounded
-from _kernels import ADD, COPY, add, copy
+from _kernels import ADD, COPY, add, copy, stub_source
 
 import trio_cuda
 from trio_cuda import InOut, Scalar, ops
@@ -193,7 +193,7 @@ def _interrupt_ref(x, n):
 
 
 INTERRUPT = trio_cuda.Kernel.from_source(
-    "// a kernel whose simulated reference raises KeyboardInterrupt",
+    stub_source("interrupting"),  # a kernel whose simulated reference raises KeyboardInterrupt
     "interrupting",
     params=[InOut("f4"), Scalar("i4")],
     reference=_interrupt_ref,

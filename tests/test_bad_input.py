@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from _kernels import ADD, COPY, SAXPY, add
+from _kernels import ADD, COPY, SAXPY, add, stub_source
 
 import trio_cuda
 from trio_cuda import In, InOut, KernelArgumentError, Out, Scalar, ScopeClosedError, Slice, ops, unsafe
@@ -63,7 +63,9 @@ def nothing_happens(sim: SimDevice, gpu: trio_cuda.ResourceScope | None = None) 
 
 
 def kernel(*params: Any, name: str = "k") -> trio_cuda.Kernel:
-    return trio_cuda.Kernel.from_source("// simulated", name, params=list(params), reference=None)
+    return trio_cuda.Kernel.from_source(
+        stub_source(name), name, params=list(params), reference=trio_cuda.NO_REFERENCE
+    )
 
 
 def saxpy_args(x: trio_cuda.DeviceArray, y: trio_cuda.DeviceArray) -> tuple[Any, ...]:

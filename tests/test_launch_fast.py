@@ -11,6 +11,7 @@ import struct
 import attrs
 import numpy as np
 import pytest
+from _kernels import stub_source
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -172,7 +173,7 @@ def _same_launch(fast: KernelLaunch, checked: KernelLaunch) -> None:
 @given(data=st.data())
 async def test_fast_path_builds_the_checked_launch_or_declines(data: st.DataObject) -> None:
     ps = data.draw(params())
-    k = Kernel.from_source("", "k", params=ps)
+    k = Kernel.from_source(stub_source("k"), "k", params=ps)
     has_struct = any(isinstance(p, Scalar) and p.dtype.fields is not None for p in ps)
     assert (k._fast is None) == has_struct
     async with trio_cuda.open_scope(device="sim") as gpu:
@@ -241,7 +242,7 @@ def _edge_values(dt: np.dtype) -> list[object]:
 @pytest.mark.parametrize("dtype", SCALAR_DTYPES)
 async def test_edge_values_of_each_scalar_dtype(dtype: str) -> None:
     dt = np.dtype(dtype)
-    k = Kernel.from_source("", "k", params=[Scalar(dt), InOut("f4")])
+    k = Kernel.from_source(stub_source("k"), "k", params=[Scalar(dt), InOut("f4")])
     async with trio_cuda.open_scope(device="sim") as gpu:
         y = gpu.empty(4, np.float32)
         outcomes = {_check_equivalent(k, [v, y]) for v in _edge_values(dt)}
@@ -252,7 +253,7 @@ async def test_edge_values_of_each_scalar_dtype(dtype: str) -> None:
     "param", [In("f4"), Out("f4"), InOut("i4"), Slice("f4", len_dtype="u1"), Slice("i4")]
 )
 async def test_every_kind_of_array_for_each_array_param(param: object) -> None:
-    k = Kernel.from_source("", "k", params=[param, Scalar("i4"), In("f4")])
+    k = Kernel.from_source(stub_source("k"), "k", params=[param, Scalar("i4"), In("f4")])
     async with trio_cuda.open_scope(device="sim") as gpu:
         pool = await _array_pool(gpu)
         for first in pool.values():
@@ -291,7 +292,7 @@ def common_case(draw: st.DrawFn) -> tuple[list[object], list[str]]:
 @given(case=common_case())
 async def test_the_common_case_takes_the_fast_path(case: tuple[list[object], list[object]]) -> None:
     ps, raw = case
-    k = Kernel.from_source("", "k", params=ps)
+    k = Kernel.from_source(stub_source("k"), "k", params=ps, reference=trio_cuda.NO_REFERENCE)
     assert k._fast is not None
     counts = {"fast": 0, "checked": 0}
     fast_path = k._fast
@@ -321,7 +322,9 @@ async def test_the_common_case_takes_the_fast_path(case: tuple[list[object], lis
 
 
 async def test_each_launch_owns_its_arguments_and_scratch_space() -> None:
-    k = Kernel.from_source("", "k", params=[Scalar("i4"), InOut("f4")])
+    k = Kernel.from_source(
+        stub_source("k"), "k", params=[Scalar("i4"), InOut("f4")], reference=trio_cuda.NO_REFERENCE
+    )
     async with trio_cuda.open_scope(device="sim") as gpu:
         y = gpu.empty(4, np.float32)
         a = k.launch(1, y, grid=1, block=1)
@@ -336,14 +339,14 @@ async def test_each_launch_owns_its_arguments_and_scratch_space() -> None:
 
 
 def test_kernel_without_params_and_wrong_arity() -> None:
-    k = Kernel.from_source("", "nop", params=[])
+    k = Kernel.from_source(stub_source("nop"), "nop", params=[])
     config = cached_config(1, 1, 0, None, False, False)
     assert k._fast is not None
     assert k._fast((), config) is not None
     assert k._fast((1,), config) is None
     with pytest.raises(KernelArgumentError, match="expected 0 arguments"):
         k.launch(1, grid=1, block=1)
-    k2 = Kernel.from_source("", "two", params=[Scalar("i4"), Scalar("f4")])
+    k2 = Kernel.from_source(stub_source("two"), "two", params=[Scalar("i4"), Scalar("f4")])
     assert k2._fast is not None
     assert k2._fast((1,), config) is None
     assert k2._fast((1, 2.0, 3), config) is None
@@ -353,7 +356,7 @@ def test_generated_source_takes_nothing_from_user_text() -> None:
     odd = Kernel.from_source(
         "", "k\nimport os  # ')", params=[Scalar("i4", name="x\n) or __import__('os')"), In("f4", name="'")]
     )
-    plain = Kernel.from_source("", "k", params=[Scalar("i4"), In("f4")])
+    plain = Kernel.from_source(stub_source("k"), "k", params=[Scalar("i4"), In("f4")])
     assert odd._fast is not None
     assert plain._fast is not None
     assert odd._fast.__doc__ == plain._fast.__doc__  # the generated source
@@ -379,7 +382,7 @@ def test_cached_config_common_case_needs_exact_ints_and_bools() -> None:
 
 
 async def test_arrays_of_an_exited_scope() -> None:
-    k = Kernel.from_source("", "k", params=[In("f4"), Slice("f4"), Scalar("i4")])
+    k = Kernel.from_source(stub_source("k"), "k", params=[In("f4"), Slice("f4"), Scalar("i4")])
     async with trio_cuda.open_scope(device="sim") as gpu:
         pool = await _array_pool(gpu)
         x = pool["x"]

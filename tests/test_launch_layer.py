@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _kernels import stub_source
 
 import trio_cuda
 from trio_cuda import In, InOut, KernelArgumentError, Out, Scalar, Slice, ops, unsafe
@@ -40,8 +41,8 @@ def struct(dtype: np.dtype[Any], value: tuple[Any, ...]) -> np.void:
     return buf[0]
 
 
-def kernel(*params: Any, name: str = "k", reference: Any = None) -> trio_cuda.Kernel:
-    return trio_cuda.Kernel.from_source("// simulated", name, params=list(params), reference=reference)
+def kernel(*params: Any, name: str = "k", reference: Any = trio_cuda.NO_REFERENCE) -> trio_cuda.Kernel:
+    return trio_cuda.Kernel.from_source(stub_source(name), name, params=list(params), reference=reference)
 
 
 def recorder() -> tuple[list[tuple[Any, ...]], Any]:
@@ -721,7 +722,9 @@ async def test_inplace_update_keeps_the_allocation(sim):
 async def test_run_loads_an_unloaded_kernel_off_the_loop_where_the_driver_can(sim, monkeypatch):
     import threading
 
-    k = trio_cuda.Kernel.from_source("/* sim */", "fill7", params=[Out("i4")], reference=lambda y: y.fill(7))
+    k = trio_cuda.Kernel.from_source(
+        stub_source("fill7"), "fill7", params=[Out("i4")], reference=lambda y: y.fill(7)
+    )
     async with trio_cuda.open_scope(device=sim) as gpu:
         gpu._load_in_thread = True  # as on the cuda backend
         threads = []
@@ -741,7 +744,7 @@ async def test_run_loads_an_unloaded_kernel_off_the_loop_where_the_driver_can(si
         np.testing.assert_array_equal(await gpu.to_host(y), [7, 7, 7, 7])
         # submit() cannot wait: it loads on the loop
         k2 = trio_cuda.Kernel.from_source(
-            "/* sim */", "fill8", params=[Out("i4")], reference=lambda y: y.fill(8)
+            stub_source("fill8"), "fill8", params=[Out("i4")], reference=lambda y: y.fill(8)
         )
         await gpu.submit(k2.launch(y, grid=1, block=1)).wait()
         assert threads[1] is threading.main_thread()

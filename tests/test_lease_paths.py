@@ -29,6 +29,7 @@ import numpy as np
 import trio
 import trio.testing
 from _guard import run_bounded
+from _kernels import stub_source
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -67,15 +68,17 @@ def _read2_ref(x: Any, y: Any) -> None:
 
 KERNELS = [
     trio_cuda.Kernel.from_source(
-        "// sim only", "copy1", params=[In("f4"), Out("f4"), Scalar("i4")], reference=_copy_ref
+        stub_source("copy1"), "copy1", params=[In("f4"), Out("f4"), Scalar("i4")], reference=_copy_ref
     ),
     trio_cuda.Kernel.from_source(
-        "// sim only", "mix", params=[In("f4"), In("f4"), InOut("f4"), Scalar("i4")], reference=_mix_ref
+        stub_source("mix"), "mix", params=[In("f4"), In("f4"), InOut("f4"), Scalar("i4")], reference=_mix_ref
     ),
     trio_cuda.Kernel.from_source(
-        "// sim only", "bump", params=[InOut("f4"), Scalar("f4")], reference=_bump_ref
+        stub_source("bump"), "bump", params=[InOut("f4"), Scalar("f4")], reference=_bump_ref
     ),
-    trio_cuda.Kernel.from_source("// sim only", "read2", params=[In("f4"), In("f4")], reference=_read2_ref),
+    trio_cuda.Kernel.from_source(
+        stub_source("read2"), "read2", params=[In("f4"), In("f4")], reference=_read2_ref
+    ),
 ]
 
 # --------------------------------------------------------------------------- programs

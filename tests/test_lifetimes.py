@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from _kernels import ADD, COPY, add, copy, saxpy
+from _kernels import ADD, COPY, add, copy, saxpy, stub_source
 
 import trio_cuda
 from trio_cuda import ops, unsafe
@@ -83,8 +83,9 @@ async def test_submission_retains_everything_before_enqueue(sim):
 async def test_module_unloaded_only_after_last_use(sim):
     """The kernel's module outlives every submission that uses it, even after
     the user drops the Kernel object."""
-    src = "// any"
-    k = trio_cuda.Kernel.from_source(src, "tmp", params=[trio_cuda.InOut("f4")], reference=lambda x: None)
+    k = trio_cuda.Kernel.from_source(
+        stub_source("tmp"), "tmp", params=[trio_cuda.InOut("f4")], reference=lambda x: None
+    )
     async with trio_cuda.open_scope(device=sim) as gpu:
         y = gpu.zeros(4, np.float32)
         sim.hold()

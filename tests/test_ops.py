@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 from _guard import held
-from _kernels import ADD, COPY, add, copy, saxpy
+from _kernels import ADD, COPY, add, copy, saxpy, stub_source
 
 import trio_cuda
 from trio_cuda import In, InOut, KernelLaunch, Scalar, Slice, ops
@@ -389,7 +389,7 @@ async def test_finalized_builder_is_an_immutable_reusable_launch(sim):
 
 async def test_arg_boxed_honours_alignment_in_the_arena(sim):
     got: list[tuple[Any, ...]] = []
-    k = trio_cuda.Kernel.from_source("// raw", "raw", params=[], reference=lambda *a: got.append(a))
+    k = trio_cuda.Kernel.from_source(stub_source("raw"), "raw", params=[], reference=lambda *a: got.append(a))
     async with trio_cuda.open_scope(device=sim) as gpu:
         x = gpu.zeros(4, F4)
         launch = (
@@ -434,7 +434,7 @@ async def test_slice_passes_view_and_length(sim, len_dtype, len_type):
         view[:length] += v
 
     params = [Slice("f4") if len_dtype is None else Slice("f4", len_dtype=len_dtype), Scalar("f4")]
-    k = trio_cuda.Kernel.from_source("// slice", "slice_add", params=params, reference=ref)
+    k = trio_cuda.Kernel.from_source(stub_source("slice_add"), "slice_add", params=params, reference=ref)
     async with trio_cuda.open_scope(device=sim) as gpu:
         x = await gpu.to_device(host(10))
         launch = k.launch(x, F4(3), grid=1, block=10)
@@ -456,7 +456,7 @@ def _up(v: int, a: int) -> int:
 async def test_read_slice_gets_a_read_only_view_and_a_shared_lease(sim):
     got = []
     k = trio_cuda.Kernel.from_source(
-        "// sum",
+        stub_source("sum"),
         "sum",
         params=[Slice("f4", access="read"), InOut("f4")],
         reference=lambda v, n, out: (got.append(v.flags.writeable), out.__setitem__(0, v[:n].sum())),
@@ -479,7 +479,7 @@ async def test_structured_scalar_params(sim):
         out[:] = p["a"] + p["b"] + tail
 
     k = trio_cuda.Kernel.from_source(
-        "// struct", "struct_k", params=[InOut("f8"), Scalar(pair), Scalar("i1")], reference=ref
+        stub_source("struct_k"), "struct_k", params=[InOut("f8"), Scalar(pair), Scalar("i1")], reference=ref
     )
     assert [(s.offset, s.size, s.align) for s in k.plan.slots] == [(0, 8, 8), (8, 16, 8), (24, 1, 1)]
     async with trio_cuda.open_scope(device=sim) as gpu:
@@ -497,7 +497,9 @@ async def test_structured_scalar_params(sim):
 
 async def test_over_aligned_struct_scalar():
     aligned = np.dtype(np.dtype([("v", "f4")]), metadata={"align": 32})
-    k = trio_cuda.Kernel.from_source("// s", "s", params=[Scalar("u1"), Scalar(aligned), Scalar("u1")])
+    k = trio_cuda.Kernel.from_source(
+        stub_source("s"), "s", params=[Scalar("u1"), Scalar(aligned), Scalar("u1")]
+    )
     # C: sizeof of a struct is a multiple of its alignment, so the slot takes 32 bytes
     assert [(s.offset, s.size, s.align) for s in k.plan.slots] == [(0, 1, 1), (32, 32, 32), (64, 1, 1)]
     assert k.plan.size == 65

@@ -84,6 +84,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from _kernels import stub_source
 
 import trio_cuda
 from trio_cuda import AccessConflictError, In, InOut, KernelArgumentError, Out, Scalar, ops
@@ -100,8 +101,6 @@ ITEM_DTYPES = {
 }
 DTYPES = tuple(dt for group in ITEM_DTYPES.values() for dt in group)
 WORK_KINDS = frozenset({"launch", "h2d", "d2h", "d2d", "fill"})
-SIM_ONLY = "// the simulator runs the reference= function"
-
 #: what each read kernel saw, by the token passed to it (set by the references)
 _READS: dict[int, Any] = {}
 _TOKENS = itertools.count(1)
@@ -130,19 +129,22 @@ def _kernels(dt: np.dtype) -> dict[str, trio_cuda.Kernel]:
     n = dt.name
     return {
         "write": trio_cuda.Kernel.from_source(
-            SIM_ONLY, f"write_{n}", params=[Out(dt), Scalar(dt)], reference=_write_ref
+            stub_source(f"write_{n}"), f"write_{n}", params=[Out(dt), Scalar(dt)], reference=_write_ref
         ),
         "update": trio_cuda.Kernel.from_source(
-            SIM_ONLY, f"update_{n}", params=[InOut(dt), Scalar(dt)], reference=_write_ref
+            stub_source(f"update_{n}"), f"update_{n}", params=[InOut(dt), Scalar(dt)], reference=_write_ref
         ),
         "read": trio_cuda.Kernel.from_source(
-            SIM_ONLY, f"read_{n}", params=[In(dt), Scalar("i8")], reference=_read_ref
+            stub_source(f"read_{n}"), f"read_{n}", params=[In(dt), Scalar("i8")], reference=_read_ref
         ),
         "write2": trio_cuda.Kernel.from_source(
-            SIM_ONLY, f"write2_{n}", params=[Out(dt), Out(dt), Scalar(dt)], reference=_write2_ref
+            stub_source(f"write2_{n}"),
+            f"write2_{n}",
+            params=[Out(dt), Out(dt), Scalar(dt)],
+            reference=_write2_ref,
         ),
         "multi": trio_cuda.Kernel.from_source(
-            SIM_ONLY,
+            stub_source(f"multi_{n}"),
             f"multi_{n}",
             params=[In(dt), In(dt), Out(dt), InOut(dt), Scalar(dt), Scalar(dt), Scalar("i8")],
             reference=_multi_ref,

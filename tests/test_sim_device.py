@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -28,10 +27,11 @@ from trio_cuda._core._errors import (
     CompletionUnknownError,
     CudaError,
     LaunchError,
+    MissingReferenceError,
     OutOfMemoryError,
     ScopeClosedError,
 )
-from trio_cuda._core._kernel import Kernel
+from trio_cuda._core._kernel import NO_REFERENCE, Kernel, Reference
 from trio_cuda._core._launch import ArgView, PreparedLaunch
 from trio_cuda._core._ops import Access
 from trio_cuda._core._params import In, InOut, Out, Scalar, Slice
@@ -42,8 +42,12 @@ F4 = np.dtype(np.float32)
 # --------------------------------------------------------------------------- helpers
 
 
-def kernel(name: str, params: list[Any], reference: Callable[..., object] | None) -> Kernel:
-    return Kernel.from_source("// simulated", name, params=params, reference=reference)
+def kernel(name: str, params: list[Any], reference: Reference) -> Kernel:
+    """A kernel ``name`` whose CPU behaviour is ``reference`` (its CUDA code
+    does nothing: these tests are about the device, not the kernel)."""
+    return Kernel.from_source(
+        f'extern "C" __global__ void {name}() {{}}', name, params=params, reference=reference
+    )
 
 
 def array(ptr: int, shape: tuple[int, ...], dtype: Any = F4, access: Access = Access.WRITE) -> ArgView:
@@ -88,7 +92,7 @@ def recorder(log: list[str], tag: str) -> Kernel:
     def ref(*_args: object) -> None:
         log.append(tag)
 
-    return kernel(tag, [], ref)
+    return kernel(tag.replace(" ", "_"), [], ref)
 
 
 # --------------------------------------------------------------------------- basics
@@ -437,24 +441,32 @@ def test_reference_exception_fails_only_the_next_marker() -> None:
 def test_several_errors_before_one_marker_keep_the_first() -> None:
     d = Dev()
     d.sim.inject_fault("kernel_fault", count=2)
-    d.launch(d.s0, kernel("one", [], None))
-    d.launch(d.s0, kernel("two", [], None))
+    d.launch(d.s0, kernel("one", [], NO_REFERENCE))
+    d.launch(d.s0, kernel("two", [], NO_REFERENCE))
     p = d.ctx.poll_marker(d.ctx.record_marker(d.s0))
     assert p.state is MarkerState.FAILED
     assert "one" in str(p.error)
     assert any("1 more error" in n for n in getattr(p.error, "__notes__", []))
 
 
-def test_reference_none_does_nothing_but_executes() -> None:
+def test_no_reference_does_nothing_but_executes() -> None:
     d = Dev()
-    d.launch(d.s0, kernel("noop", [], None))
+    d.launch(d.s0, kernel("noop", [], NO_REFERENCE))
     assert d.ctx.poll_marker(d.ctx.record_marker(d.s0)) is DONE
     assert d.sim.statistics().launches == 1
 
 
+def test_a_kernel_without_reference_is_refused_at_load() -> None:
+    d = Dev()
+    with pytest.raises(MissingReferenceError, match=r"'noop' has no reference="):
+        d.ctx.load_kernel(kernel("noop", [], None))
+    assert d.sim.statistics().kernel_loads == 0
+    assert d.sim.pending == 0
+
+
 def test_launch_config_is_checked() -> None:
     d = Dev()
-    k = kernel("big", [], None)
+    k = kernel("big", [], NO_REFERENCE)
     with pytest.raises(LaunchError) as info:
         d.ctx.launch(d.s0, d.ctx.load_kernel(k), prepared(k, block=(2048, 1, 1)))
     assert info.value.code == 1
@@ -465,7 +477,7 @@ def test_launch_config_is_checked() -> None:
 def test_function_must_come_from_this_context() -> None:
     d = Dev()
     other = d.sim.open_context()
-    k = kernel("k", [], None)
+    k = kernel("k", [], NO_REFERENCE)
     with pytest.raises(ValueError, match=r"^function: .* belongs to another simulator context$"):
         d.ctx.launch(d.s0, other.load_kernel(k), prepared(k))
     assert d.sim.pending == 0
@@ -552,7 +564,7 @@ def test_bookkeeping_runs_while_held() -> None:
     assert isinstance(m, SimMarker)
     assert m.stream is d.s0
     assert d.ctx.poll_marker(m) is DONE
-    d.launch(d.s0, kernel("k", [], None))
+    d.launch(d.s0, kernel("k", [], NO_REFERENCE))
     m2 = d.ctx.record_marker(d.s0)
     assert d.ctx.poll_marker(m2) is PENDING  # behind held work
     assert d.sim.pending == 2
@@ -744,7 +756,7 @@ def test_fault_completion_unknown_marks_the_next_marker_forever() -> None:
 def test_faults_do_not_touch_other_streams_markers() -> None:
     d = Dev()
     d.sim.inject_fault("kernel_fault")
-    d.launch(d.s0, kernel("k", [], None))
+    d.launch(d.s0, kernel("k", [], NO_REFERENCE))
     assert d.ctx.poll_marker(d.ctx.record_marker(d.s1)) is DONE
     assert d.ctx.poll_marker(d.ctx.record_marker(d.s0)).state is MarkerState.FAILED
 
@@ -755,7 +767,7 @@ def test_faults_do_not_touch_other_streams_markers() -> None:
 def test_destroy_stream_with_queued_commands_raises() -> None:
     d = Dev()
     d.sim.hold()
-    d.launch(d.s1, kernel("k", [], None))
+    d.launch(d.s1, kernel("k", [], NO_REFERENCE))
     d.ctx.record_marker(d.s1)
     with pytest.raises(RuntimeError, match=r"stream 1 .*2 queued"):
         d.ctx.destroy_stream(d.s1)
@@ -810,7 +822,7 @@ def test_trace_records_executed_commands() -> None:
 def test_ten_thousand_commands_are_fast() -> None:
     d = Dev()
     streams = [d.s0, d.s1, d.ctx.create_stream(2), d.ctx.create_stream(3)]
-    k = kernel("k", [], None)
+    k = kernel("k", [], NO_REFERENCE)
     fn = d.ctx.load_kernel(k)
     pl = prepared(k)
     start = time.perf_counter()
@@ -838,7 +850,7 @@ def test_ten_thousand_commands_are_fast() -> None:
 @pytest.mark.trio
 async def test_timed_free_running_with_wait_for_progress() -> None:
     d = Dev(kernel_time=0.03)
-    k = kernel("slow", [], None)
+    k = kernel("slow", [], NO_REFERENCE)
     start = time.perf_counter()
     for _ in range(3):
         d.launch(d.s0, k)
@@ -867,7 +879,7 @@ async def test_timed_free_running_with_wait_for_progress() -> None:
 async def test_wait_for_progress_wakes_on_complete_next() -> None:
     d = Dev()
     d.sim.hold()
-    d.launch(d.s0, kernel("k", [], None))
+    d.launch(d.s0, kernel("k", [], NO_REFERENCE))
     m = d.ctx.record_marker(d.s0)
     woke: list[Poll] = []
 
@@ -889,7 +901,7 @@ async def test_wait_for_progress_wakes_on_complete_next() -> None:
 async def test_wait_for_progress_is_cancellable_while_held() -> None:
     d = Dev()
     d.sim.hold()
-    d.launch(d.s0, kernel("k", [], None))
+    d.launch(d.s0, kernel("k", [], NO_REFERENCE))
     m = d.ctx.record_marker(d.s0)
     with trio.move_on_after(0.02) as cs:
         await d.ctx.wait_for_progress([m])
@@ -902,7 +914,7 @@ async def test_wait_for_progress_is_cancellable_while_held() -> None:
 async def test_release_wakes_a_timed_waiter_promptly() -> None:
     d = Dev(kernel_time=0.01)
     d.sim.hold()
-    d.launch(d.s0, kernel("k", [], None))
+    d.launch(d.s0, kernel("k", [], NO_REFERENCE))
     m = d.ctx.record_marker(d.s0)
 
     async def releaser() -> None:
@@ -920,7 +932,7 @@ async def test_release_wakes_a_timed_waiter_promptly() -> None:
 def test_controls_work_without_a_trio_run() -> None:
     d = Dev()
     d.sim.hold()
-    d.launch(d.s0, kernel("k", [], None))
+    d.launch(d.s0, kernel("k", [], NO_REFERENCE))
     m = d.ctx.record_marker(d.s0)
 
     async def park() -> None:

@@ -768,9 +768,11 @@ class Runner:
             return base
         # A fresh kernel per faulty launch: the trace then tells whether it executed.
         self.kernels += 1
+        name = f"{base.name}_fault{self.kernels}"
+        assert base.source is not None
         return trio_cuda.Kernel.from_source(
-            base.source,
-            f"{base.name}_fault{self.kernels}",
+            base.source.replace(f" {base.name}(", f" {name}("),
+            name,
             params=list(base.params),
             reference=base.reference,
         )

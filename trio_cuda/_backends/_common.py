@@ -36,6 +36,7 @@ __all__ = [
     "check_pattern",
     "check_peer_contexts",
     "context_closed",
+    "entry_not_found",
     "foreign_context",
     "graph_consumed",
     "graph_exec_destroyed",
@@ -50,6 +51,7 @@ __all__ = [
 ]
 
 INVALID_HANDLE = 400  #: CUDA_ERROR_INVALID_HANDLE
+NOT_FOUND = 500  #: CUDA_ERROR_NOT_FOUND
 
 
 # --------------------------------------------------------------------------- arguments
@@ -125,6 +127,25 @@ def context_closed(where: str) -> ScopeClosedError:
 def invalid_handle(text: str, call: str) -> CudaError:
     """A driver object that is gone (unloaded, destroyed), as the driver says it."""
     return CudaError(INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", text, call=call)
+
+
+def entry_not_found(name: str, entries: tuple[str, ...] | None, where: str) -> CudaError:
+    """The kernel's code (``where``: "its source", "its PTX", "its module")
+    defines no kernel ``name``; ``entries`` are those it does define, when
+    known. The driver's ``CUDA_ERROR_NOT_FOUND``, with a message that says why."""
+    if entries is None:
+        found = ""
+    elif entries:
+        found = f" (it defines {', '.join(repr(e) for e in entries)})"
+    else:
+        found = " (it defines no kernel at all)"
+    return CudaError(
+        NOT_FOUND,
+        "CUDA_ERROR_NOT_FOUND",
+        f"kernel {name!r}: no kernel named {name!r} in {where}{found}; define it as "
+        f'extern "C" __global__ void {name}(...), or pass the kernel\'s mangled name',
+        call=f"cuModuleGetFunction({name!r})",
+    )
 
 
 def graph_exec_destroyed(graph_exec: object) -> CudaError:

@@ -50,7 +50,7 @@ from ._launch import ArgView, KernelLaunch, PreparedLaunch, _LaunchUnderConstruc
 from ._ops import Access, DeviceOp, _Map, _Shared, _Then, _Zip
 from ._params import In, InOut, Out, Param, Scalar, Slice, _check_array, _convert_scalar, _param_label
 
-__all__ = ["NO_REFERENCE", "Kernel", "NoReference", "Reference", "static_launches"]
+__all__ = ["NO_REFERENCE", "Kernel", "NoReference", "Reference", "signature", "static_launches"]
 
 #: a kernel's generated fast path, ``fast(args, config)`` (see :func:`_compile_fast`)
 FastLauncher = Callable[[tuple[object, ...], LaunchConfig], "KernelLaunch | None"]
@@ -90,6 +90,12 @@ def _short_param(param: Param) -> str:
     kind = f"struct of {dt.itemsize} B" if dt.fields else dt.name
     name = f"{param.name}: " if param.name else ""
     return f"{name}{type(param).__name__}({kind})"
+
+
+def signature(kernel: Kernel) -> str:
+    """``name(a: Scalar(float32), In(float32), ...)``: the kernel as its
+    repr and its errors show it."""
+    return f"{kernel.name}({', '.join(_short_param(p) for p in kernel.params)})"
 
 
 def _check_params(params: Sequence[object]) -> tuple[Param, ...]:
@@ -134,7 +140,6 @@ class Kernel:
         self._fast = _compile_fast(self)
 
     def __repr__(self) -> str:
-        params = ", ".join(_short_param(p) for p in self.params)
         if self.source is not None:
             data = self.source.encode()
             code = f"source=<{len(self.source)} chars, sha256 {hashlib.sha256(data).hexdigest()[:12]}>"
@@ -149,7 +154,7 @@ class Kernel:
             shown = repr(ref)
         else:
             shown = getattr(ref, "__qualname__", None) or type(ref).__name__
-        return f"<Kernel {self.name}({params}) {code}{options} reference={shown}>"
+        return f"<Kernel {signature(self)} {code}{options} reference={shown}>"
 
     @classmethod
     def from_source(

@@ -42,7 +42,7 @@ from ._export import finish_releases
 from ._extension import ScopeExtension
 from ._final import NoPublicConstructor
 from ._future import DeviceFuture, wrong_caller
-from ._kernel import Kernel
+from ._kernel import Kernel, static_launches
 from ._launch import KernelLaunch
 from ._memory import MemoryTable
 from ._multi import foreign_lease_count
@@ -580,6 +580,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         self._check_open(what)
         if self._enqueuing:
             raise RuntimeError(f"{what}: cannot submit from inside a then/map closure of another submission")
+        self._load_static(op)
         s = self._pick(op, stream)
         sub = self._new_submission(s, op)
         ctx = EnqueueContext(self, s, sub)
@@ -634,6 +635,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
                 )
             raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
         self._check_open("async_on")
+        self._load_static(op)
         out: Any = op._enqueue(EnqueueContext(self, stream, None))
         return out  # type: ignore[no-any-return]
 
@@ -780,6 +782,13 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
                 fn = self._driver.load_kernel(kernel)
             self._functions[kernel] = fn
         await trio.lowlevel.checkpoint()
+
+    def _load_static(self, op: DeviceOp[Any]) -> None:
+        """Load and check the kernels ``op`` is known to launch before any of
+        it is enqueued (``static_launches``): a kernel that cannot be loaded
+        then fails the submission with nothing enqueued."""
+        for prepared in static_launches(op):
+            self._kernel_function(prepared)
 
     def _function(self, kernel: Kernel) -> object:
         fn = self._functions.get(kernel)

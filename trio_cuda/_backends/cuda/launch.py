@@ -30,7 +30,7 @@ from ..._core._arena import check_param_layout
 from ..._core._config import check_cooperative_occupancy
 from ..._core._driver import StreamHandle
 from ..._core._errors import KernelArgumentError, LaunchError
-from .. import _common
+from .. import _common, _nvrtc
 from . import nvrtc
 from . import primary as _primary
 from .bindings import cu
@@ -180,6 +180,10 @@ class KernelsMixin(GraphsMixin):
         err, fn = cu.cuModuleGetFunction(module, kernel.name.encode())
         if err:
             cu.cuModuleUnload(module)
+            if int(err) == _common.NOT_FOUND:  # as the simulator's check says it
+                entries = _nvrtc.ptx_entries(image) if kind == "ptx" else None
+                where = {"source": "its source", "ptx": "its PTX"}.get(kernel.image_kind, "its cubin")
+                raise _common.entry_not_found(kernel.name, entries, where)
             raise cuda_error(err, f"cuModuleGetFunction({kernel.name!r})")
         handle = CudaFunction(self, kernel, module, fn, kind, arch, from_cache)
         self._functions[handle] = None

@@ -3,7 +3,8 @@
 Invariants:
 
 * Importing this module never calls into CUDA; ``cuda.bindings.nvrtc`` is only
-  imported when something is compiled.
+  imported when something is compiled. The compiler itself (and its errors) is
+  ``_backends._nvrtc``, which the simulator's check uses too.
 * The cache key covers everything that changes the output: the source, the
   options, the target architecture, the NVRTC version and the driver version
   (and a format number of this module). A cache entry is written atomically
@@ -21,17 +22,14 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
 
-from ..._core._errors import CudaError
+from .. import _nvrtc
 
 __all__ = ["CompileResult", "cache_dir", "compile_source", "compile_statistics"]
 
 _FORMAT = 1
 _lock = threading.Lock()
 _stats = {"compiled": 0, "disk_hits": 0, "disk_writes": 0, "disk_errors": 0}
-_nvrtc_version: tuple[int, int] | None = None
-_supported_archs: tuple[int, ...] | None = None
 
 
 def compile_statistics() -> dict[str, int]:
@@ -63,46 +61,11 @@ class CompileResult:
         self.from_cache = from_cache
 
 
-def _nvrtc() -> Any:
-    from cuda.bindings import nvrtc
-
-    return nvrtc
-
-
-def _nvrtc_fail(err: Any, call: str, log: str = "") -> CudaError:
-    nvrtc = _nvrtc()
-    name = getattr(err, "name", str(err))
-    text = ""
-    try:
-        res = nvrtc.nvrtcGetErrorString(err)
-        raw = res[1] if isinstance(res, tuple) else res
-        text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
-    except Exception:  # pragma: no cover - best effort
-        text = ""
-    if log:
-        text = f"{text}\n{log}" if text else log
-    return CudaError(int(err), name, text, call=call)
-
-
-def nvrtc_version() -> tuple[int, int]:
-    global _nvrtc_version
-    if _nvrtc_version is None:
-        err, major, minor = _nvrtc().nvrtcVersion()
-        if err:
-            raise _nvrtc_fail(err, "nvrtcVersion")
-        _nvrtc_version = (int(major), int(minor))
-    return _nvrtc_version
-
-
-def supported_archs() -> tuple[int, ...]:
-    global _supported_archs
-    if _supported_archs is None:
-        try:
-            err, archs = _nvrtc().nvrtcGetSupportedArchs()
-            _supported_archs = tuple(int(a) for a in archs) if not err else ()
-        except Exception:  # pragma: no cover - old NVRTC
-            _supported_archs = ()
-    return _supported_archs
+# (shared with the simulator's check: one compiler, one error for both backends)
+nvrtc_version = _nvrtc.nvrtc_version
+supported_archs = _nvrtc.supported_archs
+_has_arch_option = _nvrtc.arch_option
+_compile = _nvrtc.compile_program
 
 
 def pick_arch(cc: tuple[int, int]) -> str:
@@ -113,19 +76,7 @@ def pick_arch(cc: tuple[int, int]) -> str:
     archs = supported_archs()
     if not archs or want in archs:
         return f"sm_{want}"
-    older = [a for a in archs if a <= want]
-    return f"compute_{max(older) if older else min(archs)}"
-
-
-def _has_arch_option(options: tuple[str, ...]) -> str | None:
-    for i, opt in enumerate(options):
-        for prefix in ("--gpu-architecture=", "-arch=", "--gpu-architecture", "-arch"):
-            if opt.startswith(prefix):
-                value = opt[len(prefix) :].lstrip("=")
-                if not value and i + 1 < len(options):
-                    value = options[i + 1]
-                return value
-    return None
+    return _nvrtc.virtual_arch(cc)
 
 
 def _key(source: str, options: tuple[str, ...], arch: str, driver_version: int, name: str) -> str:
@@ -216,49 +167,3 @@ def compile_to_ptx(source: str, name: str, cc: tuple[int, int], options: tuple[s
     arch = f"compute_{cc[0] * 10 + cc[1]}"
     image, _ = _compile(source, name, (f"--gpu-architecture={arch}", *options), "ptx")
     return image
-
-
-def _compile(source: str, name: str, opts: tuple[str, ...], kind: str) -> tuple[bytes, str]:
-    nvrtc = _nvrtc()
-    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
-    if err:
-        raise _nvrtc_fail(err, "nvrtcCreateProgram")
-    try:
-        encoded = [o.encode() for o in opts]
-        (cerr,) = nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded)
-        log = _log(nvrtc, prog)
-        if cerr:
-            raise _nvrtc_fail(cerr, f"nvrtcCompileProgram({name})", log)
-        if kind == "cubin":
-            err, size = nvrtc.nvrtcGetCUBINSize(prog)
-            if err:
-                raise _nvrtc_fail(err, "nvrtcGetCUBINSize")
-            buf = b" " * size
-            (err,) = nvrtc.nvrtcGetCUBIN(prog, buf)
-            if err:
-                raise _nvrtc_fail(err, "nvrtcGetCUBIN")
-        else:
-            err, size = nvrtc.nvrtcGetPTXSize(prog)
-            if err:
-                raise _nvrtc_fail(err, "nvrtcGetPTXSize")
-            buf = b" " * size
-            (err,) = nvrtc.nvrtcGetPTX(prog, buf)
-            if err:
-                raise _nvrtc_fail(err, "nvrtcGetPTX")
-        return bytes(buf), log
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
-def _log(nvrtc: Any, prog: Any) -> str:
-    try:
-        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        if err or size <= 1:
-            return ""
-        buf = b" " * size
-        (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
-        if err:
-            return ""
-        return str(buf.rstrip(b"\0 ").decode(errors="replace"))
-    except Exception:  # pragma: no cover - best effort
-        return ""

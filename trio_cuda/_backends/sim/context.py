@@ -12,6 +12,10 @@ Invariants:
   gates and synchronising copies, ...).
 * ``load_kernel`` hands out a module with a unique fake address; a launch that
   executes after ``unload_kernel`` is a ``use_after_free`` at that address.
+  It refuses a kernel whose code does not compile or lacks its entry (where
+  NVRTC can be loaded; ``_nvrtc.check_kernel``) and a kernel without a
+  ``reference`` (``MissingReferenceError``): the simulator never runs a
+  kernel that it silently does nothing for.
   Destroyed executable graphs likewise. ``graph_upload`` only counts
   (``SimDevice.graph_uploads``); ``instantiate`` and ``graph_update`` take
   ``SimDevice.graph_host_time`` of host time, in a worker thread when it is
@@ -43,8 +47,9 @@ from ..._core._driver import (
     Poll,
     StreamHandle,
 )
-from ..._core._errors import GraphCaptureError, LaunchError
-from .. import _common
+from ..._core._errors import GraphCaptureError, LaunchError, MissingReferenceError
+from ..._core._kernel import signature
+from .. import _common, _nvrtc
 from .engine import _ALIGN, _Cmd, perf_counter
 from .handles import SimFunction, SimGate, SimGraph, SimGraphExec, SimMarker, SimStream
 from .records import Violation
@@ -62,6 +67,19 @@ _STREAM_ADDRESS_BASE = 0x7D00_0000_0000  # fake stream handles for interop (stre
 #: DLPack device type of simulated memory: kDLExtDev, which no real consumer accepts
 DLPACK_SIM_DEVICE = 12
 _GRAPH_BASE = 0x7D00_0000_0000  # fake executable-graph handles
+
+
+def missing_reference(kernel: Kernel) -> MissingReferenceError:
+    """The error for a kernel without a ``reference`` on the simulator."""
+    return MissingReferenceError(
+        f"kernel {kernel.name!r} has no reference=, and the simulator cannot run it: it runs a "
+        f"kernel's CPU behaviour, not its CUDA code. Give the kernel one, "
+        f"Kernel.from_{kernel.image_kind}(..., reference=fn), where fn takes one argument per "
+        f"kernel parameter ({signature(kernel)}): an array as a NumPy view (write outputs in "
+        f"place), a Slice as a view then its length, a scalar as a NumPy scalar. Or pass "
+        f"reference=trio_cuda.NO_REFERENCE to run it here as a no-op on purpose. The launch was "
+        f"refused before it was enqueued."
+    )
 
 
 @final
@@ -242,7 +260,14 @@ class SimContext:
     # ------------------------------------------------------------------ kernels
 
     def load_kernel(self, kernel: Kernel) -> SimFunction:
+        """Load ``kernel``: check its code (``_nvrtc.check_kernel``: a source
+        must compile and define the kernel, as on a GPU), then refuse it
+        without a ``reference`` (:class:`MissingReferenceError`); the core
+        loads before it enqueues anything, so nothing is."""
         self._check_open()
+        _nvrtc.check_kernel(kernel, self.info.compute_capability)
+        if kernel.reference is None:
+            raise missing_reference(kernel)
         dev = self._device
         dev._kernel_loads += 1
         return SimFunction(kernel, self, _MODULE_BASE + dev._kernel_loads * _ALIGN)

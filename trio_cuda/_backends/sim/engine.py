@@ -539,10 +539,11 @@ class SimEngine:
             s._add_error(_launch_failed(f"injected kernel_fault in kernel {kernel.name}", "cuLaunchKernel"))
             return
         args = self._kernel_args(s, kernel, launch.arg_views())
-        if args is None or kernel.reference is None:
-            return
+        reference = kernel.reference
+        if args is None or not callable(reference):
+            return  # NO_REFERENCE: a no-op on purpose (SimContext.load_kernel refuses None)
         try:
-            kernel.reference(*args)
+            reference(*args)
         except Exception as exc:
             error = _launch_failed(f"reference of kernel {kernel.name} raised {exc!r}", "")
             error.__cause__ = exc

@@ -19,9 +19,10 @@ FaultKind = Literal["launch_error", "out_of_memory", "kernel_fault", "completion
 
 @attrs.frozen
 class SimAllocation:
-    """A live allocation: its device address and size in bytes."""
+    """A live allocation: its device address (an int, shown in hex as
+    :class:`~trio_cuda.DeviceArray` shows it) and size in bytes."""
 
-    ptr: int
+    ptr: int = attrs.field(repr=hex)
     nbytes: int
 
 
@@ -31,7 +32,7 @@ class Violation:
     the bytes; ``stream`` is the stream index, or None for ``free``."""
 
     kind: ViolationKind
-    address: int
+    address: int = attrs.field(repr=hex)
     size: int
     op: str
     stream: int | None
