@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import io
+import logging
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trio_cuda._demo import BatchConfig, main, make_kernels, run_batch
+import trio_cuda._demo as _demo_module
+from trio_cuda._demo import BatchConfig, DeviceUnavailableError, main, make_kernels, run_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,8 +108,408 @@ def test_batch_job_runs_as_a_program(command: list[str]) -> None:
     assert "nothing leaked" in proc.stdout
 
 
-def test_bad_option_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+# --------------------------------------------------------------------------- helpers for the command line
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.pop("COLUMNS", None)
+    env.pop("LINES", None)
+    return env
+
+
+def _demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trio_cuda", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=_env(),
+        check=False,
+    )
+
+
+QUICK = ("--device", "sim", "--inputs", "16", "--size", "256", "--kernel-ms", "1")
+
+
+# --------------------------------------------------------------------------- -v and -vv
+
+CANCELS = {**FAST, "deadline": 0.008}
+
+
+async def test_verbose_adds_per_input_lines_device_details_and_logging() -> None:
+    quiet_out, quiet_err = io.StringIO(), io.StringIO()
+    plain = await run_batch(BatchConfig(**CANCELS), out=quiet_out, err=quiet_err)  # type: ignore[arg-type]
+    out, err = io.StringIO(), io.StringIO()
+    report = await run_batch(BatchConfig(**CANCELS, verbose=1), out=out, err=err)  # type: ignore[arg-type]
+    text, log_text = out.getvalue(), err.getvalue()
+    _assert_clean(plain, quiet_out.getvalue())
+    _assert_clean(report, text)
+    assert report.deadline_hit, text
+    assert report.cancelled_in_flight > 0, text
+
+    # One line per completed input: its stream, the time of each step, the scope's counters.
+    per_input = re.findall(
+        r"^input +(\d+): stream (\d+), upload [\d.]+ ms, compute [\d.]+ ms, download [\d.]+ ms, "
+        r"matches the reference; scope: \d+ submission\(s\) in flight, \d+ lease\(s\), [\d.]+ MiB retained$",
+        text,
+        re.MULTILINE,
+    )
+    assert len(per_input) == report.completed > 0, text
+    assert all(0 <= int(stream) < 4 for _, stream in per_input)
+    assert sorted(int(i) for i, _ in per_input) == sorted(set(int(i) for i, _ in per_input))
+    # One line per cancelled input, with the step it was in.
+    cancels = re.findall(
+        r"^input +\d+: cancelled while (uploading|computing|downloading)", text, re.MULTILINE
+    )
+    assert len(cancels) == report.cancelled_in_flight, text
+    # The device, the scope, the timings and the streams.
+    for needle in (
+        "device: sim0 (sim, ordinal 0)",
+        "scope: 4 streams",
+        "timings (ms, median/max",
+        "streams: 0:",
+    ):
+        assert needle in text, text
+    assert re.search(r"^inputs? \d+( to \d+)?: never started$", text, re.MULTILINE), text
+    # None of that without -v; the summary lines are the same.
+    plain_text = quiet_out.getvalue()
+    assert not re.search(r"^input +\d+:", plain_text, re.MULTILINE), plain_text
+    for needle in ("device: ", "timings", "streams: "):
+        assert needle not in plain_text
+    for summary in ("verify: ", "after scope exit: ", "OK: "):
+        assert summary in plain_text
+        assert summary in text
+    # The trio_cuda logger at INFO: tasks cancelled while their work was in flight.
+    assert report.in_flight_at_deadline > 0, text
+    assert "[trio_cuda INFO] a task awaiting submission" in log_text, log_text
+    assert "DEBUG" not in log_text
+    assert quiet_err.getvalue() == ""
+    # The logger is as it was before the run.
+    logger = logging.getLogger("trio_cuda")
+    assert logger.level == logging.NOTSET
+    assert not [h for h in logger.handlers if type(h).__name__ == "_Handler"]
+
+
+async def test_very_verbose_adds_every_step_and_debug_logging() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    report = await run_batch(BatchConfig(**FAST, deadline=math.inf, verbose=2), out=out, err=err)  # type: ignore[arg-type]
+    text = out.getvalue()
+    _assert_clean(report, text)
+    n = FAST["inputs"]
+    for step in (
+        r"started, \d+ of 4 places taken",
+        r"x and y uploaded in",
+        r"saxpy, scale_shift submitted on stream \d",
+        "kernels done in",
+    ):
+        assert len(re.findall(rf"^input +\d+: {step}", text, re.MULTILINE)) == n, (step, text)
+    assert "ScopeStatistics(" in text
+    assert "[trio_cuda DEBUG] opened <ResourceScope sim:0" in err.getvalue()
+
+
+def test_cli_v_and_vv_print_more_than_the_default() -> None:
+    runs = {flags: _demo(*QUICK, "--deadline", "none", *flags) for flags in ((), ("-v",), ("-vv",))}
+    for flags, proc in runs.items():
+        assert proc.returncode == 0, (flags, proc.stdout, proc.stderr)
+        assert "Traceback" not in proc.stderr
+    plain, v, vv = (runs[f].stdout.splitlines() for f in ((), ("-v",), ("-vv",)))
+    assert len(plain) < len(v) < len(vv)
+    assert not any(line.startswith("input ") for line in plain)
+    assert sum(bool(re.match(r"input +\d+: stream \d", line)) for line in v) == 16
+    assert "[trio_cuda DEBUG]" in runs[("-vv",)].stderr
+    assert runs[()].stderr == ""
+
+
+# --------------------------------------------------------------------------- --device cuda without a GPU
+
+
+def _missing_devices() -> list[str]:
+    from trio_cuda._backends import probe_cuda
+
+    probe = probe_cuda()
+    if probe.available:  # a GPU machine: an ordinal past the last device is missing
+        return [f"cuda:{probe.device_count}", f"cuda:{probe.device_count + 6}"]
+    return ["cuda", "cuda:0", "cuda:7"]
+
+
+@pytest.mark.parametrize("device", _missing_devices())
+@pytest.mark.parametrize("program", ["module", "example"])
+def test_a_missing_cuda_device_fails_early_with_one_line(device: str, program: str, tmp_path: Path) -> None:
+    from trio_cuda._backends import probe_cuda
+
+    args = ["--device", device, "--trace", str(tmp_path / "t.html")]
+    if program == "module":
+        proc = _demo(*args)
+        prog = "trio-cuda demo"
+    else:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "batch_job.py"), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=_env(),
+            check=False,
+        )
+        prog = "batch_job"
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{prog}: error: --device {device}: ")
+    probe = probe_cuda()
+    assert (probe.reason if not probe.available else "the CUDA driver reports") in lines[0]
+    assert not (tmp_path / "t.html").exists()  # nothing ran, nothing was traced
+
+
+async def test_run_batch_refuses_a_missing_device_before_printing() -> None:
+    out = io.StringIO()
+    with pytest.raises(DeviceUnavailableError):
+        await run_batch(BatchConfig(device=_missing_devices()[-1]), out=out)
+    assert out.getvalue() == ""
+
+
+# --------------------------------------------------------------------------- progress: bar or lines
+
+
+def test_progress_is_plain_lines_when_not_a_terminal() -> None:
+    proc = _demo(*QUICK, "--deadline", "none")
+    assert proc.returncode == 0, proc.stderr
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("progress: ")]
+    assert len(progress) == 8, proc.stdout  # every eighth of the inputs
+    assert progress[-1].startswith("progress:  16/16 done")
+    assert "\r" not in proc.stdout + proc.stderr
+    assert "%|" not in proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith("OK: 16 verified")
+
+
+def _run_on_a_terminal(args: list[str], *, stdout_too: bool) -> tuple[int, str, str]:
+    """Run the demo with stderr (and stdout, if ``stdout_too``) on a pseudo-terminal."""
+    pty = pytest.importorskip("pty")
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trio_cuda", "demo", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=slave if stdout_too else subprocess.PIPE,
+            stderr=slave,
+            cwd=ROOT,
+            env=_env(),
+        )
+    finally:
+        os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: every copy of the terminal's other end is closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    piped = proc.stdout.read().decode() if proc.stdout is not None else ""
+    if proc.stdout is not None:
+        proc.stdout.close()
+    status = proc.wait(timeout=120)
+    return status, b"".join(chunks).decode(errors="replace"), piped
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+@pytest.mark.parametrize("stdout_too", [True, False], ids=["both on the terminal", "stdout piped"])
+def test_progress_bar_on_a_terminal_and_the_summary_still_prints(stdout_too: bool) -> None:
+    status, terminal, piped = _run_on_a_terminal([*QUICK, "--deadline", "none"], stdout_too=stdout_too)
+    assert status == 0, terminal + piped
+    assert "Traceback" not in terminal
+    assert re.search(r"batch: +100%\|[^|]*\| 16/16 \[", terminal), terminal  # tqdm's bar, complete
+    assert "progress: " not in terminal + piped  # the bar replaces the plain lines
+    summary = terminal if stdout_too else piped
+    lines = [line.rsplit("\r", 1)[-1] for line in summary.replace("\r\n", "\n").split("\n")]
+    assert "verify: 16/16 completed results match the NumPy reference" in lines, summary
+    assert any(line.startswith("OK: 16 verified") and "nothing leaked" in line for line in lines), summary
+    if not stdout_too:  # the bar stays on stderr: the summary on stdout is clean
+        assert "\r" not in piped
+        assert "%|" not in piped
+        assert piped.splitlines()[-1].startswith("OK: 16 verified")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_quiet_shows_no_bar_on_a_terminal() -> None:
+    status, terminal, _ = _run_on_a_terminal([*QUICK, "--quiet"], stdout_too=True)
+    assert status == 0, terminal
+    assert "%|" not in terminal
+    assert "progress: " not in terminal
+    assert "nothing leaked" in terminal
+
+
+async def test_bar_mode_writes_the_bar_to_err_and_lines_to_out() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    report = await run_batch(
+        BatchConfig(**FAST, deadline=math.inf, progress="bar", verbose=1), out=out, err=err
+    )  # type: ignore[arg-type]
+    _assert_clean(report, out.getvalue())
+    assert "%|" in err.getvalue()
+    assert "%|" not in out.getvalue()
+    assert "progress: " not in out.getvalue()
+    assert len(re.findall(r"^input +\d+: stream", out.getvalue(), re.MULTILINE)) == FAST["inputs"]
+
+
+# --------------------------------------------------------------------------- hostile input
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["--inputs", "0"], "--inputs"),
+        (["--inputs", "-3"], "--inputs"),
+        (["--inputs", "abc"], "--inputs"),
+        (["--size", "0"], "--size"),
+        (["--size", "-1"], "--size"),
+        (["--size", str(2**31)], "--size"),
+        (["--concurrency", "0"], "--concurrency"),
+        (["--streams", "0"], "--streams"),
+        (["--streams", "100000"], "--streams"),
+        (["--deadline", "nan"], "--deadline"),
+        (["--deadline", "-0.5"], "--deadline"),
+        (["--deadline", "-inf"], "--deadline"),
+        (["--deadline", "soon"], "--deadline"),
+        (["--kernel-ms", "nan"], "--kernel-ms"),
+        (["--kernel-ms", "inf"], "--kernel-ms"),
+        (["--kernel-ms", "-1"], "--kernel-ms"),
+        (["--seed", "-1"], "--seed"),
+        (["--seed", "1.5"], "--seed"),
+        (["--device", "gpu"], "--device"),
+        (["--device", "cuda:-1"], "--device"),
+        (["--device", ""], "--device"),
+        (["--progress", "fancy"], "--progress"),
+        (["--trace", "out.txt"], "--trace"),
+        (["--trace", "no/such/folder/out.html"], "--trace"),
+        (["--bogus"], "unrecognized arguments"),
+    ],
+)
+def test_bad_options_are_usage_errors(
+    args: list[str], option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exc:
-        main(["--inputs", "0"])
+        main(args)
     assert exc.value.code == 2
-    assert "--inputs" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "error: " in captured.err
+    assert option in captured.err
+    assert "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("inputs", 0),
+        ("size", 2**31),
+        ("deadline", math.nan),
+        ("kernel_ms", math.inf),
+        ("device", "gpu"),
+        ("streams", True),
+        ("seed", -1),
+        ("progress", "fancy"),
+    ],
+)
+def test_batch_config_refuses_bad_values(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: expected"):
+        BatchConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_edge_values_run_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["--device", "sim", "--inputs", "3", "--size", "1", "--deadline", "0", "--kernel-ms", "0"]) == 0
+    )
+    text = capsys.readouterr().out
+    assert "0 done" in text
+    assert "3 never started" in text
+    assert text.splitlines()[-1].startswith("OK: 0 verified")
+    assert (
+        main(["--device", "sim", "--inputs", "2", "--size", "1", "--deadline", "1e400", "--kernel-ms", "0"])
+        == 0
+    )
+    assert "deadline none" in capsys.readouterr().out
+
+
+def test_failed_inputs_are_reported_together_and_the_exit_status_is_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = _demo_module.input_vectors
+
+    def flaky(seed: int, index: int, size: int) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[type-arg]
+        if index in (2, 5):
+            raise MemoryError("no room for the inputs")
+        return real(seed, index, size)
+
+    monkeypatch.setattr(_demo_module, "input_vectors", flaky)
+    status = main(
+        ["--device", "sim", "--inputs", "8", "--size", "64", "--kernel-ms", "0", "--deadline", "none"]
+    )
+    text = capsys.readouterr().out
+    assert status == 1, text
+    assert "FAILED: 2 inputs [2, 5] failed: MemoryError: no room for the inputs" in text
+    assert "verify: 6/6 completed results match" in text
+    assert "nothing leaked" not in text
+
+
+def test_a_trace_that_cannot_be_written_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "t.html"
+    target.mkdir()  # a folder where the file should go
+    status = main(
+        ["--device", "sim", "--inputs", "2", "--size", "64", "--kernel-ms", "0", "--trace", str(target)]
+    )
+    captured = capsys.readouterr()
+    assert status == 1
+    assert captured.err.count("\n") == 1
+    assert "--trace: could not write" in captured.err
+    assert "nothing leaked" in captured.out
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child is POSIX")
+def test_ctrl_c_cancels_the_batch_drains_it_and_exits_130() -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trio_cuda",
+            "demo",
+            "--device",
+            "sim",
+            "--inputs",
+            "1000000",
+            "--size",
+            "256",
+            "--kernel-ms",
+            "1",
+            "--deadline",
+            "none",
+            "--progress",
+            "lines",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # wait until the batch is under way
+        seen.append(line)
+        if line.startswith("progress: "):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    text = "".join(seen) + out
+    assert proc.returncode == 130, (text, err)
+    assert "Traceback" not in err
+    assert "Ctrl-C: cancelling the rest of the batch" in text
+    assert re.search(r"^interrupted: \d+ done", text, re.MULTILINE), text
+    assert "nothing leaked" in text

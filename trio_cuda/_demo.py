@@ -17,9 +17,12 @@ in-flight work on both backends.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
+import os
+import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -30,13 +33,24 @@ import trio
 
 from . import trace
 from ._core._array import DeviceArray
+from ._core._errors import TrioCudaError
 from ._core._kernel import Kernel
 from ._core._params import In, InOut, Out, Scalar
 from ._core._scope import ResourceScope, ScopeStatistics
+from ._demo_output import Output
 from ._open import open_scope
 from .testing import SimAllocation, SimDevice, Violation
 
-__all__ = ["BatchConfig", "BatchReport", "build_parser", "main", "make_kernels", "run_batch"]
+__all__ = [
+    "BatchConfig",
+    "BatchReport",
+    "DeviceUnavailableError",
+    "build_parser",
+    "check_device",
+    "main",
+    "make_kernels",
+    "run_batch",
+]
 
 KERNEL_SOURCE = r"""
 __device__ __forceinline__ unsigned long long trio_cuda_demo_now()
@@ -121,19 +135,89 @@ def make_kernels() -> Kernels:
     return Kernels(saxpy, scale_shift)
 
 
+A = np.float32(2.0)
+SCALE = np.float32(0.5)
+SHIFT = np.float32(-1.0)
+
+
+def input_vectors(seed: int, index: int, size: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Input ``index``'s x and y: made when the input starts (the job's host
+    memory stays bounded by ``concurrency``), the same in every run of a seed."""
+    rng = np.random.default_rng((seed, index))
+    return rng.standard_normal(size, dtype=np.float32), rng.standard_normal(size, dtype=np.float32)
+
+
+def expected(x: np.ndarray[Any, Any], y: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The reference result, computed on the CPU by the kernels' references."""
+    n = np.int32(x.shape[0])
+    y_ref = y.copy()
+    saxpy_reference(A, x, y_ref, n, np.uint64(0))
+    out = np.empty_like(y_ref)
+    scale_shift_reference(y_ref, out, SCALE, SHIFT, n, np.uint64(0))
+    return out
+
+
+# --------------------------------------------------------------------------- settings and report
+
+MAX_SIZE = 2**31 - 1  #: the kernels' ``n`` is an int32
+MAX_STREAMS = 1024
+MAX_KERNEL_MS = 60_000.0
+PROGRESS_MODES = ("bar", "lines", "none")
+_DEVICE = re.compile(r"auto|sim|cuda(?::(\d+))?")
+
+
+def _int_range(low: int, high: int | None = None) -> str:
+    return f"an int >= {low}" if high is None else f"an int from {low} to {high}"
+
+
+def _check_int(low: int, high: int | None = None) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if not ok or value < low or (high is not None and value > high):
+            raise ValueError(f"{attribute.name}: expected {_int_range(low, high)}, got {value!r}")
+
+    return check
+
+
+def _check_deadline(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+        raise ValueError(f"deadline: expected seconds >= 0 (math.inf for none), got {value!r}")
+
+
+def _check_kernel_ms(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= MAX_KERNEL_MS:
+        raise ValueError(f"kernel_ms: expected milliseconds from 0 to {MAX_KERNEL_MS:g}, got {value!r}")
+
+
+def _check_device(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str) or _DEVICE.fullmatch(value) is None:
+        raise ValueError(f"device: expected 'auto', 'sim', 'cuda' or 'cuda:N', got {value!r}")
+
+
+def _check_progress(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value not in PROGRESS_MODES:
+        raise ValueError(f"progress: expected 'bar', 'lines' or 'none', got {value!r}")
+
+
 @attrs.frozen
 class BatchConfig:
     """Settings of one batch run (see ``python -m trio_cuda demo --help``)."""
 
-    inputs: int = 64
-    size: int = 4096
-    concurrency: int = 8
-    deadline: float = 0.1  #: seconds; math.inf for none
-    kernel_ms: float = 5.0  #: time each launch takes (simulated, or spun on the GPU)
-    device: str = "auto"
-    streams: int = 4
-    seed: int = 0
-    progress_every: int = 8  #: a progress line every this many completions (0: none)
+    inputs: int = attrs.field(default=64, validator=_check_int(1))
+    size: int = attrs.field(default=4096, validator=_check_int(1, MAX_SIZE))
+    concurrency: int = attrs.field(default=8, validator=_check_int(1))
+    deadline: float = attrs.field(default=0.1, validator=_check_deadline)  #: seconds; math.inf for none
+    #: time each launch takes (simulated, or spun on the GPU)
+    kernel_ms: float = attrs.field(default=5.0, validator=_check_kernel_ms)
+    device: str = attrs.field(default="auto", validator=_check_device)
+    streams: int = attrs.field(default=4, validator=_check_int(1, MAX_STREAMS))
+    seed: int = attrs.field(default=0, validator=_check_int(0))
+    #: "lines": a plain line every ``progress_every`` completions (and at
+    #: least every few seconds); "bar": a tqdm bar on the error stream; "none"
+    progress: str = attrs.field(default="lines", validator=_check_progress)
+    progress_every: int = attrs.field(default=0, validator=_check_int(0))  #: 0: every eighth of the inputs
+    #: 1: a line per input, the trio_cuda logger at INFO; 2: a line per step, DEBUG
+    verbose: int = attrs.field(default=0, validator=_check_int(0))
 
 
 @attrs.define
@@ -142,16 +226,22 @@ class BatchReport:
 
     backend: str = ""
     backend_detail: str = ""
+    started: int = 0  #: inputs that got a place before the deadline
     completed: int = 0
     verified: int = 0
     mismatched: list[int] = attrs.field(factory=list)
     failed: list[tuple[int, str]] = attrs.field(factory=list)
-    #: items cancelled by the deadline, by the phase they were in
+    #: inputs cancelled by the deadline, by the step they were in ("waiting": never started)
     cancelled: dict[str, int] = attrs.field(factory=dict)
     deadline_hit: bool = False
+    interrupted: bool = False  #: ``stop`` was set (Ctrl-C on the command line)
     in_flight_at_deadline: int = 0
     leases_at_deadline: int = 0
     elapsed: float = 0.0
+    #: seconds each completed input spent uploading, computing and downloading
+    timings: dict[str, list[float]] = attrs.field(factory=dict)
+    #: stream index -> completed inputs whose kernels ran on it
+    streams_used: dict[int, int] = attrs.field(factory=dict)
     final_stats: ScopeStatistics | None = None
     sim_violations: list[Violation] | None = None
     sim_live_allocations: list[SimAllocation] | None = None
@@ -164,7 +254,7 @@ class BatchReport:
 
     @property
     def cancelled_in_flight(self) -> int:
-        """Items cancelled after some of their GPU work was submitted."""
+        """Inputs cancelled after they started (some of their GPU work may be in flight)."""
         return sum(n for phase, n in self.cancelled.items() if phase != "waiting")
 
     @property
@@ -175,115 +265,204 @@ class BatchReport:
 # --------------------------------------------------------------------------- backend choice
 
 
+class DeviceUnavailableError(TrioCudaError):
+    """The device named by ``--device`` is not there; the message says why."""
+
+
+def check_device(device: str) -> str:
+    """Why ``device`` was chosen, or :class:`DeviceUnavailableError` saying
+    why it cannot be used. Asks the CUDA driver (never raises anything else)."""
+    from ._backends import _cuda_backend_available, probe_cuda
+
+    m = _DEVICE.fullmatch(device)
+    if m is None:
+        raise ValueError(f"device: expected 'auto', 'sim', 'cuda' or 'cuda:N', got {device!r}")
+    if device == "sim":
+        return "asked for with --device sim"
+    probe = probe_cuda()
+    usable = probe.available and _cuda_backend_available()
+    if device == "auto":
+        if usable:
+            return "a CUDA driver and device answer"
+        return probe.reason if not probe.available else "the cuda backend is not installed"
+    if not probe.available:
+        raise DeviceUnavailableError(probe.reason)
+    if not usable:
+        raise DeviceUnavailableError("a CUDA device answers, but the cuda backend is not installed")
+    ordinal = int(m.group(1) or 0)
+    if ordinal >= probe.device_count:
+        raise DeviceUnavailableError(
+            f"the CUDA driver reports {probe.device_count} device(s), cuda:0 to cuda:{probe.device_count - 1}"
+        )
+    return f"asked for with --device {device}"
+
+
 def _resolve_device(device: str, kernel_ms: float) -> tuple[str | SimDevice, str]:
     """What to pass to ``open_scope(device=...)``, and why it was chosen.
 
     On the simulator, launches take ``kernel_ms`` of simulated time, so that the
     deadline cancels work that is really in flight.
     """
-    from ._backends import _cuda_backend_available, probe_cuda
-
-    kernel_time = max(0.0, kernel_ms) / 1e3
-    if device == "sim":
-        return SimDevice(kernel_time=kernel_time), "asked for with --device sim"
-    if device == "auto":
-        probe = probe_cuda()
-        if probe.available and _cuda_backend_available():
-            return "cuda", ""
-        reason = probe.reason if not probe.available else "the cuda backend is not installed"
-        return SimDevice(kernel_time=kernel_time), reason
-    return device, ""
+    why = check_device(device)
+    if device == "sim" or (device == "auto" and why != "a CUDA driver and device answer"):
+        return SimDevice(kernel_time=kernel_ms / 1e3), why
+    return ("cuda" if device == "auto" else device), why
 
 
-def _describe_cuda(gpu: ResourceScope) -> str:
+def _describe(gpu: ResourceScope, config: BatchConfig, spin_ns: int) -> list[str]:
+    """The ``-v`` lines about the device, the scope and the launches."""
     info = gpu.device
     major, minor = info.compute_capability
-    return (
-        f"{info.name}, device {info.ordinal}, compute capability {major}.{minor}, "
-        f"{info.multiprocessor_count} SMs, {info.total_memory / 2**30:.0f} GiB"
+    line = (
+        f"device: {info.name} ({info.backend}, ordinal {info.ordinal}), "
+        f"{info.total_memory / 2**30:.1f} GiB, compute capability {major}.{minor}, "
+        f"{info.multiprocessor_count} SMs, up to {info.max_threads_per_block} threads per block"
     )
+    if info.backend == "cuda":
+        from ._backends import probe_cuda
+
+        version = probe_cuda().driver_version
+        if version > 0:
+            line += f", driver {version // 1000}.{version % 1000 // 10}"
+        timing = f"each launch spins {spin_ns / 1e6:g} ms on the GPU's clock"
+    else:
+        timing = f"each launch takes {config.kernel_ms:g} ms of simulated time"
+    blocks = max(1, math.ceil(config.size / BLOCK))
+    return [
+        line,
+        f"scope: {len(gpu.streams)} streams, up to {config.concurrency} inputs at a time, "
+        f"launches of {blocks} block(s) of {BLOCK} threads; {timing}",
+    ]
 
 
 # --------------------------------------------------------------------------- the job
 
 
 @attrs.define
-class _Progress:
-    total: int
-    every: int
-    say: Callable[[str], None]
-    started_at: float
-    done: int = 0
-    phase: dict[int, str] = attrs.field(factory=dict)
+class _Item:
+    """One input on its way: the step it is in and how long each step took."""
 
-    def completed(self) -> None:
-        self.done += 1
-        if self.every and (self.done % self.every == 0 or self.done == self.total):
-            running = sum(1 for p in self.phase.values() if p != "waiting")
-            self.say(
-                f"progress: {self.done:3d}/{self.total} done, {running} in flight, "
-                f"{time.perf_counter() - self.started_at:6.3f} s"
+    index: int
+    phase: str = "uploading"
+    stream: int | None = None
+    started: float = attrs.field(factory=time.perf_counter)
+    mark: float = 0.0
+    steps: dict[str, float] = attrs.field(factory=dict)
+
+    def step(self, phase: str) -> float:
+        """Go on to ``phase``; the seconds the step before took."""
+        now = time.perf_counter()
+        took = self.steps[self.phase] = now - (self.mark or self.started)
+        self.mark, self.phase = now, phase
+        return took
+
+
+@attrs.define(eq=False)
+class _Job:
+    """What the inputs' tasks share."""
+
+    config: BatchConfig
+    gpu: ResourceScope
+    kernels: Kernels
+    spin_ns: int
+    report: BatchReport
+    output: Output
+    places: trio.Semaphore
+    active: dict[int, _Item] = attrs.field(factory=dict)
+
+    def scope_line(self) -> str:
+        s = self.gpu.statistics()
+        return (
+            f"scope: {s.in_flight} submission(s) in flight, {s.leases_held} lease(s), "
+            f"{s.retained_bytes / 2**20:.2f} MiB retained"
+        )
+
+    def finished(self, item: _Item, got: np.ndarray[Any, Any], want: np.ndarray[Any, Any]) -> None:
+        r = self.report
+        r.completed += 1
+        match = bool(np.allclose(got, want, rtol=RTOL, atol=ATOL))
+        if match:
+            r.verified += 1
+        else:
+            r.mismatched.append(item.index)
+        for step, took in item.steps.items():
+            r.timings.setdefault(step, []).append(took)
+        if item.stream is not None:
+            r.streams_used[item.stream] = r.streams_used.get(item.stream, 0) + 1
+        out = self.output
+        if out.verbose >= 1:
+            ms = {step: took * 1e3 for step, took in item.steps.items()}
+            out.detail(
+                f"input {item.index:3d}: stream {item.stream}, upload {ms['uploading']:.2f} ms, "
+                f"compute {ms['computing']:.2f} ms, download {ms['downloading']:.2f} ms, "
+                f"{'matches' if match else 'DIFFERS from'} the reference; {self.scope_line()}"
             )
+        out.completed(r.completed, len(self.active))
+
+    def failed(self, item: _Item, exc: Exception) -> None:
+        self.report.failed.append((item.index, f"{type(exc).__name__}: {exc}"))
+        self.output.detail(f"input {item.index:3d}: failed while {item.phase}: {type(exc).__name__}: {exc}")
+
+    def cancelled(self, item: _Item) -> None:
+        c = self.report.cancelled
+        c[item.phase] = c.get(item.phase, 0) + 1
+        where = "" if item.stream is None else f" on stream {item.stream}"
+        self.output.detail(
+            f"input {item.index:3d}: cancelled while {item.phase}{where}, "
+            f"{(time.perf_counter() - item.started) * 1e3:.2f} ms after it started; "
+            f"the scope keeps its work in flight until the device finished it"
+        )
 
 
-async def _process_one(
-    gpu: ResourceScope,
-    kernels: Kernels,
-    index: int,
-    x_host: np.ndarray[Any, Any],
-    y_host: np.ndarray[Any, Any],
-    a: np.float32,
-    scale: np.float32,
-    shift: np.float32,
-    spin_ns: int,
-    limiter: trio.CapacityLimiter,
-    progress: _Progress,
-    results: dict[int, np.ndarray[Any, Any]],
-    report: BatchReport,
-) -> None:
-    n = x_host.shape[0]
-    grid = max(1, math.ceil(n / BLOCK))
-    phase = progress.phase
-    phase[index] = "waiting"
-    finished = False
+async def _process_one(job: _Job, index: int) -> None:
+    """Input ``index``: upload x and y, saxpy then scale_shift, download, verify."""
+    gpu, kernels, out = job.gpu, job.kernels, job.output
+    item = job.active[index] = _Item(index)
     arrays: list[DeviceArray] = []
     try:
-        async with limiter:
-            phase[index] = "uploading"
-            x = await gpu.to_device(x_host)
-            arrays.append(x)
-            y = await gpu.to_device(y_host)
-            arrays.append(y)
-            out = gpu.empty(n, np.float32)
-            arrays.append(out)
+        out.debug(f"input {index:3d}: started, {len(job.active)} of {job.config.concurrency} places taken")
+        x_host, y_host = input_vectors(job.config.seed, index, job.config.size)
+        n = x_host.shape[0]
+        grid = max(1, math.ceil(n / BLOCK))
+        x = await gpu.to_device(x_host)
+        arrays.append(x)
+        y = await gpu.to_device(y_host)
+        arrays.append(y)
+        res = gpu.empty(n, np.float32)
+        arrays.append(res)
+        out.debug(f"input {index:3d}: x and y uploaded in {item.step('computing') * 1e3:.2f} ms")
 
-            # saxpy writes y; scale_shift reads it into out, on the same stream.
-            op = kernels.saxpy.launch(a, x, y, n, spin_ns, grid=grid, block=BLOCK).then(
-                lambda y_dev: kernels.scale_shift.launch(
-                    y_dev, out, scale, shift, n, spin_ns, grid=grid, block=BLOCK
-                )
+        # saxpy writes y; scale_shift reads it into res, on the same stream.
+        op = kernels.saxpy.launch(A, x, y, n, job.spin_ns, grid=grid, block=BLOCK).then(
+            lambda y_dev: kernels.scale_shift.launch(
+                y_dev, res, SCALE, SHIFT, n, job.spin_ns, grid=grid, block=BLOCK
             )
-            phase[index] = "computing"
-            await gpu.run(op)
+        )
+        fut = gpu.submit(op)
+        item.stream = fut.stream.index
+        out.debug(
+            f"input {index:3d}: saxpy, scale_shift submitted on stream {item.stream}; {job.scope_line()}"
+        )
+        await fut.wait()
+        out.debug(f"input {index:3d}: kernels done in {item.step('downloading') * 1e3:.2f} ms")
 
-            phase[index] = "downloading"
-            results[index] = await gpu.to_host(out)
-            finished = True
+        got = await gpu.to_host(res)
+        item.step("done")
+        del job.active[index]
+        job.finished(item, got, expected(x_host, y_host))
     except Exception as exc:
-        # A trio_cuda or driver error: record it and let the batch go on.
-        report.failed.append((index, f"{type(exc).__name__}: {exc}"))
-        finished = True
+        # A trio_cuda or driver error (or no host memory): record it, go on.
+        job.failed(item, exc)
+        item.phase = "failed"
     finally:
         # Closing a handle never frees memory the GPU may still use: the scope
         # frees it once the last submission that touched it has retired.
         for arr in arrays:
             arr.close()
-        if not finished:  # cancelled by the deadline
-            where = phase.get(index, "waiting")
-            report.cancelled[where] = report.cancelled.get(where, 0) + 1
-        phase.pop(index, None)
-        if index in results:
-            progress.completed()
+        job.active.pop(index, None)
+        job.places.release()
+        if item.phase not in ("done", "failed"):  # cancelled by the deadline
+            job.cancelled(item)
 
 
 async def _warm_up(gpu: ResourceScope, kernels: Kernels) -> None:
@@ -292,35 +471,46 @@ async def _warm_up(gpu: ResourceScope, kernels: Kernels) -> None:
     await gpu.load(kernels.saxpy, kernels.scale_shift)
 
 
-def _expected(
-    x: np.ndarray[Any, Any], y: np.ndarray[Any, Any], a: np.float32, scale: np.float32, shift: np.float32
-) -> np.ndarray[Any, Any]:
-    """The reference result, computed on the CPU by the kernels' references."""
-    n = np.int32(x.shape[0])
-    y_ref = y.copy()
-    saxpy_reference(a, x, y_ref, n, np.uint64(0))
-    out = np.empty_like(y_ref)
-    scale_shift_reference(y_ref, out, scale, shift, n, np.uint64(0))
-    return out
+async def run_batch(
+    config: BatchConfig,
+    *,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    stop: trio.Event | None = None,
+) -> BatchReport:
+    """Run the batch job; print what it does and a summary to ``out`` (stdout
+    by default), the progress bar and log records to ``err`` (stderr).
+    Setting ``stop`` cancels the rest of the batch as the deadline does (the
+    command line sets it on Ctrl-C).
 
-
-async def run_batch(config: BatchConfig, *, out: TextIO | None = None) -> BatchReport:
-    """Run the batch job; print progress and a summary to ``out`` (stdout by default)."""
+    Raises :class:`DeviceUnavailableError`, before printing anything, if
+    ``config.device`` names a CUDA device that is not there."""
     stream = sys.stdout if out is None else out
+    err_stream = (sys.stderr or stream) if err is None else err
+    output = Output(
+        stream,
+        err_stream,
+        verbose=config.verbose,
+        progress=config.progress,
+        progress_every=config.progress_every,
+    )
+    with output:
+        return await _run(config, output, stop)
 
-    def say(line: str) -> None:
-        print(line, file=stream, flush=True)
 
+async def _stop_on(stop: trio.Event, batch: trio.CancelScope, report: BatchReport, output: Output) -> None:
+    await stop.wait()
+    report.interrupted = True
+    output.say("Ctrl-C: cancelling the rest of the batch; the scope retires the work in flight")
+    batch.cancel()
+
+
+async def _run(config: BatchConfig, output: Output, stop: trio.Event | None) -> BatchReport:
+    say = output.say
     report = BatchReport()
-    kernels = make_kernels()
-    rng = np.random.default_rng(config.seed)
-    xs = rng.standard_normal((config.inputs, config.size), dtype=np.float32)
-    ys = rng.standard_normal((config.inputs, config.size), dtype=np.float32)
-    a, scale, shift = np.float32(2.0), np.float32(0.5), np.float32(-1.0)
-    results: dict[int, np.ndarray[Any, Any]] = {}
-
     device, why = _resolve_device(config.device, config.kernel_ms)
     sim = device if isinstance(device, SimDevice) else None
+    kernels = make_kernels()
     deadline = "none" if math.isinf(config.deadline) else f"{config.deadline:.3f} s"
     say(
         f"trio_cuda batch job: {config.inputs} inputs of {config.size} float32, "
@@ -329,93 +519,129 @@ async def run_batch(config: BatchConfig, *, out: TextIO | None = None) -> BatchR
     )
 
     started = time.perf_counter()
-    progress = _Progress(config.inputs, config.progress_every, say, started)
     gpu: ResourceScope | None = None
     try:
         async with open_scope(device=device, streams=config.streams) as gpu:
             report.backend = gpu.backend
-            report.backend_detail = _describe_cuda(gpu) if gpu.backend == "cuda" else (why or gpu.device.name)
+            if gpu.backend == "cuda":
+                info = gpu.device
+                report.backend_detail = f"{info.name}, device {info.ordinal}"
+            else:
+                report.backend_detail = why or gpu.device.name
             say(f"backend: {report.backend} ({report.backend_detail})")
             spin_ns = int(config.kernel_ms * 1e6) if gpu.backend == "cuda" else 0
+            for line in _describe(gpu, config, spin_ns):
+                output.detail(line)
             t0 = time.perf_counter()
             await _warm_up(gpu, kernels)
             say(f"warm-up: kernels loaded in {time.perf_counter() - t0:.3f} s (before the deadline starts)")
-            progress.started_at = time.perf_counter()
-            limiter = trio.CapacityLimiter(config.concurrency)
-            with trio.move_on_after(config.deadline) as deadline_scope:
-                async with trio.open_nursery() as nursery:
-                    for i in range(config.inputs):
-                        nursery.start_soon(
-                            _process_one,
-                            gpu,
-                            kernels,
-                            i,
-                            xs[i],
-                            ys[i],
-                            a,
-                            scale,
-                            shift,
-                            spin_ns,
-                            limiter,
-                            progress,
-                            results,
-                            report,
-                        )
-            report.deadline_hit = deadline_scope.cancelled_caught
-            if report.deadline_hit:
-                stats = gpu.statistics()
-                report.in_flight_at_deadline = stats.in_flight
-                report.leases_at_deadline = stats.leases_held
-                c = report.cancelled
-                say(
-                    f"deadline: {config.deadline:.3f} s passed: {len(results)} done, "
-                    f"{report.cancelled_in_flight} cancelled in flight "
-                    f"({c.get('uploading', 0)} uploading, {c.get('computing', 0)} computing, "
-                    f"{c.get('downloading', 0)} downloading), {c.get('waiting', 0)} never started"
-                )
-                say(
-                    f"  the scope still retains {stats.in_flight} submission(s) holding "
-                    f"{stats.leases_held} lease(s); it retires them as the GPU completes them"
-                )
+            job = _Job(config, gpu, kernels, spin_ns, report, output, trio.Semaphore(config.concurrency))
+            output.start_progress(config.inputs)
+            try:
+                with trio.move_on_after(config.deadline) as batch:
+                    async with trio.open_nursery() as watcher:
+                        if stop is not None:
+                            watcher.start_soon(_stop_on, stop, batch, report, output)
+                        async with trio.open_nursery() as nursery:
+                            for i in range(config.inputs):
+                                await job.places.acquire()  # at most `concurrency` inputs at a time
+                                report.started += 1
+                                nursery.start_soon(_process_one, job, i)
+                        watcher.cancel_scope.cancel()
+            finally:
+                output.stop_progress()
+            never = config.inputs - report.started
+            if never:
+                report.cancelled["waiting"] = never
+            report.deadline_hit = batch.cancelled_caught and not report.interrupted
+            if batch.cancelled_caught:
+                _report_deadline(output, gpu, config, report)
     except BaseException as exc:
         if not isinstance(exc, Exception):
             raise  # KeyboardInterrupt, an outer Cancelled: not ours to swallow
         errors = exc.exceptions if isinstance(exc, BaseExceptionGroup) else (exc,)
         report.scope_errors.extend(f"{type(e).__name__}: {e}" for e in errors)
     report.elapsed = time.perf_counter() - started
-
-    # ----------------------------------------------------------------- checks
-    report.completed = len(results)
     if gpu is None:
-        sim = None  # nothing ran
-    for i, got in sorted(results.items()):
-        want = _expected(xs[i], ys[i], a, scale, shift)
-        if np.allclose(got, want, rtol=RTOL, atol=ATOL):
-            report.verified += 1
-        else:
-            report.mismatched.append(i)
-    say(f"verify: {report.verified}/{report.completed} completed results match the NumPy reference")
+        # The scope never opened: nothing ran, and there is nothing to check.
+        for e in report.scope_errors:
+            report.problems.append(f"could not open a scope on {config.device}: {e}")
+            say(f"FAILED: {report.problems[-1]}")
+        return report
+    _check(output, gpu, sim, report)
+    return report
 
+
+def _report_deadline(output: Output, gpu: ResourceScope, config: BatchConfig, report: BatchReport) -> None:
+    stats = gpu.statistics()
+    report.in_flight_at_deadline = stats.in_flight
+    report.leases_at_deadline = stats.leases_held
+    c = report.cancelled
+    never = c.get("waiting", 0)
+    if never == 1:
+        output.detail(f"input {report.started}: never started")
+    elif never:
+        output.detail(f"inputs {report.started} to {config.inputs - 1}: never started")
+    why = "interrupted" if report.interrupted else f"deadline: {config.deadline:.3f} s passed"
+    output.say(
+        f"{why}: {report.completed} done, "
+        f"{report.cancelled_in_flight} cancelled in flight "
+        f"({c.get('uploading', 0)} uploading, {c.get('computing', 0)} computing, "
+        f"{c.get('downloading', 0)} downloading), {never} never started"
+    )
+    output.say(
+        f"  the scope still retains {stats.in_flight} submission(s) holding "
+        f"{stats.leases_held} lease(s); it retires them as the GPU completes them"
+    )
+
+
+def _median_max(values: list[float]) -> str:
+    ms = sorted(v * 1e3 for v in values)
+    return f"{ms[len(ms) // 2]:.2f}/{ms[-1]:.2f}"
+
+
+def _check(output: Output, gpu: ResourceScope, sim: SimDevice | None, report: BatchReport) -> None:
+    """After scope exit: the results, the scope's counters and memcheck."""
+    say = output.say
+    say(f"verify: {report.verified}/{report.completed} completed results match the NumPy reference")
     problems = report.problems
     if report.mismatched:
-        problems.append(f"results differ from the reference for inputs {report.mismatched}")
+        problems.append(f"results differ from the reference for inputs {sorted(report.mismatched)}")
+    by_error: dict[str, list[int]] = {}
     for i, why_failed in report.failed:
-        problems.append(f"input {i} failed: {why_failed}")
-    for err in report.scope_errors:
-        problems.append(f"the scope raised {err}" if gpu is not None else f"could not open a scope: {err}")
-    if gpu is not None:
-        stats = gpu.statistics()
-        report.final_stats = stats
+        by_error.setdefault(why_failed, []).append(i)
+    for why_failed, indices in by_error.items():
+        which = f"input {indices[0]}" if len(indices) == 1 else f"{len(indices)} inputs {sorted(indices)}"
+        problems.append(f"{which} failed: {why_failed}")
+    problems.extend(f"the scope raised {err}" for err in report.scope_errors)
+
+    if output.verbose >= 1:
+        if report.timings.get("computing"):
+            t = report.timings
+            say(
+                f"timings (ms, median/max over {len(t['computing'])} inputs): "
+                f"upload {_median_max(t['uploading'])}, compute {_median_max(t['computing'])}, "
+                f"download {_median_max(t.get('downloading', [0.0]))}"
+            )
         say(
-            f"after scope exit: in_flight={stats.in_flight} leases_held={stats.leases_held} "
-            f"quarantined={stats.quarantined} live_allocations={stats.live_allocations} "
-            f"submitted={stats.submitted} completed={stats.completed} failed={stats.failed}"
+            "streams: "
+            + "; ".join(
+                f"{s.index}: {report.streams_used.get(s.index, 0)} input(s), "
+                f"{s.statistics().submitted} submission(s)"
+                for s in gpu.streams
+            )
         )
-        for name in ("in_flight", "leases_held", "quarantined", "live_allocations", "pending_errors"):
-            if getattr(stats, name):
-                problems.append(
-                    f"after scope exit, statistics().{name} is {getattr(stats, name)}, expected 0"
-                )
+    stats = gpu.statistics()
+    report.final_stats = stats
+    say(
+        f"after scope exit: in_flight={stats.in_flight} leases_held={stats.leases_held} "
+        f"quarantined={stats.quarantined} live_allocations={stats.live_allocations} "
+        f"submitted={stats.submitted} completed={stats.completed} failed={stats.failed}"
+    )
+    output.debug(f"  {stats}")
+    for name in ("in_flight", "leases_held", "quarantined", "live_allocations", "pending_errors"):
+        if getattr(stats, name):
+            problems.append(f"after scope exit, statistics().{name} is {getattr(stats, name)}, expected 0")
     if sim is not None:
         report.sim_violations = sim.violations
         report.sim_live_allocations = sim.live_allocations
@@ -433,33 +659,72 @@ async def run_batch(config: BatchConfig, *, out: TextIO | None = None) -> BatchR
     else:
         for p in problems:
             say(f"FAILED: {p}")
-    return report
 
 
 # --------------------------------------------------------------------------- command line
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
-    return value
+def _int_option(low: int, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {_int_range(low, high)}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _deadline(text: str) -> float:
-    if text.lower() in ("none", "inf"):
+    if text.strip().lower() in ("none", "inf", "infinity"):
         return math.inf
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0 or 'none', got {text}")
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 or 'none', got {text!r}")
     return value
 
 
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+def _kernel_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= MAX_KERNEL_MS:
+        raise argparse.ArgumentTypeError(f"expected milliseconds from 0 to {MAX_KERNEL_MS:g}, got {text!r}")
     return value
+
+
+def _device(text: str) -> str:
+    if _DEVICE.fullmatch(text) is None:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'sim', 'cuda' or 'cuda:N', got {text!r}")
+    return text
+
+
+def _trace_path(text: str) -> str:
+    if not text.endswith((".json", ".html", ".htm")):
+        raise argparse.ArgumentTypeError(f"expected a file name ending in .html or .json, got {text!r}")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"expected a file in an existing folder, got {text!r}")
+    return text
+
+
+EPILOG = """\
+progress: a bar on stderr when stderr is a terminal, else a plain line every
+eighth of the inputs (--progress picks, --quiet turns it off). -v adds a line
+per input (its stream, the time of each step, the scope's in-flight work and
+leases), every cancellation, the device and per-stream counts, and the
+trio_cuda logger at INFO; -vv adds every step of every input and DEBUG.
+
+exit status: 0 every check passed; 1 a check failed (a result differed from
+the reference, an input failed, or something leaked); 2 the job could not run
+(a bad option, or the device asked for is not there); 130 interrupted.
+"""
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -468,17 +733,25 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         parser = argparse.ArgumentParser(
             prog="batch_job",
             description="Run a cancellation-safe GPU batch job and check that nothing leaked.",
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
+    else:
+        parser.epilog = EPILOG
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
     d = BatchConfig()
     parser.add_argument(
-        "--inputs", type=_positive_int, default=d.inputs, help=f"input vectors (default {d.inputs})"
+        "--inputs", type=_int_option(1), default=d.inputs, help=f"input vectors (default {d.inputs})"
     )
     parser.add_argument(
-        "--size", type=_positive_int, default=d.size, help=f"elements per vector (default {d.size})"
+        "--size",
+        type=_int_option(1, MAX_SIZE),
+        default=d.size,
+        help=f"elements per vector (default {d.size})",
     )
     parser.add_argument(
         "--concurrency",
-        type=_positive_int,
+        type=_int_option(1),
         default=d.concurrency,
         help=f"inputs in flight at once (default {d.concurrency})",
     )
@@ -490,27 +763,60 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     parser.add_argument(
         "--kernel-ms",
-        type=_non_negative,
+        type=_kernel_ms,
         default=d.kernel_ms,
-        help=f"time each kernel launch takes, simulated or spun on the GPU (default {d.kernel_ms})",
+        help=f"time each kernel launch takes, simulated or spun on the GPU (default {d.kernel_ms:g})",
     )
-    parser.add_argument("--device", default=d.device, help="'auto' (default), 'sim', 'cuda' or 'cuda:N'")
     parser.add_argument(
-        "--streams", type=_positive_int, default=d.streams, help=f"streams (default {d.streams})"
+        "--device", type=_device, default=d.device, help="'auto' (default), 'sim', 'cuda' or 'cuda:N'"
     )
-    parser.add_argument("--seed", type=int, default=d.seed, help="random seed of the inputs")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what trio_cuda does (INFO)")
+    parser.add_argument(
+        "--streams",
+        type=_int_option(1, MAX_STREAMS),
+        default=d.streams,
+        help=f"streams (default {d.streams})",
+    )
+    parser.add_argument("--seed", type=_int_option(0), default=d.seed, help="random seed of the inputs")
+    parser.add_argument(
+        "--progress",
+        choices=("auto", *PROGRESS_MODES),
+        default="auto",
+        help="'bar' (tqdm, on stderr), 'lines' (plain lines), 'none'; 'auto' (default): "
+        "a bar when stderr is a terminal, else lines",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress (same as --progress none)")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="-v: a line per input and cancellation, the device, trio_cuda's log (INFO); "
+        "-vv: every step too (DEBUG)",
+    )
     parser.add_argument(
         "--trace",
         metavar="FILE",
+        type=_trace_path,
         help="record the run's lifetime trace and write it to FILE (.html: a timeline page; "
         ".json: Chrome trace-event JSON for ui.perfetto.dev)",
     )
+    parser.set_defaults(demo_prog=parser.prog)
     return parser
 
 
+def _is_terminal(stream: TextIO | None) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError, OSError):  # a closed or unusual stream
+        return False
+
+
 def config_from_args(args: argparse.Namespace) -> BatchConfig:
+    mode = getattr(args, "progress", "auto")
+    if args.quiet:
+        mode = "none"
+    elif mode == "auto":
+        mode = "bar" if _is_terminal(sys.stderr) else "lines"
     return BatchConfig(
         inputs=args.inputs,
         size=args.size,
@@ -520,27 +826,75 @@ def config_from_args(args: argparse.Namespace) -> BatchConfig:
         device=args.device,
         streams=args.streams,
         seed=args.seed,
-        progress_every=0 if args.quiet else BatchConfig().progress_every,
+        progress=mode,
+        verbose=int(args.verbose),
     )
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    """Run the job for parsed arguments; the exit status (0: every check passed)."""
-    if args.verbose:
-        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    path = getattr(args, "trace", None)
-    if path is not None and not str(path).endswith((".json", ".html", ".htm")):
-        print(f"--trace: expected a file name ending in .html or .json, got {path!r}", file=sys.stderr)
-        return 2
-    recording = trace.enable() if path is not None else None
+async def _run_interruptible(config: BatchConfig) -> BatchReport:
+    """``run_batch``, where the first Ctrl-C cancels the rest of the batch as
+    the deadline does (the scope still retires what is in flight, and the
+    checks still run); a second Ctrl-C interrupts at once."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is signal.SIG_IGN:
+        return await run_batch(config)
+    stop = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def on_sigint(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGINT, previous)
+        token.run_sync_soon(stop.set)
+
+    signal.signal(signal.SIGINT, on_sigint)
     try:
-        report = trio.run(run_batch, config_from_args(args))
+        return await run_batch(config, stop=stop)
+    finally:
+        if signal.getsignal(signal.SIGINT) is on_sigint:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(KeyboardInterrupt) is not None
+    return isinstance(exc, KeyboardInterrupt)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the job for parsed arguments; the exit status (see ``EPILOG``)."""
+    prog = getattr(args, "demo_prog", "batch_job")
+    config = config_from_args(args)
+    try:
+        check_device(config.device)
+    except DeviceUnavailableError as exc:
+        print(f"{prog}: error: --device {config.device}: {exc}", file=sys.stderr)
+        return 2
+    path: str | None = getattr(args, "trace", None)
+    recording = trace.enable() if path is not None else None
+    status = 0
+    try:
+        report = trio.run(_run_interruptible, config)
+        status = 130 if report.interrupted else 0 if report.ok else 1
+    except DeviceUnavailableError as exc:  # it went away since the check
+        print(f"{prog}: error: --device {config.device}: {exc}", file=sys.stderr)
+        status = 2
+    except BaseException as exc:
+        if not _interrupted(exc):
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        status = 130
     finally:
         if recording is not None and path is not None:
             trace.disable()
-            recording.write(path)
-            print(f"trace: {len(recording.events)} events ({recording.dropped} dropped) written to {path}")
-    return 0 if report.ok else 1
+            try:
+                recording.write(path)
+            except OSError as exc:
+                print(f"{prog}: error: --trace: could not write {path!r}: {exc}", file=sys.stderr)
+                status = status or 1
+            else:
+                print(
+                    f"trace: {len(recording.events)} events ({recording.dropped} dropped) written to {path}"
+                )
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,188 @@
+"""What the batch job (``python -m trio_cuda demo``) prints while it runs.
+
+Invariants:
+
+* Result lines (the header, the per-input lines of ``-v``, the summary) go to
+  the output stream; the progress bar and log records go to the error stream.
+  While a bar is shown, every line is written through the bar, so that a line
+  never lands in the middle of the bar on a terminal that shows both streams.
+* The bar is a tqdm bar, used only when asked for (``progress="bar"``, which
+  the command line picks when stderr is a terminal). Otherwise progress is a
+  plain line every so often: no carriage returns in logs and CI output.
+* The bar is closed before the summary is printed, and on every way out of
+  the run (an error, Ctrl-C), so the summary is never drawn over.
+* Verbosity 1 adds a line per input and the ``trio_cuda`` logger at INFO;
+  verbosity 2 adds a line per step of each input and the logger at DEBUG. The
+  logger's level and handlers are restored when the run ends.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import time
+from types import TracebackType
+from typing import Any, TextIO
+
+__all__ = ["Output"]
+
+#: seconds between two plain progress lines when completions are slow
+LINE_INTERVAL = 5.0
+#: seconds between two refreshes of the bar's statistics
+POSTFIX_INTERVAL = 0.2
+
+log = logging.getLogger("trio_cuda")
+
+
+def _size(stream: TextIO) -> bool:
+    """Whether the terminal ``stream`` writes to reports its size."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, ValueError, OSError):  # not a file, closed, or not a terminal
+        return False
+    return size.columns > 0 and size.lines > 0
+
+
+class _Handler(logging.Handler):
+    """Writes the ``trio_cuda`` logger's records through :class:`Output`."""
+
+    def __init__(self, output: Output) -> None:
+        super().__init__()
+        self._output = output
+        self.setFormatter(logging.Formatter("[%(name)s %(levelname)s] %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        self._output.log_line(line)
+
+
+class Output:
+    """The job's printer: lines, verbose lines, progress (bar or lines) and logging."""
+
+    def __init__(
+        self,
+        out: TextIO,
+        err: TextIO,
+        *,
+        verbose: int = 0,
+        progress: str = "lines",
+        progress_every: int = 0,
+    ) -> None:
+        if progress not in ("bar", "lines", "none"):
+            raise ValueError(f"progress: expected 'bar', 'lines' or 'none', got {progress!r}")
+        self.out = out
+        self.err = err
+        self.verbose = verbose
+        self.progress = progress
+        self.progress_every = progress_every
+        self._bar: Any = None  # a tqdm bar while one is shown
+        self._total = 0
+        self._every = 0
+        self._started = 0.0
+        self._last_line = 0.0
+        self._last_postfix = 0.0
+        self._handler: _Handler | None = None
+        self._saved_level = logging.NOTSET
+
+    # ------------------------------------------------------------------ lines
+    def say(self, line: str) -> None:
+        """A line of the job's output."""
+        if self._bar is not None:
+            self._bar.write(line, file=self.out)
+            self.out.flush()
+        else:
+            print(line, file=self.out, flush=True)
+
+    def detail(self, line: str) -> None:
+        """A line shown with ``-v``."""
+        if self.verbose >= 1:
+            self.say(line)
+
+    def debug(self, line: str) -> None:
+        """A line shown with ``-vv``."""
+        if self.verbose >= 2:
+            self.say(line)
+
+    def log_line(self, line: str) -> None:
+        """A log record, on the error stream."""
+        if self._bar is not None:
+            self._bar.write(line, file=self.err)
+        else:
+            print(line, file=self.err)
+        self.err.flush()
+
+    # ------------------------------------------------------------------ logging
+    def __enter__(self) -> Output:
+        if self.verbose >= 1:
+            self._handler = _Handler(self)
+            self._saved_level = log.level
+            log.addHandler(self._handler)
+            log.setLevel(logging.DEBUG if self.verbose >= 2 else logging.INFO)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop_progress()
+        if self._handler is not None:
+            log.removeHandler(self._handler)
+            log.setLevel(self._saved_level)
+            self._handler = None
+
+    # ------------------------------------------------------------------ progress
+    def start_progress(self, total: int) -> None:
+        """Progress of ``total`` inputs starts now."""
+        self._total = total
+        self._started = self._last_line = time.perf_counter()
+        self._every = self.progress_every or max(1, -(-total // 8))
+        if self.progress != "bar":
+            return
+        try:
+            tqdm = importlib.import_module("tqdm").tqdm  # typed as Any: tqdm ships no stubs
+        except ImportError:  # pragma: no cover - tqdm is a dependency
+            self.progress = "lines"
+            return
+        self._bar = tqdm(
+            total=total,
+            # A terminal that reports no size (some CI runners, a fresh pty)
+            # would get no bar at all from tqdm's own guess.
+            ncols=None if _size(self.err) else 80,
+            nrows=None if _size(self.err) else 24,
+            desc="batch",
+            unit="input",
+            file=self.err,
+            leave=True,
+            mininterval=0.1,
+            smoothing=0.1,
+        )
+
+    def completed(self, done: int, in_flight: int) -> None:
+        """One more input completed: ``done`` so far, ``in_flight`` still going."""
+        now = time.perf_counter()
+        if self._bar is not None:
+            self._bar.update(1)
+            if now - self._last_postfix >= POSTFIX_INTERVAL or done == self._total:
+                self._last_postfix = now
+                self._bar.set_postfix_str(f"{in_flight} in flight", refresh=False)
+            return
+        if self.progress != "lines":
+            return
+        if done % self._every == 0 or done == self._total or now - self._last_line >= LINE_INTERVAL:
+            self._last_line = now
+            self.say(
+                f"progress: {done:3d}/{self._total} done, {in_flight} in flight, {now - self._started:6.3f} s"
+            )
+
+    def stop_progress(self) -> None:
+        """Close the bar (it stays on screen at its last state); idempotent."""
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.close()
