@@ -511,3 +511,50 @@ async def test_sim_records_show_addresses_in_hex_as_arrays_do(sim: SimDevice) ->
     v = Violation("use_after_free", 0x7F00_0000_1000, 4, "launch k", 0)
     assert "address=0x7f0000001000" in repr(v)
     assert SimAllocation(255, 1) == SimAllocation(0xFF, 1)
+
+
+# --------------------------------------------------------------------------- the same errors on a GPU
+
+
+def _cuda_available() -> bool:
+    from trio_cuda._backends import probe_cuda
+
+    return probe_cuda().available
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="no CUDA device")
+async def test_a_gpu_raises_what_the_simulator_raises() -> None:
+    empty = Kernel.from_source("", "k", params=[])
+    misnamed = Kernel.from_source(SCALE_SRC, "scal", params=SCALE_PARAMS)
+    broken = Kernel.from_source(BROKEN_SRC, "broken", params=[InOut("f4")])
+    ptx = Kernel.from_ptx(".version 8.0\n.target sm_90\n.address_size 64\n", "k", params=[])
+    got: dict[str, list[CudaError]] = {}
+    for device in ("cuda", SimDevice()):
+        async with trio_cuda.open_scope(device=device) as gpu:
+            x = await gpu.to_device(host())
+            submitted = gpu.statistics().submitted
+            errors = []
+            for launch in (
+                empty.launch(grid=1, block=1),
+                scale(misnamed, x),
+                broken.launch(x, grid=1, block=1),
+                ptx.launch(grid=1, block=1),
+            ):
+                with pytest.raises(CudaError) as info:
+                    await gpu.run(launch)
+                errors.append(info.value)
+            got[gpu.statistics().backend] = errors
+            assert gpu.statistics().submitted == submitted
+    for on_gpu, on_sim in zip(got["cuda"], got["sim"], strict=True):
+        assert type(on_gpu) is type(on_sim)
+        assert (on_gpu.code, on_gpu.name, on_gpu.call) == (on_sim.code, on_sim.name, on_sim.call)
+    for i in (0, 1, 3):  # the same message: no kernel named ... in its source / PTX (it defines ...)
+        assert str(got["cuda"][i]) == str(got["sim"][i])
+    assert "(it defines 'scale')" in str(got["cuda"][1])
+    assert re.findall(r"error: .*", got["cuda"][2].text) == re.findall(r"error: .*", got["sim"][2].text)
+    # on a GPU, no reference is needed: the kernel's CUDA code runs
+    async with trio_cuda.open_scope(device="cuda") as gpu:
+        x = await gpu.to_device(host())
+        await gpu.run(scale(SCALE, x))
+        np.testing.assert_array_equal(await gpu.to_host(x), host() * 2)

@@ -131,6 +131,29 @@ def _param_info(fn: Any, index: int) -> tuple[int, int] | bool | None:
     return int(offset), int(size)
 
 
+def _module_entries(module: Any) -> tuple[str, ...] | None:
+    """The names of the kernels in a loaded module, or None if the driver
+    cannot list them (for an error message: never raises)."""
+    try:
+        err, count = cu.cuModuleGetFunctionCount(module)
+        if err:
+            return None
+        if not count:
+            return ()  # (enumerating none is an invalid value to the driver)
+        err, functions = cu.cuModuleEnumerateFunctions(count, module)
+        if err:
+            return None
+        names = []
+        for fn in functions:
+            err, raw = cu.cuFuncGetName(fn)
+            if err:
+                return None
+            names.append(raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw))
+        return tuple(names)
+    except Exception:  # pragma: no cover - an older driver or binding
+        return None
+
+
 def _opt_in_shared_memory(function: CudaFunction, smem: int) -> None:
     """Let ``function`` use ``smem`` bytes of dynamic shared memory (more than
     the 48 KiB default needs an opt-in per kernel)."""
@@ -179,9 +202,11 @@ class KernelsMixin(GraphsMixin):
             raise cuda_error(err, f"cuModuleLoadData({kernel.name}, {kind})")
         err, fn = cu.cuModuleGetFunction(module, kernel.name.encode())
         if err:
+            entries = _module_entries(module) if int(err) == _common.NOT_FOUND else None
             cu.cuModuleUnload(module)
             if int(err) == _common.NOT_FOUND:  # as the simulator's check says it
-                entries = _nvrtc.ptx_entries(image) if kind == "ptx" else None
+                if entries is None and kind == "ptx":
+                    entries = _nvrtc.ptx_entries(image)
                 where = {"source": "its source", "ptx": "its PTX"}.get(kernel.image_kind, "its cubin")
                 raise _common.entry_not_found(kernel.name, entries, where)
             raise cuda_error(err, f"cuModuleGetFunction({kernel.name!r})")
