@@ -357,6 +357,20 @@ def test_compiling_is_lazy_and_cached_per_source_and_options() -> None:
 
 
 @needs_nvrtc
+async def test_options_that_make_no_ptx_skip_the_entry_check_only(sim: SimDevice) -> None:
+    src = stub_source("lto") + "// -dlto"
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        k = Kernel.from_source(src, "lto", params=[], reference=NO_REFERENCE, options=["-dlto"])
+        await gpu.run(k.launch(grid=1, block=1))
+        misnamed = Kernel.from_source(src, "not_lto", params=[], reference=NO_REFERENCE, options=["-dlto"])
+        await gpu.run(misnamed.launch(grid=1, block=1))  # (its name cannot be checked without PTX)
+        lto = ["-dlto"]
+        broken = Kernel.from_source(BROKEN_SRC, "broken", params=[], reference=NO_REFERENCE, options=lto)
+        with pytest.raises(CudaError, match="NVRTC_ERROR_COMPILATION"):
+            await gpu.run(broken.launch(grid=1, block=1))
+
+
+@needs_nvrtc
 async def test_kernels_sharing_a_broken_source_each_get_their_own_error(sim: SimDevice) -> None:
     src = BROKEN_SRC + "\n// two kernels of one source"
     start = _nvrtc.check_statistics()

@@ -269,13 +269,18 @@ def check_kernel(kernel: Kernel, cc: tuple[int, int]) -> None:
 
 
 def _compile_for_check(source: str, name: str, opts: tuple[str, ...]) -> tuple[str, ...] | _Failed:
-    """The entries ``source`` defines (``_UNREAD`` if its PTX cannot be had,
-    as with ``-dlto``), or how compiling it failed."""
+    """The entries ``source`` defines (``_UNREAD`` if no PTX comes out, as
+    with ``-dlto``), or how compiling it failed. A failure to create the
+    program (NVRTC out of memory) is raised, not kept."""
     try:
         image, _ = compile_program(source, name, opts, "ptx")
     except CudaError as exc:
-        if exc.call.startswith(("nvrtcCreateProgram", "nvrtcCompileProgram")):
+        if exc.call.startswith("nvrtcCompileProgram"):
             return _Failed(exc.code, exc.name, exc.text, exc.call, name)
+        if exc.call.startswith("nvrtcCreateProgram"):
+            raise
+        return _UNREAD
+    if b".version" not in image:  # no PTX (LTO IR instead): entries unknown
         return _UNREAD
     return ptx_entries(image)
 
