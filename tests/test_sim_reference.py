@@ -302,7 +302,10 @@ async def test_a_misnamed_kernel_names_what_the_source_defines(sim: SimDevice) -
 
 
 async def test_ptx_is_checked_for_its_entry_without_nvrtc(sim: SimDevice) -> None:
-    ptx = ".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry other(\n)\n{\n\tret;\n}\n"
+    ptx = (
+        ".version 8.0\n.target sm_90\n.address_size 64\n// .entry k( is not here\n"
+        "/* nor .entry k( */ .visible .entry other(\n)\n{\n\tret;\n}\n"
+    )
     async with trio_cuda.open_scope(device=sim) as gpu:
         with pytest.raises(CudaError, match=r"no kernel named 'k' in its PTX \(it defines 'other'\)"):
             await gpu.run(

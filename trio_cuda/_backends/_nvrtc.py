@@ -68,6 +68,7 @@ _stats = {"compiled": 0, "hits": 0, "skipped": 0}
 
 #: a PTX kernel entry: ``.entry name(`` (``.visible``/``.weak`` before it)
 _ENTRY = re.compile(r"\.entry\s+([A-Za-z_$%][\w$]*)")
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 
 
 def load_nvrtc() -> Any:
@@ -194,7 +195,7 @@ def _program_log(nvrtc: Any, prog: Any) -> str:
 def ptx_entries(ptx: bytes | str) -> tuple[str, ...]:
     """The kernel entries that PTX text declares, in order."""
     text = ptx.decode(errors="replace") if isinstance(ptx, bytes) else ptx
-    return tuple(_ENTRY.findall(text))
+    return tuple(_ENTRY.findall(_COMMENT.sub(" ", text)))
 
 
 # --------------------------------------------------------------------------- the simulator's check
