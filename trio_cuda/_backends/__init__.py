@@ -4,6 +4,10 @@ Invariants: importing this package never imports ``cuda``; the CUDA backend is
 imported only when a CUDA device is asked for or probed. Probing never raises,
 also on machines without libcuda (where ``cuda.bindings.driver`` imports but
 its first call raises ``DynamicLibNotFoundError``).
+
+Shared by both backends: ``_common`` (checks and errors they raise alike) and
+``_nvrtc`` (the NVRTC compiler, which needs no driver: the cuda backend
+compiles with it, and the simulator checks kernels' code with it).
 """
 
 from __future__ import annotations
