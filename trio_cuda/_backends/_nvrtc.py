@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SIM_COMPILE_ENV",
+    "arch_option",
+    "check_enabled",
     "check_kernel",
     "check_statistics",
     "compile_program",
