@@ -36,7 +36,7 @@ MISTAKES = textwrap.dedent(
         async with trio_cuda.open_scope("sim") as gpu:
             x = await gpu.to_device(np.ones(4))
             n: int = await gpu.to_host(x)  # E: assignment
-            await gpu.run(42)  # E: arg-type
+            await gpu.run(42)  # E: call-overload
             gpu.upload(x)  # E: attr-defined
             fut = gpu.submit(trio_cuda.ops.value(1.5))
             s: str = await fut.wait()  # E: assignment

@@ -87,6 +87,14 @@ async def main() -> None:
         ran: list[str] = []
         await gpu.run(trio_cuda.ops.host_closure(ran.append, "ran"))
         assert ran == ["ran"]
+        # a host closure's output is its value once awaited (a HostResult inside then/map)
+        closure = trio_cuda.ops.host_closure(len, "four")
+        assert_type(closure, DeviceOp[trio_cuda.ops.HostResult[int]])
+        assert_type(await gpu.run(closure), int)
+        assert_type(await closure, int)
+        pending = gpu.submit(trio_cuda.ops.host_closure(len, "four"))
+        assert_type(await pending.wait(), int)
+        assert await pending.wait() == 4
 
         stats = gpu.statistics()
         assert_type(stats, ScopeStatistics)

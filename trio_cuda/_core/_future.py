@@ -16,14 +16,14 @@ from __future__ import annotations
 import weakref
 from _thread import get_ident
 from time import perf_counter
-from typing import TYPE_CHECKING, Generic, TypeVar, final
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, final, overload
 
 import attrs
 import trio
 
 from ._completion import _RUN_CONTEXT
 from ._final import NoPublicConstructor
-from ._ops import resolve_output
+from ._ops import HostResult, resolve_output
 from ._submit import TERMINAL, Submission, SubState
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["DeviceFuture", "FutureStatistics", "wrong_caller"]
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 @attrs.frozen
@@ -106,7 +107,11 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
         """The stream the work was submitted to."""
         return self._sub.stream
 
-    async def wait(self) -> T:
+    @overload
+    async def wait(self: DeviceFuture[HostResult[U]]) -> U: ...  # a host closure's value
+    @overload
+    async def wait(self) -> T: ...
+    async def wait(self) -> Any:
         """Wait, without blocking the loop, for the work to complete; return
         its output or raise its error. Cancelling this wait does not cancel
         or release the GPU work.
@@ -130,7 +135,11 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
                 scope._trace_await(sub, t0)
         return self._outcome()
 
-    def wait_nowait(self) -> T:
+    @overload
+    def wait_nowait(self: DeviceFuture[HostResult[U]]) -> U: ...
+    @overload
+    def wait_nowait(self) -> T: ...
+    def wait_nowait(self) -> Any:
         """The output if the work completed; raises ``trio.WouldBlock`` if not.
         A completion nobody observed yet is observed (and retired) here."""
         sub = self._sub

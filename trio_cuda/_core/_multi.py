@@ -45,7 +45,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, final
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, final, overload
 
 import attrs
 import trio
@@ -56,7 +56,7 @@ from ._driver import MarkerState
 from ._errors import CompletionUnknownError, KernelArgumentError, ScopeClosedError, TrioCudaError
 from ._extent import array_extent
 from ._final import NoPublicConstructor
-from ._ops import Access, DeviceOp
+from ._ops import Access, DeviceOp, HostResult
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from ._submit import EnqueueContext, Submission
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 # --------------------------------------------------------------------------- foreign leases
@@ -420,7 +421,11 @@ class DevicePool(metaclass=NoPublicConstructor):
             raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
         return self.choose(op).submit(op)
 
-    async def run(self, op: DeviceOp[T], *, stream: Stream | None = None) -> T:
+    @overload
+    async def run(self, op: DeviceOp[HostResult[U]], *, stream: Stream | None = None) -> U: ...
+    @overload
+    async def run(self, op: DeviceOp[T], *, stream: Stream | None = None) -> T: ...
+    async def run(self, op: DeviceOp[Any], *, stream: Stream | None = None) -> Any:
         """Submit ``op`` as :meth:`submit` does and wait for its output
         (cancelling the wait leaves the work to its scope, as ``scope.run``)."""
         await trio.lowlevel.checkpoint_if_cancelled()

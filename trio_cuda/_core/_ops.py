@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, final, overload
 
 import numpy as np
 
@@ -67,7 +67,11 @@ class DeviceOp(Generic[T]):
             return self
         return _Shared(self)
 
-    def __await__(self) -> Generator[Any, None, T]:
+    @overload
+    def __await__(self: DeviceOp[HostResult[U]]) -> Generator[Any, None, U]: ...
+    @overload
+    def __await__(self) -> Generator[Any, None, T]: ...
+    def __await__(self) -> Generator[Any, None, Any]:
         from ._scope import current_scope
 
         return current_scope().run(self).__await__()

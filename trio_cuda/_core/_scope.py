@@ -26,7 +26,7 @@ from _thread import get_ident
 from collections import deque
 from collections.abc import Callable
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, final
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, final, overload
 
 import attrs
 import numpy as np
@@ -46,7 +46,7 @@ from ._kernel import Kernel, static_launches
 from ._launch import KernelLaunch
 from ._memory import MemoryTable
 from ._multi import foreign_lease_count
-from ._ops import Access, DeviceOp, _Copy, _Fill, _ZeroBytes, resolve_output
+from ._ops import Access, DeviceOp, HostResult, _Copy, _Fill, _ZeroBytes, resolve_output
 from ._policy import SchedulingPolicy
 from ._stream import Stream
 from ._submit import EnqueueContext, Submission, SubState, take_launch_leases, take_leases
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from ._launch import PreparedLaunch
 
 T = TypeVar("T")
+U = TypeVar("U")
 E = TypeVar("E", bound=ScopeExtension)
 
 _current: contextvars.ContextVar[ResourceScope] = contextvars.ContextVar("trio_cuda_scope")
@@ -706,7 +707,11 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             },
         )
 
-    async def run(self, op: DeviceOp[T], *, stream: Stream | None = None) -> T:
+    @overload
+    async def run(self, op: DeviceOp[HostResult[U]], *, stream: Stream | None = None) -> U: ...
+    @overload
+    async def run(self, op: DeviceOp[T], *, stream: Stream | None = None) -> T: ...
+    async def run(self, op: DeviceOp[Any], *, stream: Stream | None = None) -> Any:
         """Submit ``op`` and wait for its output. If the calling task is
         cancelled first, nothing is submitted; if it is cancelled while
         waiting, ``Cancelled`` is raised promptly and the scope keeps the
@@ -735,7 +740,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             sub.observed = True
             self._unobserved.pop(sub, None)
             raise sub.error
-        return resolve_output(sub.output)  # type: ignore[return-value]
+        return resolve_output(sub.output)
 
     # ------------------------------------------------------------------ graphs
     async def capture(self, op: DeviceOp[Any], *, stream: Stream | None = None) -> CudaGraph:
