@@ -7,7 +7,14 @@ and the job then checks that nothing leaked. It runs on the real GPU when a
 CUDA driver and a device answer, and on the simulated device otherwise, and
 says which.
 
-    python examples/batch_job.py [--inputs 64] [--deadline 0.1] [--device auto|sim|cuda:N]
+    python examples/batch_job.py [--inputs 64] [--deadline 0.1] [--device auto|sim|cuda:N] [-v | -vv]
+
+On a terminal a progress bar runs on stderr (plain progress lines otherwise);
+-v adds a line per input (its stream, how long each step took, the scope's
+in-flight work and leases) and per cancellation, -vv every step. The first
+Ctrl-C cancels the rest of the batch the way the deadline does. Exit status:
+0 every check passed, 1 a check failed, 2 the job could not run (a bad option,
+or the CUDA device asked for is not there), 130 interrupted; --help says more.
 
 The job itself lives in ``trio_cuda._demo`` (also ``python -m trio_cuda demo``).
 """

@@ -136,57 +136,74 @@ QUICK = ("--device", "sim", "--inputs", "16", "--size", "256", "--kernel-ms", "1
 
 # --------------------------------------------------------------------------- -v and -vv
 
-CANCELS = {**FAST, "deadline": 0.008}
 
-
-async def test_verbose_adds_per_input_lines_device_details_and_logging() -> None:
-    quiet_out, quiet_err = io.StringIO(), io.StringIO()
-    plain = await run_batch(BatchConfig(**CANCELS), out=quiet_out, err=quiet_err)  # type: ignore[arg-type]
+async def test_verbose_adds_per_input_lines_and_device_details() -> None:
+    config = {**FAST, "deadline": math.inf}
+    plain_out, plain_err = io.StringIO(), io.StringIO()
+    plain = await run_batch(BatchConfig(**config), out=plain_out, err=plain_err)  # type: ignore[arg-type]
     out, err = io.StringIO(), io.StringIO()
-    report = await run_batch(BatchConfig(**CANCELS, verbose=1), out=out, err=err)  # type: ignore[arg-type]
-    text, log_text = out.getvalue(), err.getvalue()
-    _assert_clean(plain, quiet_out.getvalue())
+    report = await run_batch(BatchConfig(**config, verbose=1), out=out, err=err)  # type: ignore[arg-type]
+    text, plain_text = out.getvalue(), plain_out.getvalue()
+    _assert_clean(plain, plain_text)
     _assert_clean(report, text)
-    assert report.deadline_hit, text
-    assert report.cancelled_in_flight > 0, text
 
-    # One line per completed input: its stream, the time of each step, the scope's counters.
+    # One line per input: its stream, the time of each step, the scope's counters.
     per_input = re.findall(
         r"^input +(\d+): stream (\d+), upload [\d.]+ ms, compute [\d.]+ ms, download [\d.]+ ms, "
         r"matches the reference; scope: \d+ submission\(s\) in flight, \d+ lease\(s\), [\d.]+ MiB retained$",
         text,
         re.MULTILINE,
     )
-    assert len(per_input) == report.completed > 0, text
+    assert sorted(int(i) for i, _ in per_input) == list(range(FAST["inputs"])), text
     assert all(0 <= int(stream) < 4 for _, stream in per_input)
-    assert sorted(int(i) for i, _ in per_input) == sorted(set(int(i) for i, _ in per_input))
-    # One line per cancelled input, with the step it was in.
-    cancels = re.findall(
-        r"^input +\d+: cancelled while (uploading|computing|downloading)", text, re.MULTILINE
-    )
-    assert len(cancels) == report.cancelled_in_flight, text
+    assert sum(report.streams_used.values()) == FAST["inputs"]
     # The device, the scope, the timings and the streams.
     for needle in (
-        "device: sim0 (sim, ordinal 0)",
-        "scope: 4 streams",
-        "timings (ms, median/max",
-        "streams: 0:",
+        "device: sim0 (sim, ordinal 0), 8.0 GiB, compute capability 9.0",
+        "scope: 4 streams, up to 4 inputs at a time, launches of 2 block(s) of 256 threads; "
+        "each launch takes 2 ms of simulated time",
+        f"timings (ms, median/max over {FAST['inputs']} inputs): upload ",
+        "streams: 0: ",
     ):
         assert needle in text, text
-    assert re.search(r"^inputs? \d+( to \d+)?: never started$", text, re.MULTILINE), text
     # None of that without -v; the summary lines are the same.
-    plain_text = quiet_out.getvalue()
     assert not re.search(r"^input +\d+:", plain_text, re.MULTILINE), plain_text
     for needle in ("device: ", "timings", "streams: "):
         assert needle not in plain_text
-    for summary in ("verify: ", "after scope exit: ", "OK: "):
+    for summary in ("verify: 24/24", "after scope exit: ", "OK: 24 verified"):
         assert summary in plain_text
         assert summary in text
-    # The trio_cuda logger at INFO: tasks cancelled while their work was in flight.
-    assert report.in_flight_at_deadline > 0, text
-    assert "[trio_cuda INFO] a task awaiting submission" in log_text, log_text
+    assert plain_err.getvalue() == ""
+    assert len(text.splitlines()) > len(plain_text.splitlines()) + FAST["inputs"]
+
+
+async def test_verbose_reports_each_cancellation_and_logs_at_info() -> None:
+    # Launches of 400 ms and a deadline of 150 ms: the deadline finds every
+    # started input with work in flight (its kernels, or an upload queued
+    # behind another input's kernel).
+    config = BatchConfig(
+        inputs=8, size=64, concurrency=4, kernel_ms=400, deadline=0.15, device="sim", verbose=1
+    )
+    out, err = io.StringIO(), io.StringIO()
+    report = await run_batch(config, out=out, err=err)
+    text, log_text = out.getvalue(), err.getvalue()
+    _assert_clean(report, text)
+    assert report.cancelled_in_flight == 4, text
+    assert report.cancelled["waiting"] == 4, text
+    assert report.cancelled.get("computing", 0) >= 1, text
+    cancels = re.findall(
+        r"^input +(\d+): cancelled while (?:computing on stream \d+|uploading), [\d.]+ ms after it started; "
+        r"the scope keeps its work in flight until the device finished it$",
+        text,
+        re.MULTILINE,
+    )
+    assert sorted(int(i) for i in cancels) == [0, 1, 2, 3], text
+    assert "inputs 4 to 7: never started" in text
+    assert "deadline: 0.150 s passed: 0 done, 4 cancelled in flight (" in text
+    # The trio_cuda logger at INFO: each task cancelled with its work in flight.
+    assert report.in_flight_at_deadline >= 4, text
+    assert log_text.count("[trio_cuda INFO] a task awaiting submission") == 4, log_text
     assert "DEBUG" not in log_text
-    assert quiet_err.getvalue() == ""
     # The logger is as it was before the run.
     logger = logging.getLogger("trio_cuda")
     assert logger.level == logging.NOTSET

@@ -12,6 +12,14 @@ Both kernels take a ``spin_ns`` argument: on a real GPU, one thread waits that
 long on the GPU's clock, so a launch takes about as long as a launch on the
 simulator with ``SimDevice(kernel_time=...)``. The deadline then cancels real
 in-flight work on both backends.
+
+Invariants: an input's task is started only when one of the ``concurrency``
+places is free, and its vectors are made then and checked as soon as its result
+arrives, so host memory stays bounded however many inputs a run has. A CUDA
+device that is asked for and not there is refused before anything is printed
+or run. Cancelling the batch (the deadline, or the first Ctrl-C on the command
+line) never skips the checks: the scope still retires what is in flight. What
+the job prints, and where, is ``_demo_output``'s business.
 """
 
 from __future__ import annotations
@@ -166,58 +174,73 @@ PROGRESS_MODES = ("bar", "lines", "none")
 _DEVICE = re.compile(r"auto|sim|cuda(?::(\d+))?")
 
 
-def _int_range(low: int, high: int | None = None) -> str:
-    return f"an int >= {low}" if high is None else f"an int from {low} to {high}"
+@attrs.frozen
+class _Check:
+    """One setting's rule: an attrs validator of :class:`BatchConfig`, and the
+    argparse ``type`` of its option, with the same message."""
+
+    expected: str
+    ok: Callable[[Any], bool]
+    convert: Callable[[str], Any] = str
+
+    def __call__(self, instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not self.ok(value):
+            raise ValueError(f"{attribute.name}: expected {self.expected}, got {value!r}")
+
+    def parse(self, text: str) -> Any:
+        try:
+            value = self.convert(text)
+        except ValueError:
+            value = None
+        if value is None or not self.ok(value):
+            raise argparse.ArgumentTypeError(f"expected {self.expected}, got {text!r}")
+        return value
 
 
-def _check_int(low: int, high: int | None = None) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        if not ok or value < low or (high is not None and value > high):
-            raise ValueError(f"{attribute.name}: expected {_int_range(low, high)}, got {value!r}")
+def _integer(low: int, high: int | None = None) -> _Check:
+    def ok(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
 
-    return check
+    return _Check(f"an int >= {low}" if high is None else f"an int from {low} to {high}", ok, int)
 
 
-def _check_deadline(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
-        raise ValueError(f"deadline: expected seconds >= 0 (math.inf for none), got {value!r}")
+def _real(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def _check_kernel_ms(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= MAX_KERNEL_MS:
-        raise ValueError(f"kernel_ms: expected milliseconds from 0 to {MAX_KERNEL_MS:g}, got {value!r}")
+def _seconds(text: str) -> float:
+    return math.inf if text.strip().lower() in ("none", "inf", "infinity") else float(text)
 
 
-def _check_device(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, str) or _DEVICE.fullmatch(value) is None:
-        raise ValueError(f"device: expected 'auto', 'sim', 'cuda' or 'cuda:N', got {value!r}")
-
-
-def _check_progress(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value not in PROGRESS_MODES:
-        raise ValueError(f"progress: expected 'bar', 'lines' or 'none', got {value!r}")
+_DEADLINE = _Check("seconds >= 0, or 'none' (math.inf)", lambda v: _real(v) and v >= 0, _seconds)
+_KERNEL_MS = _Check(
+    f"milliseconds from 0 to {MAX_KERNEL_MS:g}", lambda v: _real(v) and 0 <= v <= MAX_KERNEL_MS, float
+)
+_DEVICE_NAME = _Check(
+    "'auto', 'sim', 'cuda' or 'cuda:N'", lambda v: isinstance(v, str) and _DEVICE.fullmatch(v) is not None
+)
+_PROGRESS = _Check("'bar', 'lines' or 'none'", lambda v: v in PROGRESS_MODES)
 
 
 @attrs.frozen
 class BatchConfig:
     """Settings of one batch run (see ``python -m trio_cuda demo --help``)."""
 
-    inputs: int = attrs.field(default=64, validator=_check_int(1))
-    size: int = attrs.field(default=4096, validator=_check_int(1, MAX_SIZE))
-    concurrency: int = attrs.field(default=8, validator=_check_int(1))
-    deadline: float = attrs.field(default=0.1, validator=_check_deadline)  #: seconds; math.inf for none
+    inputs: int = attrs.field(default=64, validator=_integer(1))
+    size: int = attrs.field(default=4096, validator=_integer(1, MAX_SIZE))
+    concurrency: int = attrs.field(default=8, validator=_integer(1))
+    deadline: float = attrs.field(default=0.1, validator=_DEADLINE)  #: seconds; math.inf for none
     #: time each launch takes (simulated, or spun on the GPU)
-    kernel_ms: float = attrs.field(default=5.0, validator=_check_kernel_ms)
-    device: str = attrs.field(default="auto", validator=_check_device)
-    streams: int = attrs.field(default=4, validator=_check_int(1, MAX_STREAMS))
-    seed: int = attrs.field(default=0, validator=_check_int(0))
+    kernel_ms: float = attrs.field(default=5.0, validator=_KERNEL_MS)
+    device: str = attrs.field(default="auto", validator=_DEVICE_NAME)
+    streams: int = attrs.field(default=4, validator=_integer(1, MAX_STREAMS))
+    seed: int = attrs.field(default=0, validator=_integer(0))
     #: "lines": a plain line every ``progress_every`` completions (and at
     #: least every few seconds); "bar": a tqdm bar on the error stream; "none"
-    progress: str = attrs.field(default="lines", validator=_check_progress)
-    progress_every: int = attrs.field(default=0, validator=_check_int(0))  #: 0: every eighth of the inputs
+    progress: str = attrs.field(default="lines", validator=_PROGRESS)
+    progress_every: int = attrs.field(default=0, validator=_integer(0))  #: 0: every eighth of the inputs
     #: 1: a line per input, the trio_cuda logger at INFO; 2: a line per step, DEBUG
-    verbose: int = attrs.field(default=0, validator=_check_int(0))
+    verbose: int = attrs.field(default=0, validator=_integer(0))
 
 
 @attrs.define
@@ -664,45 +687,11 @@ def _check(output: Output, gpu: ResourceScope, sim: SimDevice | None, report: Ba
 # --------------------------------------------------------------------------- command line
 
 
-def _int_option(low: int, high: int | None = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"expected {_int_range(low, high)}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _deadline(text: str) -> float:
-    if text.strip().lower() in ("none", "inf", "infinity"):
-        return math.inf
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0 or 'none', got {text!r}")
-    return value
-
-
-def _kernel_ms(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value <= MAX_KERNEL_MS:
-        raise argparse.ArgumentTypeError(f"expected milliseconds from 0 to {MAX_KERNEL_MS:g}, got {text!r}")
-    return value
-
-
-def _device(text: str) -> str:
-    if _DEVICE.fullmatch(text) is None:
-        raise argparse.ArgumentTypeError(f"expected 'auto', 'sim', 'cuda' or 'cuda:N', got {text!r}")
-    return text
+def _option(field: str) -> Callable[[str], Any]:
+    """The argparse ``type`` of ``BatchConfig.field``'s option."""
+    check = attrs.fields_dict(BatchConfig)[field].validator
+    assert isinstance(check, _Check)
+    return check.parse
 
 
 def _trace_path(text: str) -> str:
@@ -741,42 +730,45 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         parser.formatter_class = argparse.RawDescriptionHelpFormatter
     d = BatchConfig()
     parser.add_argument(
-        "--inputs", type=_int_option(1), default=d.inputs, help=f"input vectors (default {d.inputs})"
+        "--inputs", type=_option("inputs"), default=d.inputs, help=f"input vectors (default {d.inputs})"
     )
     parser.add_argument(
         "--size",
-        type=_int_option(1, MAX_SIZE),
+        type=_option("size"),
         default=d.size,
         help=f"elements per vector (default {d.size})",
     )
     parser.add_argument(
         "--concurrency",
-        type=_int_option(1),
+        type=_option("concurrency"),
         default=d.concurrency,
         help=f"inputs in flight at once (default {d.concurrency})",
     )
     parser.add_argument(
         "--deadline",
-        type=_deadline,
+        type=_option("deadline"),
         default=d.deadline,
         help=f"seconds before the rest of the batch is cancelled, or 'none' (default {d.deadline})",
     )
     parser.add_argument(
         "--kernel-ms",
-        type=_kernel_ms,
+        type=_option("kernel_ms"),
         default=d.kernel_ms,
         help=f"time each kernel launch takes, simulated or spun on the GPU (default {d.kernel_ms:g})",
     )
     parser.add_argument(
-        "--device", type=_device, default=d.device, help="'auto' (default), 'sim', 'cuda' or 'cuda:N'"
+        "--device",
+        type=_option("device"),
+        default=d.device,
+        help="'auto' (default), 'sim', 'cuda' or 'cuda:N'",
     )
     parser.add_argument(
         "--streams",
-        type=_int_option(1, MAX_STREAMS),
+        type=_option("streams"),
         default=d.streams,
         help=f"streams (default {d.streams})",
     )
-    parser.add_argument("--seed", type=_int_option(0), default=d.seed, help="random seed of the inputs")
+    parser.add_argument("--seed", type=_option("seed"), default=d.seed, help="random seed of the inputs")
     parser.add_argument(
         "--progress",
         choices=("auto", *PROGRESS_MODES),
