@@ -530,3 +530,21 @@ def test_ctrl_c_cancels_the_batch_drains_it_and_exits_130() -> None:
     assert "Ctrl-C: cancelling the rest of the batch" in text
     assert re.search(r"^interrupted: \d+ done", text, re.MULTILINE), text
     assert "nothing leaked" in text
+
+
+def test_a_reader_that_goes_away_is_no_traceback(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trio_cuda", "demo", *QUICK, "-v", "--trace", str(tmp_path / "t.json")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env=_env(),
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith(b"trio_cuda batch job: ")
+    proc.stdout.close()  # as `demo | head -1` does
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert b"Traceback" not in err
+    assert b"BrokenPipeError" not in err
+    assert (tmp_path / "t.json").stat().st_size > 0  # the job went on to its end

@@ -45,7 +45,7 @@ from ._core._errors import TrioCudaError
 from ._core._kernel import Kernel
 from ._core._params import In, InOut, Out, Scalar
 from ._core._scope import ResourceScope, ScopeStatistics
-from ._demo_output import Output
+from ._demo_output import Output, to_devnull
 from ._open import open_scope
 from .testing import SimAllocation, SimDevice, Violation
 
@@ -883,9 +883,14 @@ def run_from_args(args: argparse.Namespace) -> int:
                 print(f"{prog}: error: --trace: could not write {path!r}: {exc}", file=sys.stderr)
                 status = status or 1
             else:
-                print(
-                    f"trace: {len(recording.events)} events ({recording.dropped} dropped) written to {path}"
-                )
+                try:
+                    print(
+                        f"trace: {len(recording.events)} events ({recording.dropped} dropped) "
+                        f"written to {path}",
+                        flush=True,
+                    )
+                except BrokenPipeError:  # the reader of stdout went away
+                    to_devnull(sys.stdout)
     return status
 
 

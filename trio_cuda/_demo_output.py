@@ -11,6 +11,8 @@ Invariants:
   plain line every so often: no carriage returns in logs and CI output.
 * The bar is closed before the summary is printed, and on every way out of
   the run (an error, Ctrl-C), so the summary is never drawn over.
+* A stream whose reader went away (``demo | head``) is written no more; the
+  job itself goes on to its end.
 * Verbosity 1 adds a line per input and the ``trio_cuda`` logger at INFO;
   verbosity 2 adds a line per step of each input and the logger at DEBUG. The
   logger's level and handlers are restored when the run ends.
@@ -25,7 +27,7 @@ import time
 from types import TracebackType
 from typing import Any, TextIO
 
-__all__ = ["Output"]
+__all__ = ["Output", "to_devnull"]
 
 #: seconds between two plain progress lines when completions are slow
 LINE_INTERVAL = 5.0
@@ -42,6 +44,19 @@ def _size(stream: TextIO) -> bool:
     except (AttributeError, ValueError, OSError):  # not a file, closed, or not a terminal
         return False
     return size.columns > 0 and size.lines > 0
+
+
+def to_devnull(stream: TextIO) -> None:
+    """Point the file descriptor under ``stream`` at /dev/null, so that the
+    interpreter's last flush at exit does not fail on the broken pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
+    except (AttributeError, ValueError, OSError):  # not a file
+        pass
 
 
 class _Handler(logging.Handler):
@@ -88,15 +103,27 @@ class Output:
         self._last_postfix = 0.0
         self._handler: _Handler | None = None
         self._saved_level = logging.NOTSET
+        self._gone: set[TextIO] = set()  # streams whose reader went away
 
     # ------------------------------------------------------------------ lines
+    def _write(self, stream: TextIO, line: str) -> None:
+        if stream in self._gone:
+            return
+        try:
+            if self._bar is not None:
+                self._bar.write(line, file=stream)
+            else:
+                print(line, file=stream)
+            stream.flush()
+        except BrokenPipeError:
+            # The reader went away (``demo | head``): the job goes on, and
+            # finishes its checks and its drain, without writing there.
+            self._gone.add(stream)
+            to_devnull(stream)
+
     def say(self, line: str) -> None:
         """A line of the job's output."""
-        if self._bar is not None:
-            self._bar.write(line, file=self.out)
-            self.out.flush()
-        else:
-            print(line, file=self.out, flush=True)
+        self._write(self.out, line)
 
     def detail(self, line: str) -> None:
         """A line shown with ``-v``."""
@@ -110,11 +137,7 @@ class Output:
 
     def log_line(self, line: str) -> None:
         """A log record, on the error stream."""
-        if self._bar is not None:
-            self._bar.write(line, file=self.err)
-        else:
-            print(line, file=self.err)
-        self.err.flush()
+        self._write(self.err, line)
 
     # ------------------------------------------------------------------ logging
     def __enter__(self) -> Output:
