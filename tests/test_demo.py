@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import trio_cuda._demo as _demo_module
+import trio_cuda._demo_output as _demo_output
 from trio_cuda._demo import BatchConfig, DeviceUnavailableError, main, make_kernels, run_batch
+from trio_cuda._demo_output import Output
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -548,3 +550,52 @@ def test_a_reader_that_goes_away_is_no_traceback(tmp_path: Path) -> None:
     assert b"Traceback" not in err
     assert b"BrokenPipeError" not in err
     assert (tmp_path / "t.json").stat().st_size > 0  # the job went on to its end
+
+
+# --------------------------------------------------------------------------- the printer
+
+
+def test_plain_progress_lines_every_eighth_and_when_completions_are_slow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = io.StringIO()
+    printer = Output(out, io.StringIO(), progress="lines")
+    printer.start_progress(100)
+    for done in range(1, 101):
+        printer.completed(done, 3)
+    lines = out.getvalue().splitlines()
+    assert [int(line.split()[1].split("/")[0]) for line in lines] == [13, 26, 39, 52, 65, 78, 91, 100]
+    assert all(line.startswith("progress: ") and ", 3 in flight, " in line for line in lines)
+
+    monkeypatch.setattr(_demo_output, "LINE_INTERVAL", 0.0)  # every completion is "slow"
+    out = io.StringIO()
+    printer = Output(out, io.StringIO(), progress="lines")
+    printer.start_progress(100)
+    for done in range(1, 6):
+        printer.completed(done, 1)
+    assert len(out.getvalue().splitlines()) == 5
+
+    out = io.StringIO()
+    printer = Output(out, io.StringIO(), progress="none")
+    printer.start_progress(10)
+    for done in range(1, 11):
+        printer.completed(done, 0)
+    assert out.getvalue() == ""
+
+
+def test_the_printer_restores_the_logger_on_an_error() -> None:
+    logger = logging.getLogger("trio_cuda")
+    handlers = list(logger.handlers)
+    err = io.StringIO()
+    with pytest.raises(RuntimeError, match="boom"), Output(io.StringIO(), err, verbose=2):
+        assert logger.level == logging.DEBUG
+        logger.debug("seen at -vv")
+        raise RuntimeError("boom")
+    assert logger.level == logging.NOTSET
+    assert logger.handlers == handlers
+    assert err.getvalue() == "[trio_cuda DEBUG] seen at -vv\n"
+    with Output(io.StringIO(), err, verbose=1):
+        logger.debug("not at -v")
+    assert "not at -v" not in err.getvalue()
+    with pytest.raises(ValueError, match="^progress: expected 'bar', 'lines' or 'none', got 'fancy'$"):
+        Output(io.StringIO(), io.StringIO(), progress="fancy")
