@@ -39,6 +39,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Literal, final
 
 import numpy as np
+from trio.lowlevel import enable_ki_protection
 
 from ._errors import CompletionUnknownError, ScopeClosedError
 from ._final import NoPublicConstructor
@@ -516,6 +517,7 @@ class DeviceArray(metaclass=NoPublicConstructor):
         self.close()
         return arr
 
+    @enable_ki_protection
     def close(self) -> None:
         """Drop this handle. Idempotent. The memory is freed once every other
         handle is closed and no in-flight work holds a lease on it.

@@ -28,7 +28,14 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import trio
-from trio.lowlevel import Abort, checkpoint, current_task, reschedule, wait_task_rescheduled
+from trio.lowlevel import (
+    Abort,
+    checkpoint,
+    current_task,
+    enable_ki_protection,
+    reschedule,
+    wait_task_rescheduled,
+)
 
 from ._array import Allocation, AllocState
 from ._dlpack import UNCONSUMED, sweep_dropped
@@ -124,6 +131,7 @@ class Completion:
         def _free(self, alloc: Allocation) -> None: ...
 
     # ------------------------------------------------------------------ markers
+    @enable_ki_protection
     def _finish_submission(self, sub: Submission, out: object, *, wake: bool = True) -> None:
         """Put an enqueued submission in flight. Its completion marker is
         recorded now, or, when the driver batches markers, once for every
@@ -147,6 +155,7 @@ class Completion:
                 self._idle = None
                 idle.set()
 
+    @enable_ki_protection
     def _flush(self, s: Stream) -> None:
         """Record one completion marker after the stream's unmarked
         submissions. If that fails, their completion cannot be established."""
@@ -178,6 +187,7 @@ class Completion:
             idle.set()
 
     # ------------------------------------------------------------------ waiters
+    @enable_ki_protection
     async def _observe(self, sub: Submission) -> None:
         """Wait until ``sub`` settled: the waiter's side of rule 10.
 
@@ -279,6 +289,7 @@ class Completion:
             task = current_task()
             tr.emit("cancel", "cancelled", self._trace_id, sub.stream.index, sub.id, args={"task": task.name})
 
+    @enable_ki_protection
     def _observe_nowait(self, sub: Submission) -> bool:
         """``_observe`` without waiting: look once; True if ``sub`` settled."""
         if sub.state is SubState.IN_FLIGHT and not self._host_steps:
@@ -374,6 +385,7 @@ class Completion:
         if self._handoff_errors <= 3:  # a driver failing on every pass: keep the first few
             self._orphan_errors.append(exc)
 
+    @enable_ki_protection
     def _scan(self) -> bool:
         """Retire what completed, per stream in order. True when a host
         closure ran: opening its gate can complete work on a stream scanned
@@ -430,6 +442,7 @@ class Completion:
         except Exception as exc:
             sub.unknown = exc
 
+    @enable_ki_protection
     def _retire(self, sub: Submission, p: Poll) -> None:
         if p.state is MarkerState.UNKNOWN or sub.unknown is not None:
             self._quarantine_submission(sub, p.error or sub.unknown)
@@ -473,6 +486,7 @@ class Completion:
         sub.op = None  # a kept future must not pin the op's arrays
         self._settle(sub, SubState.FAILED if sub.error is not None else SubState.DONE)
 
+    @enable_ki_protection
     def _settle(self, sub: Submission, state: SubState) -> None:
         sub.state = state
         self._in_flight -= 1
@@ -537,6 +551,7 @@ class Completion:
     def _work_remains(self) -> bool:
         return bool(self._in_flight) or any(s._pending or s._unmarked for s in self._streams)
 
+    @enable_ki_protection
     async def _drain(self, timeout: float | None) -> None:
         with trio.move_on_after(math.inf if timeout is None else timeout):
             while True:
@@ -571,6 +586,7 @@ class Completion:
             self._handoff_failed(exc)
             await trio.sleep(0.001)
 
+    @enable_ki_protection
     def _abandon_in_flight(self, timeout: float | None) -> None:
         """Quarantine what is still in flight after the drain timeout, after
         one last look: work the device finished meanwhile is retired, not

@@ -19,6 +19,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import trio
+from trio.lowlevel import enable_ki_protection
 
 from ._array import Allocation, AllocState
 
@@ -46,6 +47,7 @@ class MemoryTable:
 
         def _wake(self) -> None: ...
 
+    @enable_ki_protection
     def _release_handle(self, alloc: Allocation) -> None:
         if get_ident() != self._thread:  # closed from a worker thread
             self._release_handle_later(alloc)
@@ -53,6 +55,7 @@ class MemoryTable:
         alloc.handles -= 1
         self._maybe_free(alloc)
 
+    @enable_ki_protection
     def _release_handle_later(self, alloc: Allocation) -> None:
         """From a garbage-collection finalizer, possibly on another thread."""
         if self._closed:
@@ -63,10 +66,12 @@ class MemoryTable:
         except trio.RunFinishedError:
             pass
 
+    @enable_ki_protection
     def _maybe_free(self, alloc: Allocation) -> None:
         if alloc.handles <= 0 and not alloc.active and alloc.state is AllocState.LIVE:
             self._free(alloc)
 
+    @enable_ki_protection
     def _free(self, alloc: Allocation) -> None:
         if alloc.borrowed:  # another library's memory: only let go of it
             alloc.state = AllocState.FREED

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, final, overload
 import attrs
 import numpy as np
 import trio
+from trio.lowlevel import enable_ki_protection
 
 from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_order, normalize_shape
 from ._completion import Completion
@@ -351,6 +352,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             raise ValueError(f"stream: expected a stream of this scope, got {stream!r} of another scope")
         return stream
 
+    @enable_ki_protection
     def empty(
         self,
         shape: object,
@@ -553,6 +555,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             fut._watch()
         return fut
 
+    @enable_ki_protection
     def _submit_detached(self, op: DeviceOp[Any], stream: Stream, what: str) -> None:
         """``submit`` for the scope's own work that nobody awaits (the fill of
         ``zeros``/``full``): no future to drop; the handoff retires it."""
@@ -562,6 +565,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             self._idle = None
             idle.set()
 
+    @enable_ki_protection
     def _submit(self, op: DeviceOp[Any], stream: Stream | None, what: str) -> Submission:
         """Enqueue ``op`` as one submission, in flight when this returns. The
         handoff is not woken (the caller does, or awaits the work itself),
@@ -614,6 +618,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             args["leases"] = lease_args(sub)
         tr.emit("error", type(exc).__name__, self._trace_id, sub.stream.index, sub.id, args=args)
 
+    @enable_ki_protection
     def _enqueue_unsafe(self, op: DeviceOp[T], stream: Stream) -> T:
         """``unsafe.async_on``: enqueue ``op`` on ``stream`` (of this scope)
         with no lease, owner or marker; only the checks that need no
@@ -640,6 +645,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         out: Any = op._enqueue(EnqueueContext(self, stream, None))
         return out  # type: ignore[no-any-return]
 
+    @enable_ki_protection
     def _submit_launch(self, op: KernelLaunch, stream: Stream | None) -> Submission:
         """``_submit`` for a single kernel launch, the hot path: the same steps
         as ``EnqueueContext.launch`` without the generic op machinery, and
@@ -825,6 +831,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         self._driver.check_launch(self._function(prepared.kernel), prepared)
         cache["checked"] = info
 
+    @enable_ki_protection
     def _release_everything(self) -> None:
         """After the drain: free memory, unload modules, destroy streams."""
         driver = self._driver
