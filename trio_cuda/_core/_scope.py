@@ -585,7 +585,8 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         self._check_open(what)
         if self._enqueuing:
             raise RuntimeError(f"{what}: cannot submit from inside a then/map closure of another submission")
-        self._load_static(op)
+        if type(op) is not KernelLaunch:  # a lone launch loads its kernel before it enqueues
+            self._load_static(op)
         s = self._pick(op, stream)
         sub = self._new_submission(s, op)
         ctx = EnqueueContext(self, s, sub)
@@ -641,7 +642,8 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
                 )
             raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
         self._check_open("async_on")
-        self._load_static(op)
+        if type(op) is not KernelLaunch:  # a lone launch loads its kernel before it enqueues
+            self._load_static(op)
         out: Any = op._enqueue(EnqueueContext(self, stream, None))
         return out  # type: ignore[no-any-return]
 
