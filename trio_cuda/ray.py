@@ -1,0 +1,379 @@
+"""Run Trio jobs with a trio_cuda scope inside Ray tasks (``pip install 'trio_cuda[ray]'``).
+
+Invariants:
+
+* Importing this module imports Ray; ``import trio_cuda`` never does.
+* Every call of a job runs ``trio.run`` in the Ray worker and opens ONE
+  scope for it: on the GPU that Ray assigned to the task (Ray sets
+  ``CUDA_VISIBLE_DEVICES``, so it is ``cuda:0`` there), or on the simulator
+  where the task has no GPU. The scope is closed before the task returns: it
+  drains, so nothing is freed under a running kernel, and the worker hands
+  back nothing in flight.
+* Ray's cancellation of a running task (``ray.cancel(ref)``, which
+  interrupts the worker with SIGINT) and the job's deadline (an absolute
+  wall-clock time, shared by every worker of a job) both become Trio
+  cancellation of the job; the report says which. Further interrupts while
+  the scope drains are ignored (``ray.cancel(ref, force=True)`` still kills
+  the worker: the driver then releases the process's GPU memory).
+* A call always returns a :class:`WorkerReport`, also when the job failed or
+  was cancelled: the job's value or error (replaced by a ``RuntimeError``
+  naming it when it does not pickle), what it emitted with
+  :meth:`WorkerContext.emit` before it ended, the scope's final statistics
+  and, on the simulator, the memcheck's findings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Literal, TypeVar, final
+
+import attrs
+import ray
+import trio
+
+from ._core._errors import TrioCudaError
+from ._core._scope import ResourceScope, ScopeStatistics
+from ._open import open_scope, sim_options_from_env
+from .testing import SimDevice
+
+__all__ = ["JobCancelledError", "RemoteJob", "WorkerContext", "WorkerReport", "remote", "run_job"]
+
+R = TypeVar("R")
+
+#: what ended a job early
+CancelReason = Literal["deadline", "ray.cancel"]
+
+#: options of :func:`remote` and :meth:`RemoteJob.options` that are trio_cuda's, not Ray's
+_OWN_OPTIONS = frozenset({"device", "deadline", "sim", "scope_options"})
+
+
+class JobCancelledError(TrioCudaError):
+    """:meth:`WorkerReport.result` of a job that was cancelled before it
+    returned (its deadline passed, or Ray cancelled the task)."""
+
+
+@final
+@attrs.frozen
+class WorkerReport:
+    """What one call of a job sent back from its Ray worker."""
+
+    #: the job's return value (None unless it returned)
+    value: Any
+    #: what the job raised (or the scope's exit raised), else None
+    error: BaseException | None
+    #: ``key -> value`` pairs the job emitted before it ended, in order
+    emitted: dict[Any, Any]
+    #: "deadline" or "ray.cancel" when the job was cancelled, else None
+    cancelled: CancelReason | None
+    #: the scope's statistics after it closed
+    statistics: ScopeStatistics
+    #: "cuda" or "sim"
+    backend: str
+    #: the device's name
+    device: str
+    #: the GPUs Ray assigned to the task (empty on the simulator)
+    gpu_ids: tuple[str, ...]
+    hostname: str
+    pid: int
+    #: Ray's node id and the task's attempt (0 first, then one per retry)
+    node_id: str
+    attempt: int
+    #: seconds from the job's start to the scope's close
+    elapsed: float
+    #: the simulator's memcheck records and never-freed allocations (None on a GPU)
+    violations: int | None
+    sim_live_allocations: int | None
+
+    @property
+    def leaked(self) -> bool:
+        """True if anything outlived the scope: work in flight, leases,
+        quarantined submissions, memory never freed, or a memcheck finding."""
+        s = self.statistics
+        return bool(
+            s.in_flight
+            or s.leases_held
+            or s.quarantined
+            or s.live_allocations
+            or self.violations
+            or self.sim_live_allocations
+        )
+
+    def result(self) -> Any:
+        """The job's value; raises its error, or :class:`JobCancelledError`
+        when it was cancelled before it returned."""
+        if self.error is not None:
+            raise self.error
+        if self.cancelled is not None and self.value is None:
+            raise JobCancelledError(
+                f"the job was cancelled ({self.cancelled}) on {self.hostname} pid {self.pid} "
+                f"after {self.elapsed:.3f} s; it emitted {len(self.emitted)} result(s)"
+            )
+        return self.value
+
+
+@final
+@attrs.define(eq=False)
+class WorkerContext:
+    """What a job gets as its first argument: the scope, and a way to send
+    results back that survive cancellation."""
+
+    #: the scope the job runs in
+    gpu: ResourceScope
+    #: the job's deadline as a wall-clock time (``time.time()``), or inf
+    deadline: float
+    _emitted: dict[Any, Any] = attrs.field(factory=dict, alias="_emitted")
+    #: the Ray task's attempt: 0, then one more for each retry (0 outside Ray)
+    attempt: int = 0
+    #: the GPUs Ray assigned to the task (empty on the simulator)
+    gpu_ids: tuple[str, ...] = ()
+
+    def emit(self, key: Any, value: Any) -> None:
+        """Record a result under ``key`` (a later value for the same key
+        replaces the earlier one). Emitted results come back in the report
+        even when the job is cancelled or fails afterwards."""
+        self._emitted[key] = value
+
+    @property
+    def remaining(self) -> float:
+        """Seconds until the deadline (inf without one)."""
+        return self.deadline - time.time()
+
+
+# --------------------------------------------------------------------------- the worker side
+
+
+def _pick_device(
+    device: object, gpu_ids: tuple[str, ...], sim: Mapping[str, Any] | None
+) -> tuple[object, Any]:
+    """(what to open, the SimDevice when it is one)."""
+    if device == "auto":
+        device = "cuda:0" if gpu_ids else "sim"
+    if device == "sim":
+        options: dict[str, Any] = dict(sim_options_from_env())
+        options.update(sim or {})
+        made = SimDevice(**options)
+        return made, made
+    if isinstance(device, SimDevice):
+        return device, device
+    return device, None
+
+
+def _check_deadline(deadline: object) -> float:
+    if deadline is None:
+        return math.inf
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or math.isnan(deadline):
+        raise TypeError(f"deadline: expected a wall-clock time (time.time()) or None, got {deadline!r}")
+    return float(deadline)
+
+
+def _portable(exc: BaseException | None) -> BaseException | None:
+    """``exc`` if it pickles (it goes back to the driver), else a RuntimeError naming it."""
+    if exc is None:
+        return None
+    try:
+        pickle.dumps(exc)
+    except Exception as why:
+        return RuntimeError(f"{type(exc).__qualname__}: {exc} (not picklable: {why})")
+    return exc
+
+
+def _ray_identity() -> tuple[tuple[str, ...], str, int]:
+    """(GPU ids, node id, attempt) of the running Ray task, or defaults outside Ray."""
+    if not ray.is_initialized():
+        return (), "", 0
+    ctx = ray.get_runtime_context()
+    try:
+        gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
+    except Exception:  # the driver itself, not a worker
+        gpu_ids = ()
+    attempt = 0
+    get_attempt = getattr(ctx, "get_task_attempt_number", None)
+    if get_attempt is not None:
+        try:
+            attempt = int(get_attempt())
+        except Exception:
+            attempt = 0
+    return gpu_ids, ctx.get_node_id(), attempt
+
+
+async def _run(
+    fn: Callable[..., Awaitable[Any]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: object,
+    deadline: float,
+    sim: Mapping[str, Any] | None,
+    scope_options: Mapping[str, Any],
+) -> WorkerReport:
+    gpu_ids, node_id, attempt = _ray_identity()
+    where, sim_device = _pick_device(device, gpu_ids, sim)
+    interrupted = False
+    value: Any = None
+    error: BaseException | None = None
+    emitted: dict[Any, Any] = {}
+    cancelled: CancelReason | None = None
+    t0 = time.perf_counter()
+    stats: ScopeStatistics | None = None
+    scope: ResourceScope | None = None
+    backend = name = "?"
+    in_main = threading.current_thread() is threading.main_thread()
+    # Ray cancels a running task with SIGINT: received here, it cancels the job (and
+    # later ones, while the scope drains, are swallowed)
+    receiver = trio.open_signal_receiver(signal.SIGINT) if in_main else contextlib.nullcontext(None)
+    with receiver as signals:
+        try:
+            async with open_scope(device=where, **scope_options) as gpu:
+                scope = gpu
+                backend, name = gpu.device.backend, gpu.device.name
+                ctx = WorkerContext(gpu, deadline, emitted, attempt, gpu_ids)
+                with trio.CancelScope(deadline=trio.current_time() + (deadline - time.time())) as job_cs:
+                    async with trio.open_nursery() as nursery:
+                        if signals is not None:
+
+                            async def on_interrupt() -> None:
+                                nonlocal interrupted
+                                async for _ in signals:
+                                    interrupted = True
+                                    job_cs.cancel()
+                                    return
+
+                            nursery.start_soon(on_interrupt)
+                        try:
+                            value = await fn(ctx, *args, **kwargs)
+                        except Exception as exc:
+                            error = exc
+                        nursery.cancel_scope.cancel()
+                if job_cs.cancelled_caught:
+                    cancelled = "ray.cancel" if interrupted else "deadline"
+        except Exception as exc:  # the scope's exit: errors of work nobody awaited
+            error = exc if error is None else error
+        if scope is not None:
+            stats = scope.statistics()  # after the exit: what outlived the scope
+    elapsed = time.perf_counter() - t0
+    if stats is None:
+        stats = _empty_statistics(backend, name)
+    return WorkerReport(
+        value=value,
+        error=_portable(error),
+        emitted=emitted,
+        cancelled=cancelled,
+        statistics=stats,
+        backend=backend,
+        device=name,
+        gpu_ids=gpu_ids,
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        node_id=node_id,
+        attempt=attempt,
+        elapsed=elapsed,
+        violations=None if sim_device is None else len(sim_device.violations),
+        sim_live_allocations=None if sim_device is None else len(sim_device.live_allocations),
+    )
+
+
+def _empty_statistics(backend: str, device: str) -> ScopeStatistics:
+    fields = {f.name: 0 for f in attrs.fields(ScopeStatistics) if f.type in (int, "int")}
+    return ScopeStatistics(backend=backend, device=device, **fields)
+
+
+def run_job(
+    fn: Callable[..., Awaitable[Any]],
+    *args: Any,
+    device: object = "auto",
+    deadline: float | None = None,
+    sim: Mapping[str, Any] | None = None,
+    scope_options: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> WorkerReport:
+    """Run ``await fn(ctx, *args, **kwargs)`` under ``trio.run`` with one
+    scope, as a Ray worker does for :func:`remote` jobs, in this process.
+
+    ``device``: "auto" (the GPU Ray assigned to the running task, else the
+    simulator), "sim", "cuda:N" or a SimDevice. ``deadline``: a wall-clock
+    time (``time.time()``) after which the job is cancelled. ``sim``: options
+    of the simulator "auto" and "sim" make (e.g. ``{"kernel_time": 0.01}``;
+    the ``TRIO_CUDA_SIM_*`` variables apply too). ``scope_options``: more
+    arguments of :func:`trio_cuda.open_scope` (streams, drain_timeout, ...)."""
+    if not callable(fn):
+        raise TypeError(f"fn: expected an async function taking a WorkerContext, got {type(fn).__name__}")
+    limit = _check_deadline(deadline)
+    options = dict(scope_options or {})
+    if "device" in options:
+        raise TypeError("scope_options: 'device' is an argument of its own")
+    return trio.run(_run, fn, args, kwargs, device, limit, sim, options)
+
+
+def _worker(
+    fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...], kwargs: dict[str, Any], own: dict[str, Any]
+) -> WorkerReport:
+    return run_job(fn, *args, **own, **kwargs)
+
+
+# --------------------------------------------------------------------------- the driver side
+
+
+@final
+class RemoteJob:
+    """A Trio job that runs as a Ray task: ``job.remote(*args)`` returns a
+    Ray ``ObjectRef`` of a :class:`WorkerReport`. Made by :func:`remote`."""
+
+    __slots__ = ("_fn", "_own", "_ray_options", "_remote")
+
+    def __init__(
+        self, fn: Callable[..., Awaitable[Any]], own: dict[str, Any], ray_options: dict[str, Any]
+    ) -> None:
+        self._fn = fn
+        self._own = own
+        self._ray_options = ray_options
+        worker = ray.remote(_worker)
+        self._remote = worker.options(**ray_options) if ray_options else worker
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        """Submit one call: ``await fn(ctx, *args, **kwargs)`` in a Ray worker."""
+        return self._remote.remote(self._fn, args, kwargs, self._own)
+
+    def options(self, **options: Any) -> RemoteJob:
+        """A copy with other options: trio_cuda's (``device``, ``deadline``,
+        ``sim``, ``scope_options``) and Ray's (``num_gpus``, ``num_cpus``,
+        ``max_retries``, ...)."""
+        own, ray_options = _split(options)
+        return RemoteJob(self._fn, {**self._own, **own}, {**self._ray_options, **ray_options})
+
+    def __repr__(self) -> str:
+        return (
+            f"<trio_cuda.ray.RemoteJob {getattr(self._fn, '__qualname__', self._fn)!r} {self._ray_options}>"
+        )
+
+
+def _split(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    own = {k: v for k, v in options.items() if k in _OWN_OPTIONS}
+    if "deadline" in own:
+        _check_deadline(own["deadline"])
+    return own, {k: v for k, v in options.items() if k not in _OWN_OPTIONS}
+
+
+def remote(fn: Callable[..., Awaitable[Any]] | None = None, /, **options: Any) -> Any:
+    """Make an async function ``fn(ctx, *args)`` a Ray job (a
+    :class:`RemoteJob`), as ``@trio_cuda.ray.remote`` or
+    ``@trio_cuda.ray.remote(num_gpus=1, max_retries=3)``.
+
+    Options are trio_cuda's (``device``, ``deadline``, ``sim``,
+    ``scope_options``: as :func:`run_job`) and Ray's (anything
+    ``ray.remote`` takes). Without ``num_gpus``, Ray schedules the task on a
+    CPU and the job runs on the simulator."""
+    own, ray_options = _split(options)
+
+    def wrap(f: Callable[..., Awaitable[Any]]) -> RemoteJob:
+        if not callable(f):
+            raise TypeError(f"fn: expected an async function taking a WorkerContext, got {type(f).__name__}")
+        return RemoteJob(f, own, ray_options)
+
+    return wrap if fn is None else wrap(fn)
