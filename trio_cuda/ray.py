@@ -195,12 +195,12 @@ def _ray_identity() -> tuple[tuple[str, ...], str, int]:
     except Exception:  # the driver itself, not a worker
         gpu_ids = ()
     attempt = 0
-    get_attempt = getattr(ctx, "get_task_attempt_number", None)
-    if get_attempt is not None:
-        try:
-            attempt = int(get_attempt())
-        except Exception:
-            attempt = 0
+    try:  # Ray has no public call for it: its core worker knows the attempt
+        from ray._private.worker import global_worker
+
+        attempt = int(global_worker.core_worker.get_current_task_attempt_number())  # type: ignore[attr-defined]
+    except Exception:  # another Ray version: retries then all look like attempt 0
+        attempt = 0
     return gpu_ids, ctx.get_node_id(), attempt
 
 

@@ -1,0 +1,224 @@
+"""trio_cuda.ray: Trio jobs with a scope inside Ray tasks, against a real local Ray.
+
+One local Ray instance (2 CPUs, no dashboard) serves the module. Jobs run on
+the simulator (the tasks ask for no GPU), so that every case runs in CI:
+results and statistics coming back, errors crossing the process boundary, the
+deadline and ``ray.cancel`` cancelling work that is really in flight (the
+simulated kernels take time) while the scope still drains and frees
+everything, and a worker killed mid-job being retried by Ray. A ``gpu`` test
+runs a job on the GPU Ray assigns, where there is one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import trio_cuda  # noqa: E402
+import trio_cuda.ray as tray  # noqa: E402
+from trio_cuda import KernelArgumentError, ops  # noqa: E402
+from trio_cuda._backends import probe_cuda  # noqa: E402
+
+TIMEOUT = 60  # seconds for any one ray.get
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    # the workers cannot import this test module: send its jobs by value
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        namespace="trio_cuda_tests",
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+async def fill_and_read(ctx: tray.WorkerContext, n: int, steps: int) -> str:
+    """Fill, read back and emit step by step; record what was in flight at the end."""
+    gpu = ctx.gpu
+    x = await gpu.to_device(np.zeros(n, np.float32))
+    try:
+        for i in range(steps):
+            gpu.submit(ops.fill(x, float(i)))  # in flight while the next one is queued
+            ctx.emit(i, float((await gpu.to_host(x))[0]))
+    finally:
+        ctx.emit("in_flight_at_end", gpu.statistics().in_flight)
+    return f"{steps} steps on {gpu.device.backend}"
+
+
+async def failing(ctx: tray.WorkerContext) -> None:
+    x = ctx.gpu.empty(4, np.float32)
+    await ctx.gpu.run(ops.fill(x, 1.0))
+    ctx.emit("before", True)
+    raise KernelArgumentError("x: expected 8 elements, got 4")
+
+
+class Unpicklable(Exception):
+    def __init__(self) -> None:
+        super().__init__("carries a lock")
+        import threading
+
+        self.lock = threading.Lock()
+
+    def __reduce__(self) -> Any:
+        raise TypeError("cannot pickle a lock")
+
+
+async def failing_unpicklably(ctx: tray.WorkerContext) -> None:
+    raise Unpicklable
+
+
+async def dies_on_first_attempt(ctx: tray.WorkerContext, n: int) -> int:
+    gpu = ctx.gpu
+    x = await gpu.to_device(np.arange(n, dtype=np.float32))
+    gpu.submit(ops.fill(x, 2.0))
+    if ctx.attempt == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # the worker dies with work in flight
+    return int((await gpu.to_host(x)).sum())
+
+
+def _checked(report: tray.WorkerReport) -> tray.WorkerReport:
+    assert isinstance(report, tray.WorkerReport)
+    assert not report.leaked, report
+    assert report.statistics.in_flight == 0
+    assert report.statistics.leases_held == 0
+    assert report.statistics.live_allocations == 0
+    assert report.violations == 0
+    assert report.sim_live_allocations == 0
+    return report
+
+
+def test_importing_trio_cuda_does_not_import_ray() -> None:
+    code = "import sys, trio_cuda, trio_cuda.testing; assert 'ray' not in sys.modules, 'ray imported'"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+
+
+def test_run_job_in_process() -> None:
+    report = _checked(tray.run_job(fill_and_read, 64, 5, device="sim"))
+    assert report.result() == "5 steps on sim"
+    assert [report.emitted[i] for i in range(5)] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert report.cancelled is None
+    assert report.backend == "sim"
+    assert report.attempt == 0
+    assert report.gpu_ids == ()
+    assert report.statistics.submitted >= 10
+
+
+def test_bad_options_are_refused_before_anything_runs() -> None:
+    with pytest.raises(TypeError, match="deadline"):
+        tray.run_job(fill_and_read, 4, 1, deadline="soon")
+    with pytest.raises(TypeError, match="deadline"):
+        tray.run_job(fill_and_read, 4, 1, deadline=float("nan"))
+    with pytest.raises(TypeError, match="fn"):
+        tray.run_job(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="device"):
+        tray.run_job(fill_and_read, 4, 1, scope_options={"device": "sim"})
+    with pytest.raises(TypeError, match="deadline"):
+        tray.remote(fill_and_read, deadline=True)
+
+
+def test_a_remote_job_returns_its_value_and_the_scope_statistics(cluster: None) -> None:
+    job = tray.remote(fill_and_read, max_retries=0)
+    assert "fill_and_read" in repr(job)
+    refs = [job.remote(32, 4), job.remote(32, 6)]
+    reports = [_checked(r) for r in ray.get(refs, timeout=TIMEOUT)]
+    assert [r.result() for r in reports] == ["4 steps on sim", "6 steps on sim"]
+    assert all(r.pid != os.getpid() for r in reports)  # they ran in workers
+    assert all(r.node_id for r in reports)
+    assert reports[1].emitted[5] == 5.0
+
+
+def test_errors_come_back_with_the_statistics(cluster: None) -> None:
+    report = ray.get(tray.remote(failing, max_retries=0).remote(), timeout=TIMEOUT)
+    _checked(report)
+    assert isinstance(report.error, KernelArgumentError)
+    assert report.emitted == {"before": True}
+    with pytest.raises(KernelArgumentError, match="expected 8 elements"):
+        report.result()
+    report = ray.get(tray.remote(failing_unpicklably, max_retries=0).remote(), timeout=TIMEOUT)
+    assert isinstance(report.error, RuntimeError)
+    assert "Unpicklable" in str(report.error)
+
+
+def test_the_deadline_cancels_work_in_flight_and_the_scope_still_drains(cluster: None) -> None:
+    job = tray.remote(fill_and_read, sim={"copy_time": 0.02}, max_retries=0)
+    t0 = time.time()
+    report = ray.get(job.options(deadline=t0 + 1.0).remote(64, 10_000), timeout=TIMEOUT)
+    assert time.time() - t0 < 10
+    _checked(report)
+    assert report.cancelled == "deadline"
+    assert report.value is None
+    assert 0 < len(report.emitted) - 1 < 10_000  # some steps done, then cancelled
+    assert report.emitted["in_flight_at_end"] >= 1  # work was on the device when it hit
+    with pytest.raises(tray.JobCancelledError, match="deadline"):
+        report.result()
+
+
+def test_ray_cancel_becomes_trio_cancellation(cluster: None) -> None:
+    job = tray.remote(fill_and_read, sim={"copy_time": 0.02}, max_retries=0)
+    ref = job.remote(64, 10_000)
+    time.sleep(2.0)  # the worker is running it
+    ray.cancel(ref)
+    report = _checked(ray.get(ref, timeout=TIMEOUT))
+    assert report.cancelled == "ray.cancel"
+    assert report.emitted["in_flight_at_end"] >= 1
+    assert len(report.emitted) > 1
+
+
+def test_a_killed_worker_is_retried_and_its_gpu_work_is_redone(cluster: None) -> None:
+    job = tray.remote(dies_on_first_attempt, max_retries=2)
+    report = _checked(ray.get(job.remote(100), timeout=TIMEOUT))
+    assert report.attempt == 1
+    assert report.result() == 200
+
+
+@pytest.mark.gpu
+def test_a_job_runs_on_the_gpu_ray_assigns(cluster: None) -> None:
+    probe = probe_cuda()
+    if not probe.available:
+        pytest.skip(f"no CUDA device: {probe.reason}")
+    assert ray.cluster_resources().get("GPU", 0) >= 1  # Ray found the GPU itself
+    report = ray.get(tray.remote(fill_and_read, num_gpus=1, max_retries=0).remote(1 << 20, 20), timeout=120)
+    assert report.backend == "cuda", report
+    assert report.gpu_ids, report
+    assert not report.leaked, report
+    assert report.result() == "20 steps on cuda"
+    assert report.violations is None
+    # the deadline cancels real GPU work in flight too
+    report = ray.get(
+        tray.remote(fill_and_read, num_gpus=1, max_retries=0, deadline=time.time() + 2.0).remote(
+            1 << 28, 10**6
+        ),
+        timeout=120,
+    )
+    assert report.cancelled == "deadline", report
+    assert not report.leaked, report
+
+
+def test_trio_cuda_statistics_survive_the_round_trip() -> None:
+    # a WorkerReport pickles (Ray sends it back by pickling)
+    import pickle
+
+    report = tray.run_job(fill_and_read, 8, 2, device="sim")
+    again = pickle.loads(pickle.dumps(report))
+    assert again == report
+    assert isinstance(again.statistics, trio_cuda.ScopeStatistics)
