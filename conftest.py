@@ -22,6 +22,9 @@ How a page's blocks run:
   marked ``gpu`` (``pytest -m gpu``), and skipped without a CUDA device or
   without the libraries it imports (CuPy, PyTorch, ...). A gpu block must not
   rely on the page's other blocks: under ``-m gpu`` it runs alone.
+* Sybil's ``.. skip: start if(CONDITION, reason="...")`` ... ``.. skip: end``
+  comments skip the blocks between them (in ``.rst`` pages), e.g. where an
+  optional dependency is not installed.
 * After a page, its scopes are closed and every ``SimDevice`` and ``SimHost``
   left in its namespace must show no memcheck violation and no live
   allocation.
@@ -50,6 +53,7 @@ from sybil import Document, Example, Region, Sybil
 from sybil.integration.pytest import SybilItem
 from sybil.parsers.markdown.codeblock import CodeBlockParser as MarkdownCodeBlockParser
 from sybil.parsers.rest.codeblock import CodeBlockParser as RestCodeBlockParser
+from sybil.parsers.rest.skip import SkipParser as RestSkipParser
 
 #: seconds one block may take before it is cancelled and fails
 BLOCK_TIMEOUT = 60.0
@@ -320,6 +324,7 @@ _sybil = Sybil(
     parsers=[
         _Blocks(RestCodeBlockParser("python"), evaluate_python),
         _Blocks(RestCodeBlockParser("pycon"), evaluate_pycon),
+        RestSkipParser(),
     ],
     patterns=["docs/*.rst", "docs/*/*.rst"],
     setup=_setup,
