@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import re
 import sys
@@ -29,6 +30,10 @@ extensions = [
     "sphinx.ext.viewcode",
     "myst_parser",  # the design records (docs/design/*.md) are Markdown
 ]
+
+# trio_cuda.ray needs Ray, an optional dependency: where it is not installed, autodoc documents
+# the module against a stand-in.
+autodoc_mock_imports = [] if importlib.util.find_spec("ray") else ["ray"]
 
 # The build needs no network: no intersphinx.
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "make_pictures.py", "conftest.py"]
