@@ -1,9 +1,15 @@
-"""The public API: exported once, documented, listed in the API reference; and the CLI."""
+"""The public API: exported once, documented, listed in the API reference; and the CLI.
+
+Optional submodules (``trio_cuda.ray``, which needs Ray) are checked alike where
+their dependency is installed, and never imported by ``import trio_cuda``.
+"""
 
 from __future__ import annotations
 
 import ast
 import enum
+import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -22,6 +28,8 @@ API_RST = ROOT / "docs" / "api.rst"
 README = ROOT / "README.md"
 CI_RUN = ROOT / ".ci" / "run"
 SUBMODULES = ("ops", "unsafe", "testing")
+#: submodules that ``import trio_cuda`` does not import -> the package each one needs
+OPTIONAL_SUBMODULES = {"ray": "ray"}
 
 
 def _reexports() -> list[tuple[str, str | None, int]]:
@@ -133,14 +141,84 @@ def test_every_public_name_is_in_the_api_reference() -> None:
     assert not missing, f"not documented in docs/api.rst: {missing}"
 
 
+def _optional(module: str) -> types.ModuleType:
+    """``trio_cuda.<module>``, imported; skips where the package it needs is not installed."""
+    pytest.importorskip(OPTIONAL_SUBMODULES[module])
+    return importlib.import_module(f"trio_cuda.{module}")
+
+
 def test_api_reference_names_exist() -> None:
     for target in sorted(_api_rst_targets()):
         obj: object = sys.modules["trio_cuda"]
         parts = target.split(".")
         assert parts[0] == "trio_cuda", target
+        if parts[1] in OPTIONAL_SUBMODULES:
+            if importlib.util.find_spec(OPTIONAL_SUBMODULES[parts[1]]) is None:
+                continue  # documented, but its dependency is not installed here
+            obj = importlib.import_module(f"trio_cuda.{parts[1]}")  # not an attribute until imported
+            parts = parts[1:]
         for part in parts[1:]:
             assert hasattr(obj, part), f"docs/api.rst documents {target}, which does not exist"
             obj = getattr(obj, part)
+
+
+@pytest.mark.parametrize("module", sorted(OPTIONAL_SUBMODULES))
+def test_optional_submodule_names_are_documented(module: str) -> None:
+    mod = _optional(module)
+    assert inspect.getdoc(mod), f"trio_cuda.{module} has no module docstring"
+    assert mod.__all__, f"trio_cuda.{module} has an empty __all__"
+    # the classes and functions it defines that have public names are all in __all__
+    public = {
+        n
+        for n, v in vars(mod).items()
+        if not n.startswith("_")
+        and (inspect.isclass(v) or inspect.isfunction(v))
+        and v.__module__ == mod.__name__
+    }
+    assert public <= set(mod.__all__), (
+        f"trio_cuda.{module}: public but not in __all__: {sorted(public - set(mod.__all__))}"
+    )
+    targets = _api_rst_targets()
+    missing = [f"trio_cuda.{module}"] if f"trio_cuda.{module}" not in targets else []
+    for name in mod.__all__:
+        obj = getattr(mod, name)
+        assert inspect.getdoc(obj), f"trio_cuda.{module}.{name} has no docstring"
+        if f"trio_cuda.{module}.{name}" not in targets:
+            missing.append(f"trio_cuda.{module}.{name}")
+    assert not missing, f"not documented in docs/api.rst: {missing}"
+
+
+def test_importing_trio_cuda_imports_no_optional_dependency() -> None:
+    """``import trio_cuda`` (its public submodules, the pytest plugin, the CLI's info) in a
+    fresh interpreter imports none of the optional packages; importing the optional
+    submodule then does, which shows the check sees such an import."""
+    optional = sorted(set(OPTIONAL_SUBMODULES.values()))
+    code = f"""
+import sys
+import trio_cuda, trio_cuda.ops, trio_cuda.unsafe, trio_cuda.testing, trio_cuda.interop, trio_cuda.trace
+import trio_cuda.testing.pytest_plugin
+from trio_cuda.__main__ import main
+assert main(["info"]) == 0
+imported = [name for name in {optional!r} if sys.modules.get(name) is not None]
+assert not imported, f"import trio_cuda imported {{imported}}"
+print("clean")
+"""
+    for module, package in OPTIONAL_SUBMODULES.items():
+        if importlib.util.find_spec(package) is not None:
+            code += f"import trio_cuda.{module}\nassert sys.modules.get({package!r}) is not None\n"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "clean" in proc.stdout.splitlines(), proc.stdout
 
 
 def _quick_start_commands() -> list[str]:
