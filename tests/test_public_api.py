@@ -189,16 +189,18 @@ def test_optional_submodule_names_are_documented(module: str) -> None:
 
 
 def test_importing_trio_cuda_imports_no_optional_dependency() -> None:
-    """``import trio_cuda`` (its public submodules, the pytest plugin, the CLI's info) in a
-    fresh interpreter imports none of the optional packages; importing the optional
-    submodule then does, which shows the check sees such an import."""
+    """``import trio_cuda`` (its public submodules, the pytest plugin, the CLI's info and the
+    demo's options) in a fresh interpreter imports none of the optional packages; importing
+    the optional submodule then does, which shows the check sees such an import."""
     optional = sorted(set(OPTIONAL_SUBMODULES.values()))
     code = f"""
 import sys
 import trio_cuda, trio_cuda.ops, trio_cuda.unsafe, trio_cuda.testing, trio_cuda.interop, trio_cuda.trace
 import trio_cuda.testing.pytest_plugin
 from trio_cuda.__main__ import main
+from trio_cuda._demo import build_parser
 assert main(["info"]) == 0
+build_parser()  # the demo's options, --ray's included
 imported = [name for name in {optional!r} if sys.modules.get(name) is not None]
 assert not imported, f"import trio_cuda imported {{imported}}"
 print("clean")
