@@ -748,3 +748,34 @@ async def test_run_loads_an_unloaded_kernel_off_the_loop_where_the_driver_can(si
         )
         await gpu.submit(k2.launch(y, grid=1, block=1)).wait()
         assert threads[1] is threading.main_thread()
+
+
+def _double_on_cpu(x, n):
+    x[: int(n)] *= 2
+
+
+async def test_a_kernel_pickles_as_its_definition_and_runs_after():
+    import pickle
+
+    import trio_cuda
+    from trio_cuda import InOut, Kernel, Scalar
+
+    src = 'extern "C" __global__ void dbl(float* x, int n) { int i = threadIdx.x; if (i < n) x[i] *= 2; }'
+    k = Kernel.from_source(src, "dbl", params=[InOut("f4"), Scalar("i4")], reference=_double_on_cpu)
+    again = pickle.loads(pickle.dumps(k))
+    assert again is not k
+    assert (again.name, again.params, again.source, again.reference) == (
+        k.name,
+        k.params,
+        k.source,
+        k.reference,
+    )
+    assert repr(again) == repr(k)
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x = await gpu.to_device(np.arange(4, dtype=np.float32))
+        await gpu.run(again.launch(x, np.int32(4), grid=1, block=4))
+        np.testing.assert_array_equal(await gpu.to_host(x), [0, 2, 4, 6])
+    stub = pickle.loads(
+        pickle.dumps(Kernel.from_source(src, "dbl", params=[], reference=trio_cuda.NO_REFERENCE))
+    )
+    assert stub.reference is trio_cuda.NO_REFERENCE

@@ -107,6 +107,10 @@ def _check_params(params: Sequence[object]) -> tuple[Param, ...]:
     return tuple(out)
 
 
+#: what a pickled Kernel carries: its definition, not its caches
+_KERNEL_FIELDS = ("name", "params", "source", "image", "image_kind", "options", "reference")
+
+
 @final
 @attrs.define(eq=False, repr=False)
 class Kernel:
@@ -138,6 +142,16 @@ class Kernel:
             layout.extend(_slots_for(p))
         self._plan = ParamPlan.from_layout(layout)
         self._fast = _compile_fast(self)
+
+    # A kernel pickles as its definition (to send it to another process, a Ray
+    # worker's say); the packing plan and fast path are rebuilt there.
+    def __getstate__(self) -> dict[str, object]:
+        return {f: getattr(self, f) for f in _KERNEL_FIELDS}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        for f in _KERNEL_FIELDS:
+            object.__setattr__(self, f, state[f])
+        self.__attrs_post_init__()
 
     def __repr__(self) -> str:
         if self.source is not None:
