@@ -792,6 +792,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="record the run's lifetime trace and write it to FILE (.html: a timeline page; "
         ".json: Chrome trace-event JSON for ui.perfetto.dev)",
     )
+    from ._demo_ray import add_options  # Ray itself is imported only when --ray is given
+
+    add_options(parser)
     parser.set_defaults(demo_prog=parser.prog)
     return parser
 
@@ -853,6 +856,10 @@ def _interrupted(exc: BaseException) -> bool:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the job for parsed arguments; the exit status (see ``EPILOG``)."""
+    from ._demo_ray import maybe_run_on_ray
+
+    if (ray_status := maybe_run_on_ray(args)) is not None:
+        return ray_status
     prog = getattr(args, "demo_prog", "batch_job")
     config = config_from_args(args)
     try:
