@@ -30,6 +30,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import trio_cuda.ray as tray  # noqa: E402
+from trio_cuda._backends import probe_cuda  # noqa: E402
 from trio_cuda._demo import BatchConfig, main  # noqa: E402
 from trio_cuda._demo_output import Output  # noqa: E402
 from trio_cuda._demo_ray import run_on_ray  # noqa: E402
@@ -223,6 +224,29 @@ def test_an_address_that_does_not_answer_is_one_error_line_and_exit_2() -> None:
     assert time.perf_counter() - t0 < 30
 
 
+def test_an_address_that_takes_the_connection_but_never_answers_is_bounded() -> None:
+    """Something listens, and is not Ray: ray.init would wait for minutes;
+    the driver gives up after CONNECT_TIMEOUT (2 s here) with one line, exit 2."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        code = (
+            "import sys, trio_cuda._demo_ray as r\n"
+            "r.CONNECT_TIMEOUT = 2.0\n"
+            "from trio_cuda._demo import main\n"
+            f"sys.exit(main(['--ray', {address!r}, '--device', 'sim']))\n"
+        )
+        t0 = time.perf_counter()
+        command = [sys.executable, "-c", code]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=_env())
+        took = time.perf_counter() - t0
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"the Ray cluster at {address} did not accept the driver within 2 s" in proc.stderr
+    assert proc.stdout == ""
+    assert took < 30
+
+
 def test_a_worker_job_never_kills_the_driver_it_runs_in() -> None:
     """The kill is a testing aid for Ray workers: run in-process (attempt 0,
     the driver's pid), the shard completes."""
@@ -403,7 +427,7 @@ def test_cli_ctrl_c_cancels_the_shards_and_still_collects_their_reports(cluster:
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
-        env=_env(),
+        env=_env(RAY_ADDRESS=f"127.0.0.1:{_closed_port()}"),  # the address given wins
     )  # fmt: skip
     assert proc.stdout is not None
     head = []
@@ -452,6 +476,36 @@ def test_cli_auto_starts_a_local_cluster_when_none_answers() -> None:
     assert blocks, text
     assert all(b.endswith("; nothing leaked") for b in blocks.values()), text
     assert text.splitlines()[-1].startswith("OK: 16 verified")
+
+
+@pytest.mark.gpu
+def test_shards_run_on_the_gpus_ray_assigns_and_the_deadline_cancels_them(cluster: str) -> None:
+    probe = probe_cuda()
+    if not probe.available:
+        pytest.skip(f"no CUDA device: {probe.reason}")
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    assert gpus >= 1  # Ray found the GPUs itself
+    # 16 inputs per shard, 4 at a time, two launches of 100 ms spun on the GPU
+    # each: at the deadline (0.5 s) the third wave is in its kernels.
+    config = _config(device="cuda", inputs=16 * gpus, size=1 << 16, kernel_ms=100.0, deadline=0.5)
+    out = io.StringIO()
+    report = run_on_ray(config, out=out, grace=GRACE)
+    text = out.getvalue()
+    assert report.ok, text
+    assert report.use_gpus
+    assert len(report.shards) == gpus
+    assert 0 < report.completed < config.inputs, text
+    _check_every_result(report)
+    for sr in report.shards:
+        assert sr.report is not None, sr.lost
+        assert sr.report.backend == "cuda", text
+        assert sr.report.gpu_ids, text
+        assert not sr.report.leaked, text
+        assert sr.report.violations is None
+    summaries = [s for sr in report.shards if (s := sr.summary) is not None]
+    assert sum(s.in_flight_at_deadline for s in summaries) > 0, text
+    assert "(one per GPU)" in text
+    assert all(b.endswith("; nothing leaked") for b in _shard_lines(text).values()), text
 
 
 def test_the_backstop_stops_shards_that_outlive_the_deadline(cluster: str) -> None:

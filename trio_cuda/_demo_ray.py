@@ -149,7 +149,7 @@ def _auto_address() -> tuple[str | None, str]:
     return found, ""
 
 
-def _init(**options: Any) -> None:
+def _init(prog: str, **options: Any) -> None:
     """``ray.init``, bounded: a cluster that takes the TCP connection and never
     answers Ray makes it wait for minutes. Past :data:`CONNECT_TIMEOUT` the
     process ends with exit status 2 (nothing was started to clean up)."""
@@ -159,7 +159,7 @@ def _init(**options: Any) -> None:
 
     def give_up() -> None:
         print(
-            f"demo: error: --ray: the Ray cluster at {address} did not accept the driver "
+            f"{prog}: error: --ray: the Ray cluster at {address} did not accept the driver "
             f"within {CONNECT_TIMEOUT:g} s",
             file=sys.stderr,
             flush=True,
@@ -175,7 +175,7 @@ def _init(**options: Any) -> None:
         watchdog.cancel()
 
 
-def connect(address: str, *, verbose: int = 0) -> str:
+def connect(address: str, *, verbose: int = 0, prog: str = "demo") -> str:
     """Connect this process to a Ray cluster as ``--ray address`` says; a line
     saying how. Raises :class:`ClusterUnavailableError` when an explicit
     address does not answer."""
@@ -186,7 +186,7 @@ def connect(address: str, *, verbose: int = 0) -> str:
 
     def start_local(why: str) -> str:
         os.environ.pop("RAY_ADDRESS", None)  # the local cluster's workers must not look elsewhere
-        _init(address="local", include_dashboard=False, **common)
+        _init(prog, address="local", include_dashboard=False, **common)
         return f"started a local Ray cluster{why}"
 
     if address == "local":
@@ -195,13 +195,20 @@ def connect(address: str, *, verbose: int = 0) -> str:
         found, why = _auto_address()
         if found is None:
             return start_local(f" ({why})")
-        _init(address=found, **common)
-        return f"joined the Ray cluster at {_gcs_address(found)}"
-    why_not = _answers(address)
-    if why_not is not None:
-        raise ClusterUnavailableError(f"no Ray cluster answers at {address} ({why_not})")
-    _init(address=address, **common)
-    return f"joined the Ray cluster at {address}"
+        if found == "auto":  # this Ray cannot be asked where: ray.init looks
+            try:
+                _init(prog, address="auto", **common)
+            except ConnectionError as exc:
+                return start_local(f" ({first_line(exc)})")
+            return f"joined the Ray cluster at {_gcs_address('auto')}"
+        address = found
+    else:
+        why_not = _answers(address)
+        if why_not is not None:
+            raise ClusterUnavailableError(f"no Ray cluster answers at {address} ({why_not})")
+    os.environ.pop("RAY_ADDRESS", None)  # ray.init would prefer it to the address given
+    _init(prog, address=address, **common)
+    return f"joined the Ray cluster at {_gcs_address(address)}"
 
 
 def _gcs_address(fallback: str) -> str:
@@ -241,12 +248,14 @@ def run_on_ray(
     out: TextIO | None = None,
     err: TextIO | None = None,
     grace: float | None = None,
+    connected: str = "",
 ) -> RayReport:
     """Run the batch on the Ray cluster this process is connected to; print
     what happens and the summary to ``out`` (stdout). ``shards``: how many
     (default: one per GPU, or per CPU on the simulator). ``kill_shard``: a
     testing aid (see :data:`RAY_EPILOG`). ``grace``: seconds after the
     deadline before the backstop cancels the shards still running.
+    ``connected``: how this process reached the cluster (the first line).
 
     Raises :class:`ClusterUnavailableError` before the deadline starts when
     the cluster cannot run the shards."""
@@ -257,6 +266,8 @@ def run_on_ray(
         progress="none",
     )
     with output:
+        if connected:
+            output.say(f"ray: {connected}")
         return _run(config, output, shards, kill_shard, grace)
 
 
@@ -547,25 +558,21 @@ def maybe_run_on_ray(args: argparse.Namespace) -> int | None:
         import ray
     except ImportError:
         return error("--ray: Ray is not installed (pip install 'trio_cuda[ray]')")
-    try:
-        how = connect(address, verbose=config.verbose)
-    except ClusterUnavailableError as exc:
-        return error(f"--ray {address}: {exc}")
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
     status = 0
     try:
-        print(f"ray: {how}", flush=True)
-        report = run_on_ray(config, shards=args.ray_shards, kill_shard=args.ray_kill_worker)
+        try:
+            how = connect(address, verbose=config.verbose, prog=prog)
+        except ClusterUnavailableError as exc:
+            return error(f"--ray {address}: {exc}")
+        except Exception as exc:  # Ray could not start a cluster, or refused the driver
+            return error(f"--ray {address}: {first_line(exc)}")
+        report = run_on_ray(config, shards=args.ray_shards, kill_shard=args.ray_kill_worker, connected=how)
         status = 130 if report.interrupted else 0 if report.ok else 1
     except ClusterUnavailableError as exc:
         status = error(f"--ray {address}: {exc}")
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         status = 130
-    except BrokenPipeError:
-        status = 1
     finally:
         with _ignoring_interrupts():
             ray.shutdown()
