@@ -222,3 +222,13 @@ def test_trio_cuda_statistics_survive_the_round_trip() -> None:
     again = pickle.loads(pickle.dumps(report))
     assert again == report
     assert isinstance(again.statistics, trio_cuda.ScopeStatistics)
+
+
+def test_gpu_jobs_get_a_fresh_worker_per_task_and_contexts_are_made_by_the_runtime() -> None:
+    # a worker's CUDA driver reads CUDA_VISIBLE_DEVICES once: Ray must not reuse it for a task
+    # that it gives another GPU (Ray's default for GPU tasks, which .options() would skip)
+    job = tray.remote(fill_and_read, num_gpus=1)
+    assert job._remote._default_options.get("max_calls") == 1
+    assert job.options(max_retries=1)._remote._default_options.get("max_calls") == 1
+    with pytest.raises(TypeError, match="no public constructor"):
+        tray.WorkerContext()

@@ -40,6 +40,7 @@ import ray
 import trio
 
 from ._core._errors import TrioCudaError
+from ._core._final import NoPublicConstructor
 from ._core._scope import ResourceScope, ScopeStatistics
 from ._open import open_scope, sim_options_from_env
 from .testing import SimDevice
@@ -120,20 +121,36 @@ class WorkerReport:
 
 
 @final
-@attrs.define(eq=False)
-class WorkerContext:
+class WorkerContext(metaclass=NoPublicConstructor):
     """What a job gets as its first argument: the scope, and a way to send
-    results back that survive cancellation."""
+    results back that survive cancellation. Made by the worker for each call."""
+
+    _obtain = "a job receives one as its first argument"
+    __slots__ = ("_emitted", "attempt", "deadline", "gpu", "gpu_ids")
 
     #: the scope the job runs in
     gpu: ResourceScope
     #: the job's deadline as a wall-clock time (``time.time()``), or inf
     deadline: float
-    _emitted: dict[Any, Any] = attrs.field(factory=dict, alias="_emitted")
     #: the Ray task's attempt: 0, then one more for each retry (0 outside Ray)
-    attempt: int = 0
+    attempt: int
     #: the GPUs Ray assigned to the task (empty on the simulator)
-    gpu_ids: tuple[str, ...] = ()
+    gpu_ids: tuple[str, ...]
+    _emitted: dict[Any, Any]
+
+    @classmethod
+    def _create(
+        cls,
+        gpu: ResourceScope,
+        deadline: float,
+        emitted: dict[Any, Any],
+        attempt: int,
+        gpu_ids: tuple[str, ...],
+    ) -> WorkerContext:
+        self = object.__new__(cls)
+        self.gpu, self.deadline, self._emitted = gpu, deadline, emitted
+        self.attempt, self.gpu_ids = attempt, gpu_ids
+        return self
 
     def emit(self, key: Any, value: Any) -> None:
         """Record a result under ``key`` (a later value for the same key
@@ -145,6 +162,12 @@ class WorkerContext:
     def remaining(self) -> float:
         """Seconds until the deadline (inf without one)."""
         return self.deadline - time.time()
+
+    def __repr__(self) -> str:
+        return (
+            f"<WorkerContext {self.gpu.device.backend}:{self.gpu.device.name} attempt={self.attempt} "
+            f"remaining={self.remaining:.3f}s emitted={len(self._emitted)}>"
+        )
 
 
 # --------------------------------------------------------------------------- the worker side
@@ -233,7 +256,7 @@ async def _run(
             async with open_scope(device=where, **scope_options) as gpu:
                 scope = gpu
                 backend, name = gpu.device.backend, gpu.device.name
-                ctx = WorkerContext(gpu, deadline, emitted, attempt, gpu_ids)
+                ctx = WorkerContext._create(gpu, deadline, emitted, attempt, gpu_ids)
                 with trio.CancelScope(deadline=trio.current_time() + (deadline - time.time())) as job_cs:
                     async with trio.open_nursery() as nursery:
                         if signals is not None:
@@ -333,8 +356,10 @@ class RemoteJob:
         self._fn = fn
         self._own = own
         self._ray_options = ray_options
-        worker = ray.remote(_worker)
-        self._remote = worker.options(**ray_options) if ray_options else worker
+        # ray.remote(**options), not .options(): only there does Ray default a GPU
+        # task's max_calls to 1, so that a worker process (whose CUDA driver read
+        # CUDA_VISIBLE_DEVICES once) never serves a later task given another GPU
+        self._remote = ray.remote(**ray_options)(_worker) if ray_options else ray.remote(_worker)
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         """Submit one call: ``await fn(ctx, *args, **kwargs)`` in a Ray worker."""
