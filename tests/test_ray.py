@@ -232,3 +232,14 @@ def test_gpu_jobs_get_a_fresh_worker_per_task_and_contexts_are_made_by_the_runti
     assert job.options(max_retries=1)._remote._default_options.get("max_calls") == 1
     with pytest.raises(TypeError, match="no public constructor"):
         tray.WorkerContext()
+
+
+def test_a_reused_worker_refuses_a_gpu_its_driver_never_saw(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tray, "_visible_at_first_gpu_job", [])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    tray._check_same_gpus("cuda:0")  # the first GPU job of the process: remembered
+    tray._check_same_gpus("cuda:0")  # Ray gave the same GPU again: fine
+    tray._check_same_gpus("sim")  # the simulator needs no GPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    with pytest.raises(RuntimeError, match="cannot switch GPUs"):
+        tray._check_same_gpus("cuda:0")

@@ -271,6 +271,14 @@ def run_on_ray(
         return _run(config, output, shards, kill_shard, grace)
 
 
+def _gpus_per_node() -> int:
+    """The most GPUs any live node of the cluster has."""
+    import ray
+
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    return max((int(n.get("Resources", {}).get("GPU", 0)) for n in nodes if n.get("Alive")), default=0)
+
+
 def _plan(config: BatchConfig, shards: int | None) -> tuple[bool, int, dict[str, float]]:
     """(on GPUs, how many shards, the cluster's resources)."""
     import ray
@@ -314,7 +322,17 @@ def _run(
         f"deadline {deadline}, {config.kernel_ms:g} ms per launch"
     )
     say(f"cluster: {report.cluster}")
-    resource = {"num_gpus": 1} if use_gpus else {"num_cpus": 1}
+    resource: dict[str, Any] = {"num_gpus": 1} if use_gpus else {"num_cpus": 1}
+    if use_gpus and _gpus_per_node() <= 1:
+        # one GPU per node: a worker process always gets the same GPU, so it may serve
+        # several shards and stay warm (Ray's default for GPU tasks is a fresh process
+        # each, since a process keeps the CUDA_VISIBLE_DEVICES it started with)
+        resource["max_calls"] = 0
+    elif use_gpus:
+        say(
+            "several GPUs per node: every shard starts a fresh worker process; "
+            "its start counts against the deadline"
+        )
     job = trio_cuda_ray.remote(
         shard_job,
         device="auto" if use_gpus else "sim",

@@ -189,6 +189,26 @@ def _pick_device(
     return device, None
 
 
+#: CUDA_VISIBLE_DEVICES when this process first opened a GPU for a job (the
+#: driver reads it once per process); None before that
+_visible_at_first_gpu_job: list[str | None] = []
+
+
+def _check_same_gpus(where: object) -> None:
+    """A reused worker process must be given the GPUs its driver already saw."""
+    if where is None or isinstance(where, SimDevice) or where == "sim":
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not _visible_at_first_gpu_job:
+        _visible_at_first_gpu_job.append(visible)
+    elif _visible_at_first_gpu_job[0] != visible:
+        raise RuntimeError(
+            f"this worker process opened its GPU with CUDA_VISIBLE_DEVICES={_visible_at_first_gpu_job[0]!r}, "
+            f"and Ray now assigns CUDA_VISIBLE_DEVICES={visible!r}: a process cannot switch GPUs. "
+            "Leave max_calls at Ray's default (1) for GPU jobs on nodes with several GPUs"
+        )
+
+
 def _check_deadline(deadline: object) -> float:
     if deadline is None:
         return math.inf
@@ -253,6 +273,7 @@ async def _run(
     receiver = trio.open_signal_receiver(signal.SIGINT) if in_main else contextlib.nullcontext(None)
     with receiver as signals:
         try:
+            _check_same_gpus(where)
             async with open_scope(device=where, **scope_options) as gpu:
                 scope = gpu
                 backend, name = gpu.device.backend, gpu.device.name
