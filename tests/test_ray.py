@@ -243,3 +243,14 @@ def test_a_reused_worker_refuses_a_gpu_its_driver_never_saw(monkeypatch: pytest.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     with pytest.raises(RuntimeError, match="cannot switch GPUs"):
         tray._check_same_gpus("cuda:0")
+
+
+def _not_async(ctx: tray.WorkerContext) -> int:
+    return 1
+
+
+def test_a_job_that_is_not_async_is_reported_clearly() -> None:
+    report = tray.run_job(_not_async, device="sim")
+    assert isinstance(report.error, TypeError)
+    assert "expected an async function" in str(report.error)
+    assert not report.leaked

@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import pickle
@@ -291,7 +292,14 @@ async def _run(
 
                             nursery.start_soon(on_interrupt)
                         try:
-                            value = await fn(ctx, *args, **kwargs)
+                            pending = fn(ctx, *args, **kwargs)
+                            if not inspect.isawaitable(pending):
+                                raise TypeError(
+                                    f"fn: expected an async function (async def job(ctx, ...)), got "
+                                    f"{getattr(fn, '__qualname__', fn)!r}, which returned "
+                                    f"{type(pending).__name__}"
+                                )
+                            value = await pending
                         except Exception as exc:
                             error = exc
                         nursery.cancel_scope.cancel()
