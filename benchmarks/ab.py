@@ -13,6 +13,8 @@ the median of the per-round ratios new/old:
   arguments, pinned to one stream (µs per op);
 * ``submit``: safe ``gpu.submit`` of the same prebuilt launch, bursts of 500
   (µs per submission);
+* ``async_on``: ``unsafe.async_on`` of the same launch, bursts of 500 (µs per
+  launch);
 * ``tasks_100``: 100 tasks, each awaiting 50 of its own launches (launches/s).
 
 On the simulator (``--device sim``) it measures the library's Python against
@@ -77,6 +79,14 @@ async def measure(tc: Any, device: str) -> dict[str, float]:
             await futs[-1].wait()
             del futs
         out["submit"] = min(per)
+        per = []
+        for _ in range(3):  # unsafe.async_on: bursts of 500, then one sync
+            t0 = perf()
+            for _ in range(500):
+                tc.unsafe.async_on(op, s)
+            per.append((perf() - t0) / 500 * 1e6)
+            await gpu.run(tc.ops.value(None), stream=s)
+        out["async_on"] = min(per)
 
         async def task() -> None:
             for _ in range(50):
