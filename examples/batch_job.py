@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 
-from trio_cuda._demo import main
+from trio_cuda._demo_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

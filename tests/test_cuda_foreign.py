@@ -58,20 +58,8 @@ async def test_after_awaits_a_foreign_stream_without_blocking():
         x = await a.to_device(np.zeros(4, np.float32))
         await a.load(spin)
         fut = a.submit(spin.launch(x, np.uint64(30_000_000), grid=1, block=1))  # 30 ms
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await trio.sleep(0.001)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ticker)
-            t0 = trio.current_time()
-            await b.run(ops.after(a.streams[0]))  # b's stream waits for a's kernel, device-side
-            elapsed = trio.current_time() - t0
-            nursery.cancel_scope.cancel()
+        # b's stream waits for a's kernel, device-side
+        elapsed, ticks = await _ticking(lambda: b.run(ops.after(a.streams[0])))
         assert elapsed >= 0.02  # it waited for the kernel
         assert ticks >= 5  # and the loop kept running meanwhile
         fut.wait_nowait()  # the kernel is complete

@@ -17,7 +17,8 @@ import pytest
 
 import trio_cuda._demo as _demo_module
 import trio_cuda._demo_output as _demo_output
-from trio_cuda._demo import BatchConfig, DeviceUnavailableError, main, make_kernels, run_batch
+from trio_cuda._demo import BatchConfig, DeviceUnavailableError, make_kernels, run_batch
+from trio_cuda._demo_cli import main
 from trio_cuda._demo_output import Output
 
 ROOT = Path(__file__).resolve().parent.parent

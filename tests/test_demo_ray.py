@@ -31,7 +31,8 @@ ray = pytest.importorskip("ray")
 
 import trio_cuda.ray as tray  # noqa: E402
 from trio_cuda._backends import probe_cuda  # noqa: E402
-from trio_cuda._demo import BatchConfig, main  # noqa: E402
+from trio_cuda._demo import BatchConfig  # noqa: E402
+from trio_cuda._demo_cli import main  # noqa: E402
 from trio_cuda._demo_output import Output  # noqa: E402
 from trio_cuda._demo_ray import run_on_ray  # noqa: E402
 from trio_cuda._demo_shard import (  # noqa: E402
@@ -234,7 +235,7 @@ def test_an_address_that_takes_the_connection_but_never_answers_is_bounded() -> 
         code = (
             "import sys, trio_cuda._demo_ray as r\n"
             "r.CONNECT_TIMEOUT = 2.0\n"
-            "from trio_cuda._demo import main\n"
+            "from trio_cuda._demo_cli import main\n"
             f"sys.exit(main(['--ray', {address!r}, '--device', 'sim']))\n"
         )
         t0 = time.perf_counter()

@@ -138,7 +138,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ._demo import run_from_args
+    from ._demo_cli import run_from_args
 
     return run_from_args(args)
 
@@ -177,7 +177,7 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ._demo import build_parser as demo_parser
+    from ._demo_cli import build_parser as demo_parser
 
     parser = argparse.ArgumentParser(
         prog="trio-cuda",

@@ -39,7 +39,8 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from ._core._errors import TrioCudaError
-from ._demo import BatchConfig, config_from_args
+from ._demo import BatchConfig
+from ._demo_cli import config_from_args
 from ._demo_output import Output
 from ._demo_shard import (
     RayReport,

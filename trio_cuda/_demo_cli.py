@@ -1,0 +1,256 @@
+"""The command line of the batch job: ``python -m trio_cuda demo`` and
+``examples/batch_job.py``.
+
+Invariants: every option is checked by the same rule as its ``BatchConfig``
+field, so a bad value is an argparse error (exit status 2) before anything
+runs; a CUDA device that is asked for and not there is one error line and
+exit status 2; the first Ctrl-C cancels the batch like the deadline (its
+checks still run; exit status 130), a second one interrupts at once. The job
+itself is ``_demo``'s, the Ray mode ``_demo_ray``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import attrs
+import trio
+
+from . import trace
+from ._demo import (
+    PROGRESS_MODES,
+    BatchConfig,
+    BatchReport,
+    DeviceUnavailableError,
+    _Check,
+    check_device,
+    run_batch,
+)
+from ._demo_output import to_devnull
+
+__all__ = ["build_parser", "config_from_args", "main", "run_from_args"]
+
+
+def _option(field: str) -> Callable[[str], Any]:
+    """The argparse ``type`` of ``BatchConfig.field``'s option."""
+    check = attrs.fields_dict(BatchConfig)[field].validator
+    assert isinstance(check, _Check)
+    return check.parse
+
+
+def _trace_path(text: str) -> str:
+    if not text.endswith((".json", ".html", ".htm")):
+        raise argparse.ArgumentTypeError(f"expected a file name ending in .html or .json, got {text!r}")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"expected a file in an existing folder, got {text!r}")
+    return text
+
+
+EPILOG = """\
+progress: a bar on stderr when stderr is a terminal, else a plain line every
+eighth of the inputs (--progress picks, --quiet turns it off). -v adds a line
+per input (its stream, the time of each step, the scope's in-flight work and
+leases), every cancellation, the device and per-stream counts, and the
+trio_cuda logger at INFO; -vv adds every step of every input and DEBUG.
+
+exit status: 0 every check passed; 1 a check failed (a result differed from
+the reference, an input failed, or something leaked); 2 the job could not run
+(a bad option, or the device asked for is not there); 130 interrupted.
+"""
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add the batch job's options to ``parser`` (or a new one)."""
+    if parser is None:
+        parser = argparse.ArgumentParser(
+            prog="batch_job",
+            description="Run a cancellation-safe GPU batch job and check that nothing leaked.",
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    else:
+        parser.epilog = EPILOG
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    d = BatchConfig()
+    parser.add_argument(
+        "--inputs", type=_option("inputs"), default=d.inputs, help=f"input vectors (default {d.inputs})"
+    )
+    parser.add_argument(
+        "--size",
+        type=_option("size"),
+        default=d.size,
+        help=f"elements per vector (default {d.size})",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=_option("concurrency"),
+        default=d.concurrency,
+        help=f"inputs in flight at once (default {d.concurrency})",
+    )
+    parser.add_argument(
+        "--deadline",
+        type=_option("deadline"),
+        default=d.deadline,
+        help=f"seconds before the rest of the batch is cancelled, or 'none' (default {d.deadline})",
+    )
+    parser.add_argument(
+        "--kernel-ms",
+        type=_option("kernel_ms"),
+        default=d.kernel_ms,
+        help=f"time each kernel launch takes, simulated or spun on the GPU (default {d.kernel_ms:g})",
+    )
+    parser.add_argument(
+        "--device",
+        type=_option("device"),
+        default=d.device,
+        help="'auto' (default), 'sim', 'cuda' or 'cuda:N'",
+    )
+    parser.add_argument(
+        "--streams",
+        type=_option("streams"),
+        default=d.streams,
+        help=f"streams (default {d.streams})",
+    )
+    parser.add_argument("--seed", type=_option("seed"), default=d.seed, help="random seed of the inputs")
+    parser.add_argument(
+        "--progress",
+        choices=("auto", *PROGRESS_MODES),
+        default="auto",
+        help="'bar' (tqdm, on stderr), 'lines' (plain lines), 'none'; 'auto' (default): "
+        "a bar when stderr is a terminal, else lines",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress (same as --progress none)")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="-v: a line per input and cancellation, the device, trio_cuda's log (INFO); "
+        "-vv: every step too (DEBUG)",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        type=_trace_path,
+        help="record the run's lifetime trace and write it to FILE (.html: a timeline page; "
+        ".json: Chrome trace-event JSON for ui.perfetto.dev)",
+    )
+    from ._demo_ray import add_options  # Ray itself is imported only when --ray is given
+
+    add_options(parser)
+    parser.set_defaults(demo_prog=parser.prog)
+    return parser
+
+
+def _is_terminal(stream: TextIO | None) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError, OSError):  # a closed or unusual stream
+        return False
+
+
+def config_from_args(args: argparse.Namespace) -> BatchConfig:
+    mode = getattr(args, "progress", "auto")
+    if args.quiet:
+        mode = "none"
+    elif mode == "auto":
+        mode = "bar" if _is_terminal(sys.stderr) else "lines"
+    return BatchConfig(
+        inputs=args.inputs,
+        size=args.size,
+        concurrency=args.concurrency,
+        deadline=args.deadline,
+        kernel_ms=args.kernel_ms,
+        device=args.device,
+        streams=args.streams,
+        seed=args.seed,
+        progress=mode,
+        verbose=int(args.verbose),
+    )
+
+
+async def _run_interruptible(config: BatchConfig) -> BatchReport:
+    """``run_batch``, where the first Ctrl-C cancels the rest of the batch as
+    the deadline does (the scope still retires what is in flight, and the
+    checks still run); a second Ctrl-C interrupts at once."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is signal.SIG_IGN:
+        return await run_batch(config)
+    stop = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def on_sigint(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGINT, previous)
+        token.run_sync_soon(stop.set)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        return await run_batch(config, stop=stop)
+    finally:
+        if signal.getsignal(signal.SIGINT) is on_sigint:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(KeyboardInterrupt) is not None
+    return isinstance(exc, KeyboardInterrupt)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the job for parsed arguments; the exit status (see ``EPILOG``)."""
+    from ._demo_ray import maybe_run_on_ray
+
+    if (ray_status := maybe_run_on_ray(args)) is not None:
+        return ray_status
+    prog = getattr(args, "demo_prog", "batch_job")
+    config = config_from_args(args)
+    try:
+        check_device(config.device)
+    except DeviceUnavailableError as exc:
+        print(f"{prog}: error: --device {config.device}: {exc}", file=sys.stderr)
+        return 2
+    path: str | None = getattr(args, "trace", None)
+    recording = trace.enable() if path is not None else None
+    status = 0
+    try:
+        report = trio.run(_run_interruptible, config)
+        status = 130 if report.interrupted else 0 if report.ok else 1
+    except DeviceUnavailableError as exc:  # it went away since the check
+        print(f"{prog}: error: --device {config.device}: {exc}", file=sys.stderr)
+        status = 2
+    except BaseException as exc:
+        if not _interrupted(exc):
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        status = 130
+    finally:
+        if recording is not None and path is not None:
+            trace.disable()
+            try:
+                recording.write(path)
+            except OSError as exc:
+                print(f"{prog}: error: --trace: could not write {path!r}: {exc}", file=sys.stderr)
+                status = status or 1
+            else:
+                try:
+                    print(
+                        f"trace: {len(recording.events)} events ({recording.dropped} dropped) "
+                        f"written to {path}",
+                        flush=True,
+                    )
+                except BrokenPipeError:  # the reader of stdout went away
+                    to_devnull(sys.stdout)
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``batch_job [options]``: run the job, return the exit status."""
+    return run_from_args(build_parser().parse_args(argv))
