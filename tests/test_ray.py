@@ -254,3 +254,27 @@ def test_a_job_that_is_not_async_is_reported_clearly() -> None:
     assert isinstance(report.error, TypeError)
     assert "expected an async function" in str(report.error)
     assert not report.leaked
+
+
+@pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt()])
+def test_a_base_exception_in_a_job_propagates_after_the_scope_drained(exc: BaseException) -> None:
+    from trio_cuda.testing import SimDevice
+
+    sim = SimDevice(copy_time=0.01)
+
+    async def job(ctx: tray.WorkerContext) -> None:
+        x = await ctx.gpu.to_device(np.zeros(8, np.float32))
+        ctx.gpu.submit(ops.fill(x, 1.0))  # in flight when the job raises
+        raise exc
+
+    with pytest.raises(BaseException) as info:  # a group holding exc
+        tray.run_job(job, device=sim)
+    got = info.value
+    if isinstance(got, BaseExceptionGroup):
+        matched, rest = got.split(type(exc))
+        assert matched is not None
+        assert rest is None
+    else:
+        assert isinstance(got, type(exc))
+    assert sim.live_allocations == []  # the scope waited for the fill, then freed x
+    assert sim.violations == []
