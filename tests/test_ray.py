@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -157,6 +158,137 @@ def test_errors_come_back_with_the_statistics(cluster: None) -> None:
     report = ray.get(tray.remote(failing_unpicklably, max_retries=0).remote(), timeout=TIMEOUT)
     assert isinstance(report.error, RuntimeError)
     assert "Unpicklable" in str(report.error)
+
+
+class NeedsTwo(Exception):
+    """Pickles (its args are one message) but cannot be rebuilt: its __init__ wants two."""
+
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what} failed: {why}")
+
+
+def _countdown(n: int) -> Iterator[int]:
+    yield from range(n, 0, -1)
+
+
+async def returns_what_does_not_travel(ctx: tray.WorkerContext, kind: str) -> Any:
+    x = await ctx.gpu.to_device(np.arange(4, dtype=np.float32))
+    ctx.emit("sum", float((await ctx.gpu.to_host(x)).sum()))
+    values = {
+        "generator": lambda: _countdown(3),
+        "DeviceArray": lambda: x,
+        "lock": threading.Lock,
+        "NeedsTwo": lambda: NeedsTwo("the upload", "the link went down"),
+    }
+    return values[kind]()
+
+
+async def raises_what_cannot_be_rebuilt(ctx: tray.WorkerContext) -> None:
+    x = ctx.gpu.empty(4, np.float32)
+    await ctx.gpu.run(ops.fill(x, 1.0))
+    ctx.emit("before", True)
+    raise NeedsTwo("the upload", "the link went down")
+
+
+async def raises_a_group_with_one_that_cannot_be_rebuilt(ctx: tray.WorkerContext) -> None:
+    ctx.emit("before", True)
+    raise ExceptionGroup(
+        "two failures", [KernelArgumentError("x: expected 8 elements, got 4"), NeedsTwo("a", "b")]
+    )
+
+
+async def emits_what_does_not_travel(ctx: tray.WorkerContext) -> str:
+    ctx.emit("fine", 1.5)
+    ctx.emit("array", np.arange(3))
+    ctx.emit("lock", threading.Lock())
+    ctx.emit("NeedsTwo", NeedsTwo("a", "b"))
+    ctx.emit(threading.Lock(), "under a key that does not pickle")
+    return "done"
+
+
+def test_a_value_that_does_not_travel_is_replaced_by_an_error_naming_it(cluster: None) -> None:
+    job = tray.remote(returns_what_does_not_travel, max_retries=0)
+    kinds = {"generator": "did not pickle", "DeviceArray": "did not pickle", "lock": "did not pickle"}
+    kinds["NeedsTwo"] = "could not be rebuilt"
+    refs = {kind: job.remote(kind) for kind in kinds}
+    for kind, ref in refs.items():
+        report = _checked(ray.get(ref, timeout=TIMEOUT))  # the report came back, whole
+        assert report.emitted == {"sum": 6.0}, kind
+        assert report.value is None
+        assert isinstance(report.error, RuntimeError), (kind, report.error)
+        message = str(report.error)
+        assert message.startswith("value: "), message
+        assert kind in message, message
+        assert kinds[kind] in message, message
+        with pytest.raises(RuntimeError, match=kinds[kind]):
+            report.result()
+
+
+def test_an_error_that_cannot_be_rebuilt_is_replaced_by_one_naming_it(cluster: None) -> None:
+    job = tray.remote(raises_what_cannot_be_rebuilt, max_retries=0)
+    report = _checked(ray.get(job.remote(), timeout=TIMEOUT))
+    assert report.emitted == {"before": True}
+    assert report.statistics.submitted >= 1
+    assert isinstance(report.error, RuntimeError)
+    message = str(report.error)
+    assert "NeedsTwo: the upload failed: the link went down" in message, message
+    assert "could not be rebuilt" in message, message
+    assert "why" in message, message  # the reason: __init__ lacks its second argument
+    assert any("raises_what_cannot_be_rebuilt" in note for note in report.error.__notes__)  # the traceback
+
+    # in a group, only the member that cannot be rebuilt is replaced
+    job = tray.remote(raises_a_group_with_one_that_cannot_be_rebuilt, max_retries=0)
+    report = _checked(ray.get(job.remote(), timeout=TIMEOUT))
+    assert report.emitted == {"before": True}
+    assert isinstance(report.error, ExceptionGroup), report.error
+    first, second = report.error.exceptions
+    assert isinstance(first, KernelArgumentError)
+    assert isinstance(second, RuntimeError)
+    assert "NeedsTwo: a failed: b" in str(second)
+
+
+def test_emitted_results_that_do_not_travel_are_replaced_by_errors_naming_them(cluster: None) -> None:
+    report = _checked(
+        ray.get(tray.remote(emits_what_does_not_travel, max_retries=0).remote(), timeout=TIMEOUT)
+    )
+    assert report.result() == "done"
+    emitted = dict(report.emitted)
+    assert emitted.pop("fine") == 1.5
+    np.testing.assert_array_equal(emitted.pop("array"), np.arange(3))
+    lock, needs_two = emitted.pop("lock"), emitted.pop("NeedsTwo")
+    assert isinstance(lock, RuntimeError)
+    assert "emitted['lock']" in str(lock)
+    assert "lock" in str(lock).removeprefix("emitted['lock']")
+    assert "did not pickle" in str(lock)
+    assert isinstance(needs_two, RuntimeError)
+    assert "emitted['NeedsTwo']" in str(needs_two)
+    assert "could not be rebuilt" in str(needs_two)
+    # the key that does not pickle: its value kept under the key's repr
+    [(key, value)] = emitted.items()
+    assert isinstance(key, str)
+    assert "lock" in key
+    assert value == "under a key that does not pickle"
+
+
+def test_a_value_that_does_not_travel_is_noted_on_the_error_there_already_is() -> None:
+    from _kernels import add
+
+    from trio_cuda.testing import SimDevice
+
+    sim = SimDevice()
+
+    async def job(ctx: tray.WorkerContext) -> Any:
+        x = await ctx.gpu.to_device(np.zeros(4, np.float32))
+        sim.inject_fault("kernel_fault")
+        ctx.gpu.submit(add(x, 1.0))  # nobody awaits it: its error is raised by the scope's exit
+        return threading.Lock()
+
+    report = tray.run_job(job, device=sim)
+    assert report.value is None
+    assert isinstance(report.error, ExceptionGroup), report.error
+    assert "kernel_fault" in str(report.error.exceptions[0])
+    [note] = report.error.__notes__
+    assert "value: the job's return value of type _thread.lock did not pickle" in note, note
 
 
 def test_the_deadline_cancels_work_in_flight_and_the_scope_still_drains(cluster: None) -> None:

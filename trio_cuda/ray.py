@@ -16,10 +16,19 @@ Invariants:
   the scope drains are ignored (``ray.cancel(ref, force=True)`` still kills
   the worker: the driver then releases the process's GPU memory).
 * A call always returns a :class:`WorkerReport`, also when the job failed or
-  was cancelled: the job's value or error (replaced by a ``RuntimeError``
-  naming it when it does not pickle), what it emitted with
+  was cancelled: the job's value or error, what it emitted with
   :meth:`WorkerContext.emit` before it ended, the scope's final statistics
   and, on the simulator, the memcheck's findings.
+* Every part of a report that comes from the job is checked, in the worker,
+  to survive the trip as Ray makes it (pickled with Ray's cloudpickle, then
+  unpickled). A part that does not is replaced, and the rest still comes
+  back: a value by a ``RuntimeError`` as the report's error (a note on the
+  error where there already is one), an error by a ``RuntimeError`` naming
+  its type and message (in an exception group, only the members that do not
+  travel), an emitted value by a ``RuntimeError`` in its place, an emitted
+  key by its ``repr``. Each replacement says what did not travel and why.
+  ``run_job`` makes the same checks, so its report is what Ray would bring
+  back.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import signal
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal, TypeVar, final
 
@@ -67,11 +77,13 @@ class JobCancelledError(TrioCudaError):
 class WorkerReport:
     """What one call of a job sent back from its Ray worker."""
 
-    #: the job's return value (None unless it returned)
+    #: the job's return value (None unless it returned, and it survived pickling)
     value: Any
-    #: what the job raised (or the scope's exit raised), else None
+    #: what the job raised (or the scope's exit raised), else None; a RuntimeError
+    #: naming what did not survive pickling in its place
     error: BaseException | None
-    #: ``key -> value`` pairs the job emitted before it ended, in order
+    #: ``key -> value`` pairs the job emitted before it ended, in order (a value
+    #: that did not survive pickling replaced by a RuntimeError naming it)
     emitted: dict[Any, Any]
     #: "deadline" or "ray.cancel" when the job was cancelled, else None
     cancelled: CancelReason | None
@@ -218,15 +230,76 @@ def _check_deadline(deadline: object) -> float:
     return float(deadline)
 
 
+#: how Ray pickles what a task returns (untyped in Ray)
+_ray_dumps: Callable[..., bytes] = ray.cloudpickle.dumps
+
+#: types whose values always survive pickling (checked without pickling them)
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def _trip_failure(obj: object) -> str | None:
+    """None if ``obj`` survives the trip as Ray makes it (pickled with Ray's
+    cloudpickle, then unpickled), else what went wrong."""
+    if type(obj) in _PLAIN_TYPES:
+        return None
+    buffers: list[pickle.PickleBuffer] = []  # out of band, as Ray sends arrays: no copy
+    try:
+        data = _ray_dumps(obj, protocol=5, buffer_callback=buffers.append)
+    except Exception as exc:
+        return f"did not pickle ({type(exc).__name__}: {exc})"
+    try:
+        pickle.loads(data, buffers=buffers)
+    except Exception as exc:
+        return f"pickled, but could not be rebuilt from its pickle ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _type_name(obj: object) -> str:
+    cls = type(obj)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _portable(exc: BaseException | None) -> BaseException | None:
-    """``exc`` if it pickles (it goes back to the driver), else a RuntimeError naming it."""
+    """``exc`` if it survives the trip back to the driver, else a RuntimeError
+    naming it (its type, message, why, and its traceback as a note). In an
+    exception group only the members that do not travel are replaced."""
     if exc is None:
         return None
-    try:
-        pickle.dumps(exc)
-    except Exception as why:
-        return RuntimeError(f"{type(exc).__qualname__}: {exc} (not picklable: {why})")
-    return exc
+    why = _trip_failure(exc)
+    if why is None:
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        members = [_portable(e) or e for e in exc.exceptions]
+        if any(new is not old for new, old in zip(members, exc.exceptions, strict=True)):
+            try:
+                group = exc.derive(members)
+                group.__notes__ = list(getattr(exc, "__notes__", ()))
+            except Exception:  # a subclass that derive() cannot make
+                pass
+            else:
+                if _trip_failure(group) is None:
+                    return group
+    replaced = RuntimeError(f"{_type_name(exc)}: {exc} [raised by the job; it {why}]")
+    if exc.__traceback__ is not None:
+        replaced.add_note("".join(traceback.format_exception(exc)).rstrip())
+    return replaced
+
+
+def _portable_emitted(emitted: dict[Any, Any]) -> dict[Any, Any]:
+    """``emitted`` with each key and value that does not travel replaced
+    (a key by its repr, a value by a RuntimeError naming it)."""
+    out: dict[Any, Any] = {}
+    for key, value in emitted.items():
+        if _trip_failure(key) is not None:
+            try:
+                key = repr(key)
+            except Exception:
+                key = f"<a key of type {_type_name(key)}>"
+        why = _trip_failure(value)
+        if why is not None:
+            value = RuntimeError(f"emitted[{key!r}]: the emitted value of type {_type_name(value)} {why}")
+        out[key] = value
+    return out
 
 
 def _ray_identity() -> tuple[tuple[str, ...], str, int]:
@@ -312,10 +385,20 @@ async def _run(
     elapsed = time.perf_counter() - t0
     if stats is None:
         stats = _empty_statistics(backend, name)
+    # what does not survive the trip back is replaced here, not lost with the report in Ray
+    error = _portable(error)
+    why = _trip_failure(value)
+    if why is not None:
+        lost = f"value: the job's return value of type {_type_name(value)} {why}"
+        value = None
+        if error is None:
+            error = RuntimeError(lost)
+        else:
+            error.add_note(f"({lost}, and was left out)")
     return WorkerReport(
         value=value,
-        error=_portable(error),
-        emitted=emitted,
+        error=error,
+        emitted=_portable_emitted(emitted),
         cancelled=cancelled,
         statistics=stats,
         backend=backend,
