@@ -50,7 +50,7 @@ from ..._core._driver import (
 from ..._core._errors import GraphCaptureError, LaunchError, MissingReferenceError
 from ..._core._kernel import signature
 from .. import _common, _nvrtc
-from .engine import _ALIGN, _Cmd, perf_counter
+from .engine import _ALIGN, _Cmd
 from .handles import SimFunction, SimGate, SimGraph, SimGraphExec, SimMarker, SimStream
 from .records import Violation
 
@@ -368,7 +368,7 @@ class SimContext:
         if gate.opened:
             return
         gate.opened = True
-        gate._opened_at = perf_counter()
+        gate._opened_at = dev._time.now()
         dev._dirty.append(gate.stream)
         dev._pump()
 
@@ -388,9 +388,10 @@ class SimContext:
         if due is None:
             await event.wait()
             return
-        with trio.move_on_after(max(0.0, due - perf_counter())):
+        # Wait on the run's own clock (MockClock too): the device clock follows it.
+        with trio.move_on_at(dev._time.deadline(due)) as cs:
             await event.wait()
-        dev._pump()
+        dev._pump(due if cs.cancelled_caught else 0.0)
 
     def notify_submitted(self) -> None:
         """Nothing to do: enqueueing already wakes timed waiters."""

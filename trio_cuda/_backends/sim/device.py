@@ -14,6 +14,9 @@ Invariants:
   at most one fault. What the engine does with it is in ``engine``.
 * Settings are checked when the device is made; records come out as snapshots
   (``records``).
+* ``kernel_time`` and ``copy_time`` are seconds of the device clock
+  (``clock``): the Trio run's clock inside a run, so that under
+  ``trio.testing.MockClock`` they take virtual time.
 * The one exception to "one thread": with ``graph_host_time`` set, the core
   instantiates, uploads and updates graphs in worker threads (as on a GPU).
   Those calls touch only their own graph objects and the graph counters,
@@ -31,6 +34,7 @@ import attrs
 import trio
 
 from ..._core._driver import DeviceInfo
+from .clock import SimClock
 from .context import SimContext
 from .engine import SimEngine, _Alloc
 from .handles import SimStream
@@ -80,7 +84,9 @@ class SimDevice(SimEngine):
 
     ``memory`` is the total device memory in bytes. ``kernel_time`` and
     ``copy_time`` are the simulated seconds each launch / each copy or fill takes
-    while free-running (0: it executes as soon as it is enqueued). ``trace_limit``
+    while free-running (0: it executes as soon as it is enqueued), on the Trio
+    run's clock (``trio.testing.MockClock`` included; ``perf_counter``
+    outside a run). ``trace_limit``
     bounds :attr:`trace` to the most recent events (None: unbounded, 0: off).
     ``batch_markers`` lets scopes record one completion marker per burst of
     submissions, as on a real GPU.
@@ -114,6 +120,9 @@ class SimDevice(SimEngine):
     graph_host_time: float = attrs.field(default=0.0, kw_only=True, validator=_check_time)
 
     _held: bool = attrs.field(init=False, default=False)
+    #: the device clock every time comes from (see ``clock``); a SimHost's
+    #: devices share one
+    _time: SimClock = attrs.field(init=False, factory=SimClock)
     _next_ptr: int = attrs.field(init=False, default=_BASE_ADDRESS)
     _bases: list[int] = attrs.field(init=False, factory=list)
     _allocs: list[_Alloc] = attrs.field(init=False, factory=list)

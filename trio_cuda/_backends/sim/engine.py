@@ -18,6 +18,10 @@ Invariants:
   enqueue when free-running, when due if ``kernel_time`` or ``copy_time`` is
   positive, and only through ``complete_next`` / ``run_until_idle`` while
   held. ``_pump`` is not re-entrant.
+* Every time (enqueue, due, start, end) is read from the device's
+  :class:`~.clock.SimClock` (``_time``), and waiters wait for due work on
+  the same clock (``SimContext.wait_for_progress``): under a Trio
+  ``MockClock`` timed work takes virtual time, never wall-clock time.
 * On a capturing stream, work commands are recorded instead of enqueued; any
   other command raises ``GraphCaptureError`` (``_common.not_capturable``).
 * Errors (an injected ``kernel_fault``, a reference that raises) attach to the
@@ -32,7 +36,6 @@ Invariants:
 from __future__ import annotations
 
 import math
-import time
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Sequence
@@ -50,6 +53,7 @@ from .records import TraceEvent, Violation, ViolationKind
 if TYPE_CHECKING:
     from ..._core._kernel import Kernel
     from ..._core._launch import ArgView, PreparedLaunch
+    from .clock import SimClock
     from .handles import SimFunction, SimGate, SimGraphExec, SimMarker, SimStream
 
 __all__ = ["SimEngine"]
@@ -60,8 +64,6 @@ _POISON = 0xDB
 _EMPTY = np.empty(0, dtype=np.uint8)
 _EMPTY.setflags(write=False)
 _WORK_KINDS = frozenset({"launch", "h2d", "d2h", "d2d", "fill", "graph", "peer"})
-
-perf_counter = time.perf_counter
 
 
 def _out_of_memory(text: str) -> OutOfMemoryError:
@@ -86,7 +88,8 @@ class _Alloc:
 class _Cmd:
     """One queued command. ``data`` is the kind's payload: the staged bytes (h2d),
     the host array (d2h), the pattern (fill), the PreparedLaunch (launch), the
-    marker sequence number (marker), the SimMarker (wait_marker) or the SimGate."""
+    marker sequence number (marker), the SimMarker (wait_marker) or the SimGate.
+    ``t_enqueue`` is set by ``SimEngine._enqueue``, on the device clock."""
 
     __slots__ = (
         "data",
@@ -119,7 +122,7 @@ class _Cmd:
         self.kind = kind
         self.seq = seq
         self.label = label
-        self.t_enqueue = perf_counter()
+        self.t_enqueue = 0.0
         self.duration = duration
         self.data = data
         self.dst = dst
@@ -139,6 +142,7 @@ class SimEngine:
         memory: int
         trace_limit: int | None
         _held: bool
+        _time: SimClock
         _next_ptr: int
         _bases: list[int]
         _allocs: list[_Alloc]
@@ -273,6 +277,7 @@ class SimEngine:
     # ------------------------------------------------------------------ engine
 
     def _enqueue(self, stream: SimStream, cmd: _Cmd) -> None:
+        cmd.t_enqueue = self._time.now()
         capture = stream._capture
         if capture is not None:
             if not cmd.work:
@@ -320,14 +325,16 @@ class SimEngine:
                     best = due
         return best
 
-    def _pump(self) -> int:
+    def _pump(self, until: float = 0.0) -> int:
+        """Execute what is runnable and due now, or by ``until`` (a due time
+        a waiter waited for on the device clock)."""
         if self._pumping:
             return 0
         self._pumping = True
         try:
             n = self._settle()
             if not self._held:
-                now = perf_counter() if self._timed_pending else math.inf
+                now = max(self._time.now(), until) if self._timed_pending else math.inf
                 while True:
                     best: SimStream | None = None
                     best_key = (math.inf, 0)
@@ -421,7 +428,7 @@ class SimEngine:
 
     def _exec_work(self, s: SimStream, due: float | None) -> None:
         """Pop and execute the work command at ``s``'s head. ``due`` is its
-        simulated end time (timed free-running), or None to use real time."""
+        simulated end time (timed free-running), or None to read the clock."""
         q = s._queue
         cmd = q.popleft()
         self._pending -= 1
@@ -432,9 +439,10 @@ class SimEngine:
         else:
             del self._busy[s]
         if due is None:
-            start = perf_counter()
+            clock = self._time
+            start = clock.now()
             self._effect(s, cmd)
-            end = perf_counter()
+            end = clock.now()
         else:
             start = due - cmd.duration
             self._effect(s, cmd)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, final
 import attrs
 
 from .. import _common
+from .clock import SimClock
 from .context import SimContext
 from .device import _BASE_ADDRESS, SimDevice
 from .engine import SimEngine, _Cmd
@@ -124,8 +125,10 @@ class SimHost:
                 raise ValueError("devices: expected distinct SimDevices, got one twice")
         if not isinstance(peer_access, bool):
             raise TypeError(f"peer_access: expected a bool, got {peer_access!r}")
+        clock = SimClock.merged(d._time for d in made)  # one time for all: their times compare
         for i, d in enumerate(made):
             d._host = self
+            d._time = clock
             d._next_ptr = _BASE_ADDRESS + i * _SPAN
             d._info = attrs.evolve(d._info, ordinal=i)
         self._devices: tuple[SimDevice, ...] = tuple(made)

@@ -41,7 +41,9 @@ class Violation:
 @attrs.frozen
 class TraceEvent:
     """One executed command. ``seq`` is its global enqueue order; times are
-    ``time.perf_counter()`` values (simulated ones for timed work)."""
+    the device clock's (``clock``): ``time.perf_counter()`` seconds under
+    Trio's default clock and outside a run, virtual ones under a
+    ``MockClock``; simulated ones for timed work."""
 
     seq: int
     stream: int
