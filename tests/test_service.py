@@ -5,13 +5,16 @@ simulator); a real HTTP client drives it from hundreds of concurrent clients,
 a share of which give up mid-request, so the server sees disconnects and
 cancels their GPU work. Every answer is checked against NumPy, the scope must
 settle (nothing in flight, no leases, only the model's allocations left,
-memcheck clean), bad input gets a 400, and SIGINT stops it cleanly. A ``gpu``
-variant does the same on a real GPU (skipped cleanly without one).
+memcheck clean), bad input gets a 400 naming the field (numbers float32
+cannot hold in every spelling, JSON nested too deeply included), a result that
+overflows a 422, every answer is strict JSON, and SIGINT stops it cleanly. A
+``gpu`` variant does the same on a real GPU (skipped cleanly without one).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -174,6 +177,116 @@ async def test_score_and_bad_input(server: Server) -> None:
             assert "JSON" in r.json()["error"]
         r = await client.get("/nowhere")
         assert r.status_code == 404
+
+
+def _strict_json(text: str) -> Any:
+    """``text`` parsed as JSON proper: NaN and the infinities are not JSON."""
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"not JSON: {name} in {text[:200]!r}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _with(i: int, literal: str) -> bytes:
+    """A request body whose ``x[i]`` is written as ``literal``, the rest 0.5."""
+    items = ["0.5"] * serve.D
+    items[i] = literal
+    return ('{"x": [' + ", ".join(items) + "]}").encode()
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+DEEP = 100_000
+
+
+async def test_bad_numbers_and_documents_get_a_400_naming_them(server: Server) -> None:
+    # (body, the field named, what the answer says was given)
+    cases: list[tuple[bytes, str, str]] = [
+        (_with(0, "1e39"), '"x"[0]', "1e39"),  # finite, but overflows float32
+        (_with(1, "-3.5e38"), '"x"[1]', "-3.5e38"),
+        (_with(2, "1e999"), '"x"[2]', "1e999"),  # overflows float64 too
+        (_with(3, str(10**400)), '"x"[3]', "401 digits"),
+        (_with(4, "-1" + "0" * 5000), '"x"[4]', "5001 digits"),  # past int()'s digit limit
+        (_with(5, str(2**128)), '"x"[5]', str(2**128)),  # a float32 holds at most ~2**128
+        (_with(6, "NaN"), '"x"[6]', "NaN"),
+        (_with(7, "-Infinity"), '"x"[7]', "-Infinity"),
+        (_with(8, '"1.0"'), '"x"[8]', "a string"),
+        (_with(9, "null"), '"x"[9]', "null"),
+        (_with(10, "[1.0]"), '"x"[10]', "an array"),
+        (b"[" * DEEP + b"]" * DEEP, "body", "nested too deeply"),
+        (b'{"x": ' + b"[" * DEEP + b"]" * DEEP + b"}", "body", "nested too deeply"),
+        (b"[1, 2, 3]", "body", "an array"),
+        (b"1e999", "body", "1e999"),
+        (b"0.5", "body", "0.5"),
+        (b'{"y": [1.0]}', '"x"', 'an object without "x"'),
+        (b'{"x": {"0": 1.0}}', '"x"', "an object"),
+    ]
+    async with httpx.AsyncClient(base_url=server.url, timeout=20.0) as client:
+        for body, field, given in cases:
+            r = await client.post("/score", content=body)
+            assert r.status_code == 400, (body[:80], r.status_code, r.text[:300])
+            doc = _strict_json(r.text)
+            assert doc["field"] == field, (body[:80], doc)
+            assert given in doc["got"], (body[:80], doc)
+            assert doc["expected"], doc
+            assert doc["error"] == f"{field}: expected {doc['expected']}, got {doc['got']}", doc
+        # the largest float32 is accepted, and a huge number where nothing reads it is ignored
+        x = np.zeros(serve.D, np.float32)
+        x[0] = F32_MAX
+        text = json.dumps({"x": x.tolist()})
+        r = await client.post("/score", content=text[:-1] + ', "note": 1' + "0" * 5000 + "}")
+        assert r.status_code == 200, r.text[:300]
+        y = np.asarray(_strict_json(r.text)["y"], np.float32)
+        np.testing.assert_allclose(y, serve.reference(x), **_tolerance(server))
+        # a body past the limit is refused before it is parsed
+        r = await client.post("/score", content=b" " * (serve.MAX_BODY + 1))
+        assert r.status_code == 413, r.text[:300]
+        assert _strict_json(r.text)["field"] == "body"
+
+
+async def test_a_result_that_is_not_finite_is_an_error_response_not_invalid_json(server: Server) -> None:
+    x = np.full(serve.D, 3.0e38, np.float32)  # within float32, but W @ x overflows it
+    expected = serve.reference(x)
+    assert not np.isfinite(expected).all(), "the input does not overflow: the test checks nothing"
+    async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as client:
+        r = await client.post("/score", json={"x": x.tolist()})
+        assert r.status_code == 422, r.text[:300]
+        doc = _strict_json(r.text)
+        assert doc["field"] == '"y"', doc
+        assert "finite" in doc["expected"], doc
+        assert f"of {serve.D} elements not finite" in doc["got"], doc
+        if server.device == "sim":  # the same arithmetic as NumPy's: the same elements overflow
+            assert doc["got"].startswith(f"{int((~np.isfinite(expected)).sum())} of"), doc
+        # and the server still answers
+        r = await client.post("/score", json={"x": [0.5] * serve.D})
+        assert r.status_code == 200, r.text[:300]
+
+
+async def test_an_internal_error_is_a_json_500() -> None:
+    # in process: an ASGI call of the app over a scorer whose GPU work fails
+    class Failing:
+        gpu = None
+
+        async def score(self, x: np.ndarray) -> np.ndarray:
+            raise RuntimeError("the device went away")
+
+    sent: list[dict[str, Any]] = []
+    events = [{"type": "http.request", "body": json.dumps({"x": [0.5] * serve.D}).encode()}]
+
+    async def receive() -> dict[str, Any]:
+        if events:
+            return events.pop()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    app = serve.make_app(Failing(), None)
+    await app({"type": "http", "method": "POST", "path": "/score"}, receive, send)
+    assert sent[0]["status"] == 500
+    doc = _strict_json(sent[1]["body"].decode())
+    assert "RuntimeError: the device went away" in doc["error"], doc
 
 
 async def test_many_clients_some_cancel(server: Server, capsys: pytest.CaptureFixture[str]) -> None:

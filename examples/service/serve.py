@@ -19,6 +19,14 @@ it completes, and nothing it uses is freed early (that is trio_cuda's job).
     POST /score   {"x": [64 floats]} -> {"y": [64 floats]}
     GET  /stats   -> the scope's statistics (and memcheck violations on the simulator)
 
+Invariants: every answer is JSON proper (no NaN, no infinities), also an
+error. Input that float32 cannot hold (NaN, an infinity, a magnitude past
+float32's largest, in any spelling) and any other bad input is refused with
+a 400 before it reaches the GPU, a body over ``MAX_BODY`` bytes with a 413;
+an error's body names the field, what was expected and what was given. A
+result that is not finite (the computation overflowed float32) is a 422 of
+the same form, and an unexpected failure a 500 with a JSON body.
+
 Ctrl-C (SIGINT) or SIGTERM shuts it down gracefully: the scope drains first.
 """
 
@@ -29,6 +37,7 @@ import json
 import math
 import signal
 import sys
+import traceback
 from typing import Any
 
 import attrs
@@ -40,6 +49,10 @@ from trio_cuda import In, Kernel, Out, Scalar, ops, unsafe
 
 D = 64
 SEED = 20241201
+#: the largest magnitude a float32 holds; an input past it is refused
+F32_MAX = float(np.finfo(np.float32).max)
+#: the largest request body read (bytes)
+MAX_BODY = 1 << 20
 
 SRC = r"""
 extern "C" __global__ void matvec(const float* W, const float* x, float* h, int d) {
@@ -56,14 +69,17 @@ extern "C" __global__ void bias_relu(const float* h, const float* b, float* y, i
 """
 
 
+# the simulator's kernels; like a GPU, they overflow to inf without a warning
 def matvec_on_cpu(w: np.ndarray, x: np.ndarray, h: np.ndarray, d: np.int32) -> None:
     n = int(d)
-    h[:n] = w.reshape(n, n) @ x[:n]
+    with np.errstate(over="ignore", invalid="ignore"):
+        h[:n] = w.reshape(n, n) @ x[:n]
 
 
 def bias_relu_on_cpu(h: np.ndarray, b: np.ndarray, y: np.ndarray, d: np.int32) -> None:
     n = int(d)
-    y[:n] = np.maximum(h[:n] + b[:n], np.float32(0.0))
+    with np.errstate(over="ignore", invalid="ignore"):
+        y[:n] = np.maximum(h[:n] + b[:n], np.float32(0.0))
 
 
 matvec = Kernel.from_source(
@@ -85,7 +101,8 @@ def model(seed: int = SEED, dim: int = D) -> tuple[np.ndarray, np.ndarray]:
 def reference(x: np.ndarray, seed: int = SEED) -> np.ndarray:
     """What ``POST /score`` answers for ``x``, computed with NumPy."""
     w, b = model(seed, len(x))
-    return np.maximum(w @ np.asarray(x, np.float32) + b, np.float32(0.0))
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.maximum(w @ np.asarray(x, np.float32) + b, np.float32(0.0))
 
 
 class Scorer:
@@ -165,56 +182,161 @@ def stats(gpu: trio_cuda.ResourceScope, sim: Any) -> dict[str, Any]:
     return out
 
 
+class RequestError(ValueError):
+    """A request the service refuses: which field, what was expected, what was given."""
+
+    def __init__(self, field: str, expected: str, got: str, status: int = 400) -> None:
+        super().__init__(f"{field}: expected {expected}, got {got}")
+        self.field, self.expected, self.got, self.status = field, expected, got, status
+
+    def doc(self) -> dict[str, str]:
+        return {"error": str(self), "field": self.field, "expected": self.expected, "got": self.got}
+
+
+class _Unrepresentable:
+    """A number of the request that float32 cannot hold, kept as its text."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _parse_float(text: str) -> float | _Unrepresentable:
+    value = float(text)  # inf past float64's range
+    return value if abs(value) <= F32_MAX else _Unrepresentable(text)
+
+
+def _parse_int(text: str) -> int | _Unrepresentable:
+    if len(text.lstrip("-")) > 39:  # past float32's range; int() refuses past 4300 digits
+        return _Unrepresentable(text)
+    value = int(text)
+    return value if abs(value) <= F32_MAX else _Unrepresentable(text)
+
+
+NUMBER = f"a finite number of magnitude at most {F32_MAX:.8g} (float32)"
+DOCUMENT = f'a JSON object {{"x": [{D} numbers]}}'
+
+
+def _describe(value: object) -> str:
+    """What a client sent, in JSON's words."""
+    if isinstance(value, _Unrepresentable):
+        text = value.text
+        digits = len(text.lstrip("-"))
+        if text.lstrip("-").isdigit() and digits > 40:
+            return f"an integer of {digits} digits ({text[:12]}...)"
+        return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        shown = repr(value) if len(value) <= 40 else repr(value[:40])[:-1] + "...'"
+        return f"a string {shown}"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return f"an array of length {len(value)}"
+    return "an object"
+
+
 def parse_x(body: bytes) -> np.ndarray:
-    """The request's ``x``; ValueError with a message for bad input."""
+    """The request's ``x`` as float32; RequestError naming what is wrong."""
     try:
-        doc = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"body: expected JSON, got invalid JSON ({exc})") from None
-    x = doc.get("x") if isinstance(doc, dict) else None
-    if not isinstance(x, list) or len(x) != D:
-        got = f"a list of length {len(x)}" if isinstance(x, list) else type(x).__name__
-        raise ValueError(f'"x": expected a list of {D} numbers, got {got}')
+        doc = json.loads(
+            body, parse_float=_parse_float, parse_int=_parse_int, parse_constant=_Unrepresentable
+        )
+    except RecursionError:
+        raise RequestError("body", DOCUMENT, "JSON nested too deeply to parse") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise RequestError("body", "JSON", f"invalid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise RequestError("body", DOCUMENT, _describe(doc))
+    if "x" not in doc:
+        raise RequestError('"x"', f"a list of {D} numbers", 'an object without "x"')
+    x = doc["x"]
+    if not isinstance(x, list):
+        raise RequestError('"x"', f"a list of {D} numbers", _describe(x))
+    if len(x) != D:
+        raise RequestError('"x"', f"a list of {D} numbers", f"a list of length {len(x)}")
     for i, v in enumerate(x):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ValueError(f'"x"[{i}]: expected a finite number, got {v!r}')
+        # what is left of int and float lies within float32's range (the parser's hooks)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RequestError(f'"x"[{i}]', NUMBER, _describe(v))
     return np.asarray(x, np.float32)
+
+
+def check_y(y: np.ndarray) -> np.ndarray:
+    """``y`` if every element is finite; else a RequestError (422): the input
+    was valid, but the computation overflowed float32."""
+    bad = np.flatnonzero(~np.isfinite(y))
+    if bad.size:
+        where = ", ".join(str(int(i)) for i in bad[:8]) + (", ..." if bad.size > 8 else "")
+        raise RequestError(
+            '"y"',
+            'finite numbers (float32); scale "x" down',
+            f"{bad.size} of {y.size} elements not finite (at {where}): the computation overflowed",
+            status=422,
+        )
+    return y
+
+
+def _describe_failure(exc: BaseException) -> str:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]  # the nursery's group around the one failure
+    return f"{type(exc).__name__}: {exc}"
 
 
 def make_app(scorer: Scorer, sim: Any) -> Any:
     """A small ASGI app over ``scorer``."""
 
-    async def reply(send: Any, status: int, doc: object) -> None:
-        body = json.dumps(doc).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (event := await receive())["type"] != "lifespan.shutdown":
+            while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
             return
-        route = (scope["method"], scope["path"])
-        if route == ("GET", "/health"):
-            await reply(send, 200, {"dim": D})
-        elif route == ("GET", "/stats"):
-            await reply(send, 200, stats(scorer.gpu, sim))
-        elif route == ("POST", "/score"):
+        started = False
+
+        async def reply(status: int, doc: object) -> None:
+            nonlocal started
+            body = json.dumps(doc, allow_nan=False).encode()  # JSON proper, or a ValueError
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            started = True
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        try:
+            await route(scope, receive, reply)
+        except RequestError as exc:
+            if started:
+                raise
+            await reply(exc.status, exc.doc())
+        except Exception as exc:
+            traceback.print_exc()  # the operator's copy; the client gets one line
+            if started:
+                raise
+            await reply(500, {"error": f"internal error: {_describe_failure(exc)}"})
+
+    async def route(scope: dict[str, Any], receive: Any, reply: Any) -> None:
+        where = (scope["method"], scope["path"])
+        if where == ("GET", "/health"):
+            await reply(200, {"dim": D})
+        elif where == ("GET", "/stats"):
+            await reply(200, stats(scorer.gpu, sim))
+        elif where == ("POST", "/score"):
             body = b""
             while True:
                 event = await receive()
                 if event["type"] == "http.disconnect":
                     return
                 body += event.get("body", b"")
+                if len(body) > MAX_BODY:
+                    raise RequestError("body", f"at most {MAX_BODY} bytes", f"over {MAX_BODY}", status=413)
                 if not event.get("more_body", False):
                     break
-            try:
-                x = parse_x(body)
-            except ValueError as exc:
-                await reply(send, 400, {"error": str(exc)})
-                return
+            x = parse_x(body)
+            y: np.ndarray | None = None
             async with trio.open_nursery() as nursery:
 
                 async def cancel_on_disconnect() -> None:
@@ -224,10 +346,11 @@ def make_app(scorer: Scorer, sim: Any) -> Any:
 
                 nursery.start_soon(cancel_on_disconnect)
                 y = await scorer.score(x)
-                await reply(send, 200, {"y": y.tolist()})
                 nursery.cancel_scope.cancel()
+            if y is not None:  # else the client went away
+                await reply(200, {"y": check_y(y).tolist()})
         else:
-            await reply(send, 404, {"error": f"no route {scope['method']} {scope['path']}"})
+            await reply(404, {"error": f"no route {scope['method']} {scope['path']}"})
 
     return app
 
