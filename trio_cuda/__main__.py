@@ -4,8 +4,13 @@
   CUDA devices, and the versions of trio_cuda and its dependencies. It never
   crashes on a machine without a GPU or without libcuda.
 * ``demo [options]``: the cancellation-safe batch job (see ``demo --help``).
-* ``trace SCRIPT [ARGS] -o OUT.html|OUT.json``: run a Python program with
-  lifetime tracing on for all its scopes, and write the trace.
+* ``trace -o OUT.html|OUT.json SCRIPT [ARGS]``: run a Python program with
+  lifetime tracing on for all its scopes, and write the trace. Every option
+  (the output's name and folder, ``--limit``, the script) is checked before
+  the program runs; a bad one is an argparse error (one line naming the
+  option, what was expected and what was given; exit status 2). A trace that
+  cannot be written after the run is one error line too, and exit status 1
+  unless the program's own status is not 0.
 """
 
 from __future__ import annotations
@@ -143,19 +148,49 @@ def _demo(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _trace_output(text: str) -> str:
+    """``-o``: a .html or .json file that can be written, checked before the program runs."""
+    if not text.endswith((".json", ".html", ".htm")):
+        raise argparse.ArgumentTypeError(f"expected a file name ending in .html or .json, got {text!r}")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a file name, not a folder, got {text!r}")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        why = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise argparse.ArgumentTypeError(
+            f"expected a file in an existing folder, got {text!r} ({folder} {why})"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"expected a file in a folder it can write to, got {text!r}")
+    if os.path.exists(text) and not os.access(text, os.W_OK):
+        raise argparse.ArgumentTypeError(f"expected a file it can write, got {text!r} (read-only)")
+    return text
+
+
+def _trace_limit(text: str) -> int:
+    """``--limit``: how many events the trace keeps, at least one."""
+    try:
+        limit = int(text)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 (events kept), got {text!r}")
+    return limit
+
+
+def _trace_script(text: str) -> str:
+    if not os.path.isfile(text):
+        why = "a folder" if os.path.isdir(text) else "no such file"
+        raise argparse.ArgumentTypeError(f"expected a Python file, got {text!r} ({why})")
+    return text
+
+
 def _trace(args: argparse.Namespace) -> int:
     import runpy
 
     from . import trace
 
-    out = str(args.output)
-    if not out.endswith((".json", ".html", ".htm")):
-        print(f"-o: expected a file name ending in .html or .json, got {out!r}", file=sys.stderr)
-        return 2
-    script = str(args.script)
-    if not os.path.isfile(script):
-        print(f"SCRIPT: expected a Python file, got {script!r} (no such file)", file=sys.stderr)
-        return 2
+    out, script = str(args.output), str(args.script)  # checked by the parser
     saved = sys.argv[:]
     sys.argv = [script, *args.args]
     recording = trace.enable(limit=args.limit)
@@ -168,11 +203,16 @@ def _trace(args: argparse.Namespace) -> int:
     finally:
         sys.argv = saved
         trace.disable()
-        recording.write(out)
-        print(
-            f"trace: {len(recording.events)} events ({recording.dropped} dropped) written to {out}",
-            file=sys.stderr,
-        )
+        try:
+            recording.write(out)
+        except OSError as exc:  # the folder went away, the disk is full, ...
+            print(f"{args.trace_prog}: error: -o: could not write {out!r}: {exc}", file=sys.stderr)
+            status = status or 1
+        else:
+            print(
+                f"trace: {len(recording.events)} events ({recording.dropped} dropped) written to {out}",
+                file=sys.stderr,
+            )
     return status
 
 
@@ -200,11 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run SCRIPT with lifetime tracing on for all its scopes; write the trace to OUTPUT "
         "(.html: a self-contained timeline page; .json: Chrome trace-event JSON for ui.perfetto.dev).",
     )
-    tr.add_argument("-o", "--output", required=True, help="OUT.html or OUT.json")
-    tr.add_argument("--limit", type=int, default=1_000_000, help="events kept (oldest dropped first)")
-    tr.add_argument("script", help="the Python program to run")
+    tr.add_argument("-o", "--output", required=True, type=_trace_output, help="OUT.html or OUT.json")
+    tr.add_argument(
+        "--limit", type=_trace_limit, default=1_000_000, help="events kept (oldest dropped first)"
+    )
+    tr.add_argument("script", metavar="SCRIPT", type=_trace_script, help="the Python program to run")
     tr.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
-    tr.set_defaults(handler=_trace)
+    tr.set_defaults(handler=_trace, trace_prog=tr.prog)
     return parser
 
 
