@@ -520,3 +520,34 @@ async def test_a_host_closure_raising_a_base_exception_is_traced_and_reported():
     assert info.group_contains(SystemExit)
     assert any(e.cat == "retire" and e.args and "SystemExit" in e.args["error"] for e in trace.events)
     assert trace.events[-1].cat == "scope"
+
+
+async def test_the_recorder_stays_bounded_over_many_scopes():
+    # the scope registry and the device times follow the ring: what no event
+    # in it refers to any more is forgotten; what it refers to is kept
+    limit = 60
+    trace = trio_cuda.trace.Trace(limit=limit)
+    sim = SimDevice()
+    tracer = trace._tracer
+    sizes = []
+    for i in range(150):
+        launches = 40 if i % 50 == 7 else 1 + i % 4  # some scopes outlast the ring
+        async with trio_cuda.open_scope(device=sim, trace=trace) as gpu:
+            x = await gpu.to_device(np.zeros(4, F4))
+            for _ in range(launches):
+                await gpu.run(add(x, 1.0))
+        sizes.append(len(tracer.scopes) + len(tracer.device) + len(tracer.marks))
+        doc = trace.to_chrome()
+        named = {e["pid"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+        assert {e.scope for e in trace.events} <= named
+        # this scope's kernels still in the ring have their device times,
+        # wherever its events sit in the ring
+        sid = max(named)
+        kernels = [
+            e
+            for e in doc["traceEvents"]
+            if e["ph"] == "X" and e["cat"] == "enqueue" and e["name"] == "add_f4" and e["pid"] == sid
+        ]
+        assert kernels, i
+        assert {e["args"]["device_time"] for e in kernels} == {"simulated"}, i
+    assert max(sizes) <= 5 * limit + 10, sizes

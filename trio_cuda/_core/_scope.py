@@ -267,8 +267,18 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         return self._closed
 
     def statistics(self) -> ScopeStatistics:
-        """A snapshot of the scope's counters (see :class:`ScopeStatistics`)."""
-        if UNCONSUMED:  # DLPack capsules dropped unconsumed release their exports
+        """A snapshot of the scope's counters (see :class:`ScopeStatistics`).
+
+        Like every synchronous call of an open scope, it belongs to the Trio
+        run that opened the scope: the tables it reads change under that
+        loop. From another thread or Trio run it raises ``RuntimeError``; a
+        worker thread gets a consistent snapshot with
+        ``trio.from_thread.run_sync(gpu.statistics)``. Once the scope has
+        closed, its final statistics may be read from any thread."""
+        if get_ident() != self._thread:
+            if not self._closed:
+                self._check_caller("statistics")
+        elif UNCONSUMED:  # DLPack capsules dropped unconsumed release their exports
             sweep_dropped()
         retained: set[Allocation] = set()
         for s in self._streams:
@@ -327,10 +337,31 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
 
     def _check_caller(self, what: str) -> None:
         """Refuse a call from another thread or Trio run, before anything is
-        allocated or enqueued: the handoff task and the loop's bookkeeping
-        would never learn of the work."""
+        allocated, enqueued or read: the handoff task and the loop's
+        bookkeeping would never learn of the work, and the loop changes what
+        a read would see. ``what`` is the method's name; the message names the
+        threads and, from a worker thread, the way to call it on the loop."""
         if get_ident() != self._thread:
-            raise wrong_caller(what, self)
+            import threading
+
+            names = {t.ident: t.name for t in threading.enumerate()}
+            loop = names.get(self._thread, f"thread {self._thread}")
+            mine = threading.current_thread().name
+            if trio.lowlevel.in_trio_run():
+                where = (
+                    f"another Trio run, on thread {mine!r}; a scope belongs to the run (and thread) "
+                    "that opened it"
+                )
+            else:
+                where = (
+                    f"thread {mine!r}, which runs no Trio loop; call it on that loop: "
+                    f"trio.from_thread.run_sync(gpu.{what}) from a thread Trio started "
+                    "(trio.to_thread.run_sync), with trio_token= from any other thread"
+                )
+            raise RuntimeError(
+                f"{what}: expected a call from the Trio run that opened {self!r} (on thread {loop!r}), "
+                f"got one from {where}"
+            )
 
     def _pick(self, op: DeviceOp[Any], stream: Stream | None) -> Stream:
         if stream is None:

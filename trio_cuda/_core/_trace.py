@@ -4,10 +4,14 @@ Invariants:
 
 * Off by default, and then free: every hook reads one attribute
   (``scope._tracer``) and does nothing when it is None.
-* Recording appends one plain tuple per event to a ``deque`` bounded by
-  ``limit``; the oldest events are evicted first, and ``dropped`` counts them.
+* Recording writes one plain tuple per event into a ring of ``limit``
+  slots; the oldest events are overwritten first, and ``dropped`` counts them.
   Events never hold a :class:`~trio_cuda.DeviceArray` (that would keep
-  memory alive); allocations are named by their address.
+  memory alive); allocations are named by their address. An event's ``args``
+  never change once it is recorded.
+* Everything else a tracer keeps is bounded too: the scope registry and the
+  device times of commands are pruned, from time to time, of what no event
+  in the ring refers to any more.
 * Times are host ``perf_counter()`` seconds. Device times of enqueued work
   come from the driver where it keeps them (``Capabilities.device_clock``:
   the simulator's clock), collected when a scope closes; otherwise the
@@ -16,17 +20,24 @@ Invariants:
   one per scope (open to exit) and one per submission (submit to
   retirement), in the domain ``trio_cuda``, so that Nsight Systems shows them
   next to the kernels. Without the package nothing is imported or called.
-* A tracer may be shared by many scopes (per process: :func:`set_process_tracer`);
-  each scope gets its own id. Recording happens on the scopes' Trio threads
-  only; ``threading`` never touches the ring.
+* A tracer may be shared by many scopes (per process: :func:`set_process_tracer`),
+  in any number of threads and Trio runs; each scope gets its own id.
+* Thread safety: one lock guards the ring, the counters and the registries.
+  Recording takes it once per event (one uncontended acquire, and the event's
+  time is read under it); readers hold it only to copy what they need
+  (:meth:`Tracer.snapshot`) and export from the copy without it, so any
+  thread may export while scopes record. Nothing iterates the live ring.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+import threading
+from operator import itemgetter
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, NamedTuple, final
+
+from trio.lowlevel import enable_ki_protection
 
 from ._ops import Access
 
@@ -58,18 +69,48 @@ CATEGORIES = (
 )
 
 
+class Snapshot(NamedTuple):
+    """A tracer's state at one moment (:meth:`Tracer.snapshot`), for exporters."""
+
+    t0: float
+    limit: int
+    recorded: int
+    events: list[Event]  #: oldest first
+    #: scope id -> (label, backend, device clock)
+    scopes: dict[int, tuple[str, str, str]]
+    device: dict[tuple[int, int], tuple[float, float]]
+    marks: dict[tuple[int, int], float]
+
+    @property
+    def dropped(self) -> int:
+        return self.recorded - len(self.events)
+
+
 @final
 class Tracer:
-    """The recorder behind :class:`trio_cuda.trace.Trace`."""
+    """The recorder behind :class:`trio_cuda.trace.Trace`.
+
+    The ring is a list that grows to ``limit`` slots, then is written in
+    turn (``recorded`` modulo ``limit`` is the next slot). The lock is
+    reentrant: a garbage-collection finalizer (a dropped future's) may record
+    an event on a thread that holds it. So snapshots copy the ring by a slice
+    assignment into a list made beforehand (C code that allocates nothing a
+    collection could start from: no event lands halfway through the copy).
+    A scope's exit copies only its own span, with plain slices: there, an
+    event recorded by such a finalizer can at worst hide the oldest one."""
 
     __slots__ = (
         "device",
-        "events",
+        "first",
         "limit",
+        "lock",
         "marks",
+        "next_sid",
         "nvtx",
         "nvtx_ranges",
+        "prune_at",
         "recorded",
+        "ring",
         "scopes",
         "t0",
         "timing",
@@ -79,23 +120,56 @@ class Tracer:
         self.limit = limit
         #: CUDA events around each enqueue where the backend has device timing
         self.timing = timing
-        #: (scope id, mark id) -> host time of a device timestamp, at scope exit
-        self.marks: dict[tuple[int, int], float] = {}
-        self.events: deque[Event] = deque(maxlen=limit)
+        #: guards what follows (see the module's invariants)
+        self.lock = threading.RLock()
+        #: the events kept; grows to ``limit``, then the oldest are overwritten
+        self.ring: list[Event] = []
         self.recorded = 0
         self.t0 = perf_counter()
         #: scope id -> (label, backend, device clock)
         self.scopes: dict[int, tuple[str, str, str]] = {}
+        self.next_sid = 0
+        #: open scope id -> ``recorded`` before its opening event
+        self.first: dict[int, int] = {}
         #: (scope id, command id) -> device (start, end), collected at scope exit
         self.device: dict[tuple[int, int], tuple[float, float]] = {}
+        #: (scope id, mark id) -> host time of a device timestamp, at scope exit
+        self.marks: dict[tuple[int, int], float] = {}
+        #: size of the registries (scopes, device, marks) past which they are pruned
+        self.prune_at = 2 * limit
         #: the ``nvtx`` module where it is installed, and the open ranges
         self.nvtx: Any = _load_nvtx()
         self.nvtx_ranges: dict[tuple[int, int], Any] = {}
 
     @property
-    def dropped(self) -> int:
-        return self.recorded - len(self.events)
+    def kept(self) -> int:
+        return min(self.recorded, self.limit)
 
+    @property
+    def dropped(self) -> int:
+        return max(0, self.recorded - self.limit)
+
+    def _copy(self, into: list[Event]) -> int:
+        """Copy the ring into ``into``, a list made before the lock was taken
+        (see the class); ``recorded`` at the copy."""
+        into[:] = self.ring
+        return self.recorded
+
+    def snapshot(self) -> Snapshot:
+        """A consistent copy of what an export needs, oldest first. The lock
+        is held only for C copies: about a millisecond per 100,000 events."""
+        ring: list[Event] = []
+        with self.lock:
+            scopes, device, marks = dict(self.scopes), dict(self.device), dict(self.marks)
+            recorded = self._copy(ring)  # last, and with nothing allocated in between
+        if recorded > self.limit:
+            cut = recorded % self.limit
+            ring = ring[cut:] + ring[:cut]
+        # a finalizer's event recorded within another one's went in first
+        ring.sort(key=itemgetter(0))
+        return Snapshot(self.t0, self.limit, recorded, ring, scopes, device, marks)
+
+    @enable_ki_protection
     def emit(
         self,
         cat: str,
@@ -106,13 +180,24 @@ class Tracer:
         alloc: int | None = None,
         args: dict[str, Any] | None = None,
     ) -> None:
-        self.recorded += 1
-        self.events.append((perf_counter(), cat, name, sid, stream, sub, alloc, args))
+        lock = self.lock
+        lock.acquire()  # (KI-protected: a KeyboardInterrupt cannot land before the try)
+        try:
+            ev = (perf_counter(), cat, name, sid, stream, sub, alloc, args)
+            n = self.recorded
+            if n < self.limit:
+                self.ring.append(ev)
+            else:
+                self.ring[n % self.limit] = ev
+            self.recorded = n + 1
+        finally:
+            lock.release()
         if self.nvtx is not None:
             self._nvtx(cat, name, sid, sub)
 
     def _nvtx(self, cat: str, name: str, sid: int, sub: int | None) -> None:
-        """NVTX ranges: a scope's life, and each submission's (submit to retire)."""
+        """NVTX ranges: a scope's life, and each submission's (submit to retire).
+        Keys are per scope, and a scope records from one thread only."""
         nvtx = self.nvtx
         try:
             if cat == "submit" and sub is not None:
@@ -135,11 +220,14 @@ class Tracer:
 
     # ------------------------------------------------------------------ scopes
     def open_scope(self, scope: ResourceScope) -> int:
-        sid = len(self.scopes) + 1
         info = scope._info
         caps = scope._driver.capabilities
         clock = "cuda-events" if self.timing and caps.device_timing else caps.device_clock
-        self.scopes[sid] = (f"scope #{sid} ({info.name})", info.backend, clock)
+        with self.lock:
+            self.next_sid += 1
+            sid = self.next_sid
+            self.scopes[sid] = (f"scope #{sid} ({info.name})", info.backend, clock)
+            self.first[sid] = self.recorded
         self.emit(
             "scope",
             "open",
@@ -150,31 +238,47 @@ class Tracer:
 
     def collect_times(self, scope: ResourceScope, sid: int) -> None:
         """At scope exit, after the drain and before the driver closes: the
-        device times of this scope's commands and timing marks."""
-        wanted = [
-            cmd
-            for e in self.events
-            if e[3] == sid and e[7] is not None and isinstance(cmd := e[7].get("cmd"), int)
-        ]
+        device times of this scope's commands and timing marks. Only the
+        events recorded since the scope opened are copied and searched."""
+        with self.lock:
+            n, limit = self.recorded, self.limit
+            since = min(n - self.first.get(sid, 0), n, limit)
+            lo, hi = (n - since) % limit, n % limit
+            if since == 0:
+                recent: list[Event] = []
+            elif n <= limit:
+                recent = self.ring[n - since : n]
+            elif lo < hi:
+                recent = self.ring[lo:hi]
+            else:
+                recent = self.ring[lo:] + self.ring[:hi]
+        wanted: list[int] = []
+        marks: list[int] = []
+        for e in recent:
+            if e[3] == sid and (args := e[7]) is not None:
+                if isinstance(cmd := args.get("cmd"), int):
+                    wanted.append(cmd)
+                if (pair := args.get("marks")) is not None:
+                    marks.extend(pair)
+        # the driver is asked without the lock: other threads go on recording
+        times: dict[int, tuple[float, float]] = {}
         if wanted:
             try:
                 times = scope._driver.command_times(wanted)
             except Exception:  # the device is gone: host-observed times only
                 times = {}
-            for cmd, span in times.items():
-                self.device[(sid, cmd)] = span
-        marks = [
-            m
-            for e in self.events
-            if e[3] == sid and e[7] is not None and (pair := e[7].get("marks")) is not None
-            for m in pair
-        ]
+        mark_times: dict[int, float] = {}
         if marks:
             try:
-                for mark, t in scope._driver.mark_times(marks).items():
-                    self.marks[(sid, mark)] = t
+                mark_times = scope._driver.mark_times(marks)
             except Exception:  # the device is gone: host-observed times only
-                pass
+                mark_times = {}
+        if times or mark_times:
+            with self.lock:
+                for cmd, span in times.items():
+                    self.device[(sid, cmd)] = span
+                for mark, t in mark_times.items():
+                    self.marks[(sid, mark)] = t
 
     def close_scope(self, scope: ResourceScope, sid: int) -> None:
         """At scope exit, after everything was released: the exit event."""
@@ -190,6 +294,33 @@ class Tracer:
                 "live_allocations": st.live_allocations,
             },
         )
+        with self.lock:
+            self.first.pop(sid, None)
+            if len(self.scopes) + len(self.device) + len(self.marks) > self.prune_at:
+                self._prune()
+
+    def _prune(self) -> None:
+        """Forget the scopes, device times and marks that no event in the ring
+        refers to, except open scopes' (with the lock held). Amortised: the
+        next prune waits until the registries have doubled."""
+        sids: set[int] = set(self.first)
+        cmds: set[tuple[int, int]] = set()
+        marks: set[tuple[int, int]] = set()
+        ring: list[Event] = []
+        self._copy(ring)
+        for e in ring:
+            sid, args = e[3], e[7]
+            sids.add(sid)
+            if args is not None:
+                if isinstance(cmd := args.get("cmd"), int):
+                    cmds.add((sid, cmd))
+                if (pair := args.get("marks")) is not None:
+                    marks.update((sid, m) for m in pair)
+        self.scopes = {k: v for k, v in self.scopes.items() if k in sids}
+        self.device = {k: v for k, v in self.device.items() if k in cmds or k[0] in self.first}
+        self.marks = {k: v for k, v in self.marks.items() if k in marks or k[0] in self.first}
+        left = len(self.scopes) + len(self.device) + len(self.marks)
+        self.prune_at = max(2 * left, 2 * self.limit)
 
 
 def lease_args(sub: Submission) -> list[tuple[int, int, int, str]]:

@@ -1,0 +1,364 @@
+"""Threads and several Trio runs at once, on the simulated device.
+
+* ``gpu.statistics()`` (and a pool's) from a worker thread is refused with a
+  message naming the call, the thread and the way to make it
+  (``trio.from_thread.run_sync(gpu.statistics)``), however busy the loop is;
+  that way works; a closed scope's final statistics may be read anywhere.
+* One lifetime trace shared by scopes in several threads, each running its own
+  ``trio.run`` (a ``Trace`` passed to each scope, or the process trace of
+  ``trio_cuda.trace.enable()``), while other threads export it: no scope exit
+  fails, no export fails, every scope gets its own id, no event is lost, and
+  every export is a consistent snapshot.
+
+The interpreter switches threads far more often than usual during these tests
+(``sys.setswitchinterval``), so that races show up within a short run. Every
+thread is bounded in time: a hang fails the test, never the suite.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.lowlevel
+from _guard import SCALE, run_bounded
+from _kernels import add
+
+import trio_cuda
+from trio_cuda.testing import SimDevice, SimHost
+
+F4 = np.float32
+LIMIT = 30.0
+
+
+@pytest.fixture
+def switchy() -> Iterator[None]:
+    """Switch threads every 20 µs instead of every 5 ms."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(2e-5)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+def run_threads(targets: dict[str, Callable[[], object]], limit: float = LIMIT) -> dict[str, BaseException]:
+    """Run each target in its own daemon thread at once; the exceptions they
+    raised, by name. A thread still running after ``limit`` seconds fails the
+    test with its stack."""
+    errors: dict[str, BaseException] = {}
+
+    def wrap(name: str, fn: Callable[[], object]) -> Callable[[], None]:
+        def target() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                errors[name] = exc
+
+        return target
+
+    threads = [threading.Thread(target=wrap(n, fn), name=n, daemon=True) for n, fn in targets.items()]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + limit * SCALE
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t for t in threads if t.is_alive()]
+    if stuck:
+        frames = sys._current_frames()
+        stacks = "\n".join(
+            f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
+            for t in stuck
+            if t.ident in frames
+        )
+        pytest.fail(f"threads still running after {limit * SCALE:g} s: {stacks}")
+    return errors
+
+
+def formatted(errors: dict[str, BaseException]) -> str:
+    return "\n".join(f"{n}: {''.join(traceback.format_exception(e))}" for n, e in errors.items())
+
+
+# --------------------------------------------------------------------------- statistics() from threads
+
+#: what the refusal must say: the call, the thread, the way to make it
+REFUSAL = r"statistics.*thread.*trio\.from_thread\.run_sync\(gpu\.statistics\)"
+
+
+async def _busy(gpu: trio_cuda.ResourceScope, x: trio_cuda.DeviceArray, stop: trio.Event) -> None:
+    """Submit, retire and allocate until ``stop``: the scope's tables change all the time."""
+    while not stop.is_set():
+        futs = [gpu.submit(add(x, 1.0), stream=s) for s in gpu.streams]
+        tmp = gpu.zeros(64, F4)
+        await futs[-1].wait()
+        tmp.close()
+        await trio.lowlevel.checkpoint()
+
+
+def test_statistics_from_a_worker_thread_is_refused_clearly_however_busy_the_loop(switchy: None) -> None:
+    sim = SimDevice()
+    calls = 300
+    record: dict[str, Any] = {}
+
+    def from_worker(gpu: trio_cuda.ResourceScope) -> None:
+        refused: list[str] = []
+        other: list[BaseException] = []
+        accepted = 0
+        for _ in range(calls):
+            try:
+                gpu.statistics()
+            except RuntimeError as exc:
+                refused.append(str(exc))
+            except BaseException as exc:
+                other.append(exc)
+            else:
+                accepted += 1
+        # the way the refusal names: on the loop, a consistent snapshot each time
+        seen = [trio.from_thread.run_sync(gpu.statistics) for _ in range(20)]
+        record.update(refused=refused, other=other, accepted=accepted, seen=seen)
+        record["thread"] = threading.current_thread().name
+
+    async def main() -> None:
+        async with trio_cuda.open_scope(device=sim, streams=3) as gpu:
+            x = await gpu.to_device(np.zeros(64, F4))
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_busy, gpu, x, stop)
+                await trio.to_thread.run_sync(from_worker, gpu)
+                stop.set()
+            record["final"] = gpu.statistics()
+
+    run_bounded(main, limit=LIMIT)
+    assert record["other"] == [], record["other"]
+    assert record["accepted"] == 0
+    assert len(record["refused"]) == calls
+    message = record["refused"][0]
+    assert re.search(REFUSAL, message), message
+    assert repr(record["thread"]) in message  # the calling thread, by name
+    completed = [st.completed for st in record["seen"]]
+    assert completed == sorted(completed)
+    assert all(st.submitted == st.completed + st.in_flight for st in record["seen"])
+    assert record["final"].in_flight == 0
+    assert sim.violations == []
+
+
+def test_statistics_from_another_trio_run_is_refused(sim: SimDevice) -> None:
+    record: dict[str, Any] = {}
+
+    async def other(gpu: trio_cuda.ResourceScope) -> None:
+        try:
+            gpu.statistics()
+        except RuntimeError as exc:
+            record["error"] = str(exc)
+
+    async def main() -> None:
+        async with trio_cuda.open_scope(device=sim) as gpu:
+            await trio.to_thread.run_sync(trio.run, other, gpu)
+
+    run_bounded(main, limit=LIMIT)
+    assert re.search(r"statistics.*another Trio run", record["error"]), record
+
+
+def test_pool_statistics_from_a_worker_thread_is_refused() -> None:
+    record: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with trio_cuda.open_device_pool(SimHost(2)) as pool:
+            with pytest.raises(RuntimeError, match=REFUSAL):
+                await trio.to_thread.run_sync(pool.statistics)
+            st = await trio.to_thread.run_sync(trio.from_thread.run_sync, pool.statistics)
+            record["devices"] = len(st.devices)
+
+    run_bounded(main, limit=LIMIT)
+    assert record["devices"] == 2
+
+
+def test_a_closed_scopes_final_statistics_may_be_read_from_any_thread(sim: SimDevice) -> None:
+    async def main() -> tuple[trio_cuda.ResourceScope, Any]:
+        async with trio_cuda.open_scope(device=sim) as gpu:
+            x = await gpu.to_device(np.zeros(8, F4))
+            await gpu.run(add(x, 1.0))
+        return gpu, gpu.statistics()
+
+    gpu, final = run_bounded(main, limit=LIMIT)  # trio.run in another thread
+    assert gpu.closed
+    assert gpu.statistics() == final
+    assert final.completed >= 2
+    assert final.live_allocations == 0
+
+
+# --------------------------------------------------------------------------- one trace, many threads
+
+
+def _traced_program(trace: trio_cuda.trace.Trace | None, scopes: int, launches: int) -> Callable[[], None]:
+    """A thread's program: ``scopes`` scopes one after the other, each with
+    ``launches`` launches and an allocation per launch, on its own SimDevice."""
+
+    async def main() -> None:
+        sim = SimDevice()
+        for _ in range(scopes):
+            async with trio_cuda.open_scope(device=sim, streams=2, trace=trace) as gpu:
+                x = await gpu.to_device(np.zeros(16, F4))
+                for i in range(launches):
+                    y = gpu.zeros(16, F4)
+                    gpu.submit(add(x, 1.0), stream=gpu.streams[i % 2])
+                    gpu.submit(add(y, 1.0), stream=gpu.streams[(i + 1) % 2])
+                    y.close()
+                out = await gpu.to_host(x)
+            assert (out == launches).all(), out
+        assert sim.violations == []
+        assert sim.live_allocations == []
+
+    return lambda: trio.run(main)
+
+
+def _check_export(doc: dict[str, Any], limit: int) -> None:
+    """What every export must satisfy, however it was interleaved with recording."""
+    other = doc["otherData"]
+    assert other["dropped"] >= 0, other
+    assert other["events"] <= limit, other
+    procs = Counter(e["pid"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name")
+    assert all(n == 1 for n in procs.values()), procs  # one process per scope id
+    pids = {e["pid"] for e in doc["traceEvents"]}
+    assert pids <= set(procs), (pids, procs)  # every event's scope is registered
+
+
+def _exporter(
+    trace: trio_cuda.trace.Trace, done: threading.Event, tmp: Path, limit: int
+) -> Callable[[], None]:
+    def export() -> None:
+        tmp.mkdir(exist_ok=True)
+        n = 0
+        while not done.is_set() or n < 3:
+            _check_export(trace.to_chrome(), limit)
+            events = trace.events
+            assert len(events) <= limit
+            repr(trace)
+            assert trace.dropped >= 0
+            if n % 10 == 0:
+                trace.write(tmp / "t.json")
+                _check_export(json.loads((tmp / "t.json").read_text()), limit)
+            if n == 1:
+                trace.write(tmp / "t.html")
+            n += 1
+
+    return export
+
+
+def _check_final(trace: trio_cuda.trace.Trace, scopes: int) -> None:
+    events = trace.events
+    assert trace.dropped == 0
+    opened = Counter(e.scope for e in events if e.cat == "scope" and e.name == "open")
+    closed = Counter(e.scope for e in events if e.cat == "scope" and e.name == "close")
+    assert len(opened) == scopes, opened  # each scope its own id
+    assert set(opened.values()) == {1}, opened
+    assert closed == opened
+    assert [e.t for e in events] == sorted(e.t for e in events)  # the ring is in time order
+    _check_export(trace.to_chrome(), 10**9)
+
+
+@pytest.mark.parametrize("how", ["passed", "process"])
+def test_one_trace_recorded_by_several_trio_runs_while_other_threads_export_it(
+    switchy: None, tmp_path: Path, how: str
+) -> None:
+    threads, scopes, launches = 3, 4, 25
+    limit = 1_000_000
+    trace = trio_cuda.trace.Trace(limit=limit) if how == "passed" else trio_cuda.trace.enable(limit=limit)
+    done = threading.Event()
+    programs = {
+        f"run {i}": _traced_program(trace if how == "passed" else None, scopes, launches)
+        for i in range(threads)
+    }
+    try:
+
+        def runs() -> None:
+            try:
+                errors = run_threads(programs)
+                assert errors == {}, formatted(errors)
+            finally:
+                done.set()
+
+        errors = run_threads(
+            {
+                "runs": runs,
+                "export 1": _exporter(trace, done, tmp_path / "1", limit),
+                "export 2": _exporter(trace, done, tmp_path / "2", limit),
+            }
+        )
+    finally:
+        if how == "process":
+            assert trio_cuda.trace.disable() is trace
+    assert errors == {}, formatted(errors)
+    _check_final(trace, threads * scopes)
+
+
+def test_a_bounded_trace_stays_consistent_when_several_runs_overflow_it(
+    switchy: None, tmp_path: Path
+) -> None:
+    limit = 500
+    trace = trio_cuda.trace.Trace(limit=limit)
+    done = threading.Event()
+    programs = {f"run {i}": _traced_program(trace, 6, 20) for i in range(3)}
+
+    def runs() -> None:
+        try:
+            errors = run_threads(programs)
+            assert errors == {}, formatted(errors)
+        finally:
+            done.set()
+
+    errors = run_threads({"runs": runs, "export": _exporter(trace, done, tmp_path, limit)})
+    assert errors == {}, formatted(errors)
+    assert len(trace.events) == limit
+    doc = trace.to_chrome()
+    _check_export(doc, limit)
+    assert doc["otherData"]["dropped"] == trace.dropped > 0
+
+
+def test_a_finalizer_recording_inside_the_recorder_neither_deadlocks_nor_breaks_it(tmp_path: Path) -> None:
+    """A garbage-collection finalizer (a dropped future's) may record an event on
+    a thread that is inside the recorder: copying the ring for an export, or
+    searching it at a scope's exit. Here every collection on the worker records one."""
+    limit = 300
+    trace = trio_cuda.trace.Trace(limit=limit)
+    tracer = trace._tracer
+    worker: list[int] = []
+    recorded = Counter[str]()
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and worker and threading.get_ident() == worker[0]:
+            tracer.emit("drop", "dropped future", tracer.next_sid)
+            recorded["drop"] += 1
+
+    def program() -> None:
+        worker.append(threading.get_ident())
+        _traced_program(trace, 8, 10)()  # exits search the ring; the registries get pruned
+        for _ in range(5):
+            _check_export(trace.to_chrome(), limit)
+            assert len(trace.events) == limit
+            repr(trace)
+        trace.write(tmp_path / "t.html")
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(on_collection)
+    gc.set_threshold(1)  # a collection at almost every allocation
+    try:
+        errors = run_threads({"program": program})
+    finally:
+        gc.callbacks.remove(on_collection)
+        gc.set_threshold(*threshold)
+    assert errors == {}, formatted(errors)
+    assert recorded["drop"] > 100
+    assert trace.dropped == tracer.recorded - limit > 0
