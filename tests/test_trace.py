@@ -3,6 +3,7 @@ line, logging, and that a trace never changes what the scope does."""
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -520,6 +521,112 @@ async def test_a_host_closure_raising_a_base_exception_is_traced_and_reported():
     assert info.group_contains(SystemExit)
     assert any(e.cat == "retire" and e.args and "SystemExit" in e.args["error"] for e in trace.events)
     assert trace.events[-1].cat == "scope"
+
+
+class _BytesPath:
+    """A path object whose ``__fspath__`` gives bytes (``open()`` takes it)."""
+
+    def __init__(self, path: bytes) -> None:
+        self.path = path
+
+    def __fspath__(self) -> bytes:
+        return self.path
+
+
+class _BadPath:
+    def __fspath__(self) -> object:
+        return 5
+
+
+def test_write_takes_every_file_name_open_takes(tmp_path):
+    trace = trio_cuda.trace.Trace()
+    trio.run(_scenario, SimDevice(), trace)
+    names = {
+        "str": (str(tmp_path / "a.json"), tmp_path / "a.json"),
+        "bytes": (os.fsencode(tmp_path / "b.json"), tmp_path / "b.json"),
+        "Path": (tmp_path / "c.json", tmp_path / "c.json"),
+        "bytes path object": (_BytesPath(os.fsencode(tmp_path / "d.html")), tmp_path / "d.html"),
+        "upper case": (tmp_path / "E.JSON", tmp_path / "E.JSON"),
+        ".htm": (os.fsencode(tmp_path / "f.htm"), tmp_path / "f.htm"),
+    }
+    for how, (given, written) in names.items():
+        trace.write(given)
+        text = written.read_text()
+        if written.suffix.lower() == ".json":
+            assert json.loads(text)["traceEvents"], how
+        else:
+            assert text.lstrip().lower().startswith("<!doctype html"), how
+            assert f"<title>{written.name}</title>" in text, how
+
+
+#: (call, error, message): each bad argument is named, with what was expected and given
+BAD_ARGUMENTS = {
+    "write int": (
+        lambda t: t.write(5),
+        TypeError,
+        r"^path: expected a str, bytes or os.PathLike file name, got int 5$",
+    ),
+    "write None": (lambda t: t.write(None), TypeError, r"^path: expected a str, bytes .* got NoneType None$"),
+    "write bad fspath": (
+        lambda t: t.write(_BadPath()),
+        TypeError,
+        r"^path: expected .* got _BadPath .*__fspath__",
+    ),
+    "write bytes .txt": (
+        lambda t: t.write(b"run.txt"),
+        ValueError,
+        r"^path: expected a name ending in .json or .html, got 'run.txt'$",
+    ),
+    "write empty": (
+        lambda t: t.write(""),
+        ValueError,
+        r"^path: expected a name ending in .json or .html, got ''$",
+    ),
+    "to_html int title": (lambda t: t.to_html(title=5), TypeError, r"^title: expected a str, got int 5$"),
+    "to_html bytes title": (
+        lambda t: t.to_html(title=b"t"),
+        TypeError,
+        r"^title: expected a str, got bytes b't'$",
+    ),
+    "huge limit": (
+        lambda t: trio_cuda.trace.Trace(limit=2**64),
+        ValueError,
+        r"^limit: expected an int >= 1 and at most sys.maxsize, got 18446744073709551616$",
+    ),
+    "enable limit 0": (
+        lambda t: trio_cuda.trace.enable(limit=0),
+        ValueError,
+        r"^limit: expected an int >= 1, got 0$",
+    ),
+    "enable limit nan": (
+        lambda t: trio_cuda.trace.enable(limit=float("nan")),
+        ValueError,
+        r"^limit: expected an int >= 1, got nan$",
+    ),
+    "enable timing str": (
+        lambda t: trio_cuda.trace.enable(timing="yes"),
+        TypeError,
+        r"^timing: expected a bool, got 'yes'$",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_bad_arguments_to_the_trace_api_are_named(tmp_path, monkeypatch, case):
+    call, error, message = BAD_ARGUMENTS[case]
+    monkeypatch.chdir(tmp_path)  # nothing may be written, but not here if it were
+    trace = trio_cuda.trace.Trace()
+    with pytest.raises(error, match=message):
+        call(trace)
+    assert list(tmp_path.iterdir()) == []
+    assert trio_cuda.trace.current() is None  # a refused enable() turned nothing on
+
+
+def test_the_timeline_renderer_names_a_bad_title():
+    from trio_cuda._trace_html import render_html
+
+    with pytest.raises(TypeError, match=r"^title: expected a str, got NoneType None$"):
+        render_html({}, title=None)
 
 
 async def test_the_recorder_stays_bounded_over_many_scopes():

@@ -281,6 +281,8 @@ def _legend() -> str:
 
 def render_html(trace: dict[str, Any], *, title: str = "trio_cuda trace") -> str:
     """Return a self-contained HTML page drawing ``trace`` (Chrome trace-event JSON, as a dict)."""
+    if not isinstance(title, str):
+        raise TypeError(f"title: expected a str, got {type(title).__name__} {title!r}")
     model = _model(trace)
     esc = html.escape
     dropped = ""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from typing import Any, final
 
@@ -86,6 +87,8 @@ class Trace:
     def __init__(self, *, limit: int = 100_000, timing: bool = False) -> None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit: expected an int >= 1, got {limit!r}")
+        if limit > sys.maxsize:
+            raise ValueError(f"limit: expected an int >= 1 and at most sys.maxsize, got {limit!r}")
         if not isinstance(timing, bool):
             raise TypeError(f"timing: expected a bool, got {timing!r}")
         self._tracer = Tracer(limit, timing)
@@ -124,19 +127,31 @@ class Trace:
         network). Any thread may call it, as :meth:`to_chrome`."""
         from ._trace_html import render_html
 
+        if not isinstance(title, str):
+            raise TypeError(f"title: expected a str, got {type(title).__name__} {title!r}")
         return render_html(self.to_chrome(), title=title)
 
-    def write(self, path: str | os.PathLike[str]) -> None:
-        """Write the trace to ``path``: ``.json`` (Chrome trace-event JSON) or
-        ``.html`` (the timeline page). Any thread may call it, as
-        :meth:`to_chrome`."""
-        p = os.fspath(path)
-        if p.endswith(".json"):
+    def write(self, path: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> None:
+        """Write the trace to ``path`` (a ``str``, ``bytes`` or path object, as
+        :func:`open` takes): a name ending in ``.json`` (Chrome trace-event
+        JSON) or ``.html`` / ``.htm`` (the timeline page), in any case. Any
+        thread may call it, as :meth:`to_chrome`."""
+        try:
+            p = os.fspath(path)  # (not open()'s file descriptors: an int is refused)
+        except TypeError as exc:
+            detail = f" ({exc})" if isinstance(path, os.PathLike) else ""
+            raise TypeError(
+                f"path: expected a str, bytes or os.PathLike file name, got {type(path).__name__} "
+                f"{path!r}{detail}"
+            ) from None
+        name = os.fsdecode(p)
+        suffix = os.path.splitext(name)[1].lower()
+        if suffix == ".json":
             text = json.dumps(self.to_chrome())
-        elif p.endswith((".html", ".htm")):
-            text = self.to_html(title=os.path.basename(p))
+        elif suffix in (".html", ".htm"):
+            text = self.to_html(title=os.path.basename(name))
         else:
-            raise ValueError(f"path: expected a name ending in .json or .html, got {p!r}")
+            raise ValueError(f"path: expected a name ending in .json or .html, got {name!r}")
         with open(p, "w", encoding="utf-8") as f:
             f.write(text)
 
