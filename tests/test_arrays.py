@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+from _guard import held
 from _kernels import stub_source
 
 import trio_cuda
@@ -183,14 +184,17 @@ async def test_a_views_lease_covers_its_bytes_only(sim):
 
 
 async def test_view_write_on_another_stream_is_ordered_after_the_parent_read(sim):
-    sim.copy_time = 0.01
     async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
         s0, s1 = gpu.streams
         x = await gpu.to_device(np.arange(8, dtype=F4))
         out = np.zeros(8, F4)
-        read = gpu.submit(ops.copy(out, x), stream=s0)
-        write = gpu.submit(ops.fill(x[2:4], 9.0), stream=s1)  # WAR: waits device-side
+        sim.clear_trace()
+        with held(sim):  # the read is in flight when the write is submitted
+            read = gpu.submit(ops.copy(out, x), stream=s0)
+            write = gpu.submit(ops.fill(x[2:4], 9.0), stream=s1)  # WAR: waits device-side
+            assert not read.done()
         await write.wait()
+        assert any(e.kind == "wait_marker" for e in sim.trace if e.stream == 1)
         await read.wait()
         np.testing.assert_array_equal(out, np.arange(8, dtype=F4))
         np.testing.assert_array_equal(await gpu.to_host(x), [0, 1, 9, 9, 4, 5, 6, 7])
