@@ -257,7 +257,10 @@ async def test_borrowed_memory_is_never_freed_by_the_borrower(sim):
 # --------------------------------------------------------------------------- GPU
 
 _PROBE = probe_cuda()
-SANITIZER = os.environ.get("TRIO_CUDA_SANITIZER") == "1"
+#: under compute-sanitizer (TRIO_CUDA_SANITIZER=1, or the variables the tool sets for its targets)
+SANITIZER = os.environ.get("TRIO_CUDA_SANITIZER") == "1" or any(
+    name.startswith("NV_SANITIZER_INJECTION_") for name in os.environ
+)
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not _PROBE.available, reason=f"no CUDA device: {_PROBE.reason}")
 
