@@ -521,6 +521,55 @@ async def test_non_device_op_is_refused(sim, op, given):
                 ops.host_closure(op)
 
 
+class _DoesNothing(trio_cuda.DeviceOp[None]):
+    """A subclass that forgot to implement ``_enqueue``."""
+
+    __slots__ = ()
+
+
+_NO_WORK = (
+    r"expected a DeviceOp that does work \(from Kernel.launch, .* or a subclass that implements _enqueue\)"
+)
+
+
+@pytest.mark.parametrize(
+    ("make", "given"),
+    [
+        (trio_cuda.DeviceOp, r"a bare DeviceOp\(\)"),
+        (_DoesNothing, r"_DoesNothing \(a DeviceOp subclass that does not implement _enqueue\)"),
+    ],
+)
+async def test_op_that_does_no_work_is_refused_before_anything_is_enqueued(sim, make, given):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(8, F4)
+        await gpu.run(ops.value(None))
+        with nothing_happens(sim, gpu):
+            for submit in (
+                gpu.submit,
+                lambda op: unsafe.async_on(op, gpu.streams[0]),
+            ):
+                with pytest.raises(TypeError, match=rf"^op: {_NO_WORK}, got {given}$"):
+                    submit(make())
+            with pytest.raises(TypeError, match=rf"^op: {_NO_WORK}, got {given}$"):
+                await gpu.run(make())
+            with pytest.raises(TypeError, match=rf"^op: {_NO_WORK}, got {given}$"):
+                await make()
+            with pytest.raises(TypeError, match=rf"^op: {_NO_WORK}, got {given}$"):
+                await gpu.capture(make())
+            with pytest.raises(TypeError, match=rf"^zip: argument 1: {_NO_WORK}, got {given}$"):
+                trio_cuda.zip(ops.fill(x, 1.0), make())
+            for combinator in ("then", "map"):
+                with pytest.raises(TypeError, match=rf"^{combinator}: self: {_NO_WORK}, got {given}$"):
+                    getattr(make(), combinator)(lambda _: ops.value(None))
+            with pytest.raises(TypeError, match=rf"^shared: self: {_NO_WORK}, got {given}$"):
+                make().shared()
+            with pytest.raises(
+                TypeError, match=rf"^then: the closure .*: its result: {_NO_WORK}, got {given}$"
+            ):
+                gpu.submit(ops.value(None).then(lambda _: make()))
+        np.testing.assert_array_equal(await gpu.to_host(x), np.zeros(8, F4))
+
+
 async def test_unsafe_async_on_refuses_a_non_stream(sim):
     async with trio_cuda.open_scope(device=sim) as gpu:
         x = gpu.zeros(8, F4)

@@ -11,6 +11,10 @@ Invariants:
   on the same stream, after it.
 * A ``shared()`` op executes once; later submissions reuse its output and
   order after it device-side when they run on another stream.
+* An op that does no work of its own (a bare ``DeviceOp()``, or a subclass
+  that does not implement ``_enqueue``) is refused with a ``TypeError``
+  before anything is enqueued: by the combinators when they are built, and
+  by its ``_enqueue`` (the first thing a submission calls) otherwise.
 """
 
 from __future__ import annotations
@@ -46,17 +50,19 @@ class DeviceOp(Generic[T]):
     __slots__ = ()
 
     def _enqueue(self, ctx: EnqueueContext) -> T:
-        raise NotImplementedError
+        raise not_an_op("op", self)
 
     def then(self, fn: Callable[[T], DeviceOp[U]]) -> DeviceOp[U]:
         """Chain dependent work on the same stream: ``fn(output)`` runs at
         submission and returns the next DeviceOp."""
+        check_op("then: self", self)
         if not callable(fn):
             raise TypeError(f"then: expected a callable returning a DeviceOp, got {fn!r}")
         return _Then(self, fn)
 
     def map(self, fn: Callable[[T], U]) -> DeviceOp[U]:
         """Change the output with no GPU work (``fn`` runs at submission)."""
+        check_op("map: self", self)
         if not callable(fn):
             raise TypeError(f"map: expected a callable, got {fn!r}")
         return _Map(self, fn)
@@ -65,6 +71,7 @@ class DeviceOp(Generic[T]):
         """An op that may be used several times but executes once."""
         if isinstance(self, _Shared):
             return self
+        check_op("shared: self", self)
         return _Shared(self)
 
     @overload
@@ -75,6 +82,36 @@ class DeviceOp(Generic[T]):
         from ._scope import current_scope
 
         return current_scope().run(self).__await__()
+
+
+def does_work(op: DeviceOp[Any]) -> bool:
+    """True unless ``op`` is a bare ``DeviceOp()`` or of a subclass that does
+    not implement ``_enqueue``."""
+    return type(op)._enqueue is not DeviceOp._enqueue
+
+
+def not_an_op(label: str, op: object) -> TypeError:
+    """The error for something submitted as an op that is none, or does nothing."""
+    if isinstance(op, DeviceOp):
+        name = type(op).__name__
+        got = (
+            "a bare DeviceOp()"
+            if type(op) is DeviceOp
+            else f"{name} (a DeviceOp subclass that does not implement _enqueue)"
+        )
+    else:
+        got = type(op).__name__
+    return TypeError(
+        f"{label}: expected a DeviceOp that does work (from Kernel.launch, a LaunchBuilder's "
+        f"finalize_unchecked(), trio_cuda.ops or the combinators, or a subclass that implements "
+        f"_enqueue), got {got}"
+    )
+
+
+def check_op(label: str, op: object) -> None:
+    """Raise :func:`not_an_op`'s error unless ``op`` is a DeviceOp that does work."""
+    if not isinstance(op, DeviceOp) or not does_work(op):
+        raise not_an_op(label, op)
 
 
 @final
@@ -106,6 +143,8 @@ class _Then(DeviceOp[U]):
             raise TypeError(
                 f"then: the closure {self._fn!r} must return a DeviceOp, got {type(nxt).__name__}"
             )
+        if not does_work(nxt):
+            raise not_an_op(f"then: the closure {self._fn!r}: its result", nxt)
         return nxt._enqueue(ctx)
 
     def __repr__(self) -> str:
@@ -147,6 +186,7 @@ def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]:  # noqa: A001 - publi
     for i, op in enumerate(ops):
         if not isinstance(op, DeviceOp):
             raise TypeError(f"zip: argument {i}: expected a DeviceOp, got {type(op).__name__}")
+        check_op(f"zip: argument {i}", op)
     return _Zip(tuple(ops))
 
 
