@@ -304,9 +304,64 @@ def test_value(trio_cuda_sim): pass
         [
             "*TypeError: @pytest.mark.trio_cuda_sim: expected keyword arguments only, got (0.5,)",
             "*TypeError: @pytest.mark.trio_cuda_sim: check: expected a bool, got 'no'",
-            "*ValueError: kernel_time: expected a non-negative number of seconds, got -1",
+            "*ValueError: @pytest.mark.trio_cuda_sim: kernel_time: expected a non-negative number of "
+            "seconds, got -1",
         ]
     )
+
+
+BAD_MARKERS = """
+import pytest
+
+@pytest.mark.trio_cuda_sim(kernel_tme=0.5)
+def test_sim_unknown(trio_cuda_sim): pass
+
+@pytest.mark.trio_cuda_scope(device="cuda:1")
+async def test_scope_device(trio_cuda_scope): pass
+
+@pytest.mark.trio_cuda_scope(device="cuda:1")
+async def test_gpu_scope_device(trio_cuda_gpu_scope): pass
+
+@pytest.mark.trio_cuda_scope(stream=2)
+async def test_scope_unknown(trio_cuda_scope): pass
+
+@pytest.mark.trio_cuda_scope(streams=0)
+async def test_scope_value(trio_cuda_scope): pass
+
+@pytest.mark.trio_cuda_scope(conflicts=1)
+async def test_scope_type(trio_cuda_scope): pass
+
+@pytest.mark.trio_cuda_scope(2)
+async def test_scope_positional(trio_cuda_scope): pass
+
+@pytest.mark.trio_cuda_scope(streams=2, trace=False)
+async def test_scope_fine(trio_cuda_scope):
+    assert len(trio_cuda_scope.streams) == 2
+"""
+
+
+def test_bad_marker_arguments_name_the_marker_argument_expected_and_given(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ntrio_mode = true\n")
+    pytester.makepyfile(test_user=BAD_MARKERS)
+    result = run(pytester)
+    # (pytest-trio reports a failing Trio fixture as a failed test; the GPU
+    # fixture skips first where there is no GPU)
+    if HAS_GPU:
+        result.assert_outcomes(passed=1, errors=1, failed=6)
+    else:
+        result.assert_outcomes(passed=1, errors=1, failed=5, skipped=1)
+    lines = [
+        "*TypeError: @pytest.mark.trio_cuda_sim: kernel_tme: expected a SimDevice option or check "
+        "(name, memory, kernel_time, *), got kernel_tme=0.5",
+        "*TypeError: @pytest.mark.trio_cuda_scope: device: expected no device (the scope fixtures open "
+        "trio_cuda_sim, *), got device='cuda:1'",
+        "*TypeError: @pytest.mark.trio_cuda_scope: stream: expected an open_scope option (streams, "
+        "conflicts, drain_timeout, policy, trace), got stream=2",
+        "*ValueError: @pytest.mark.trio_cuda_scope: streams: expected an int >= 1, got 0",
+        "*@pytest.mark.trio_cuda_scope: conflicts: expected 'order' or 'error', got 1",
+        "*TypeError: @pytest.mark.trio_cuda_scope: expected keyword arguments only, got (2,)",
+    ]
+    result.stdout.fnmatch_lines_random(lines)
 
 
 GPU_MARKED = """

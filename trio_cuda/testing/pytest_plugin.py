@@ -22,8 +22,11 @@ test (``trio_mode = true``, or ``@pytest.mark.trio``).
 Markers: ``trio_cuda_sim(**options)`` passes SimDevice options to
 ``trio_cuda_sim`` (``check=False`` turns its teardown checks off);
 ``trio_cuda_scope(**options)`` passes ``open_scope`` options to both scope
-fixtures. ``--trio-cuda-kernel-time=SECONDS`` (or the environment variable
+fixtures (not ``device``: the fixture chooses it).
+``--trio-cuda-kernel-time=SECONDS`` (or the environment variable
 ``TRIO_CUDA_SIM_KERNEL_TIME``) sets ``trio_cuda_sim``'s ``kernel_time``.
+Under pytest-trio's ``mock_clock`` / ``autojump_clock`` fixtures the
+simulator's ``kernel_time`` and ``copy_time`` take virtual time.
 
 Invariants:
 
@@ -33,11 +36,17 @@ Invariants:
   not registered it.
 * Nothing here touches CUDA until ``trio_cuda_gpu_scope`` is used: the probe
   runs then, once per session.
+* A marker's bad argument fails the test with an error that names the
+  marker and the argument, what was expected and what was given: unknown
+  names before anything is made, bad values as the device or scope refuses
+  them (the same error type, its message prefixed with the marker).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import math
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
@@ -117,18 +126,78 @@ def _marker_options(request: pytest.FixtureRequest, name: str) -> dict[str, Any]
     return dict(marker.kwargs)
 
 
-def _sim_options(request: pytest.FixtureRequest) -> tuple[dict[str, Any], bool]:
+def _check_names(marker: str, options: dict[str, Any], known: list[str], what: str) -> None:
+    for name, value in options.items():
+        if name not in known:
+            raise TypeError(
+                f"@pytest.mark.{marker}: {name}: expected {what} ({', '.join(known)}), got {name}={value!r}"
+            )
+
+
+def _naming_marker(marker: str, exc: TypeError | ValueError) -> Exception:
+    """``exc`` (a refused option of ``marker``) again, of the same kind, naming the marker."""
+    kind = TypeError if isinstance(exc, TypeError) else ValueError
+    return kind(f"@pytest.mark.{marker}: {exc}")
+
+
+def _sim_option_names() -> list[str]:
+    import attrs
+
+    from . import SimDevice
+
+    return [str(a.alias) for a in attrs.fields(SimDevice) if a.init]
+
+
+def _sim_options(request: pytest.FixtureRequest) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """The SimDevice options (the environment's, the command line's, the
+    marker's), those of them the marker gave, and the teardown check."""
     from .._open import sim_options_from_env
 
     options: dict[str, Any] = dict(sim_options_from_env())
     kernel_time = request.config.getoption(_KERNEL_TIME_OPTION)
     if kernel_time is not None:
         options["kernel_time"] = kernel_time
-    options.update(_marker_options(request, "trio_cuda_sim"))
-    check = options.pop("check", True)
+    marked = _marker_options(request, "trio_cuda_sim")
+    check = marked.pop("check", True)
     if not isinstance(check, bool):
         raise TypeError(f"@pytest.mark.trio_cuda_sim: check: expected a bool, got {check!r}")
-    return options, check
+    _check_names("trio_cuda_sim", marked, [*_sim_option_names(), "check"], "a SimDevice option or check")
+    options.update(marked)
+    return options, marked, check
+
+
+def _scope_option_names() -> list[str]:
+    from .. import open_scope
+
+    return [name for name in inspect.signature(open_scope).parameters if name != "device"]
+
+
+def _scope_options(request: pytest.FixtureRequest) -> dict[str, Any]:
+    options = _marker_options(request, "trio_cuda_scope")
+    if "device" in options:
+        raise TypeError(
+            f"@pytest.mark.trio_cuda_scope: device: expected no device (the scope fixtures open "
+            f"trio_cuda_sim, whose options @pytest.mark.trio_cuda_sim(...) sets, or cuda:0; open another "
+            f"device with trio_cuda.open_scope in the test), got device={options['device']!r}"
+        )
+    _check_names("trio_cuda_scope", options, _scope_option_names(), "an open_scope option")
+    return options
+
+
+@contextlib.asynccontextmanager
+async def _open_marked_scope(device: object, request: pytest.FixtureRequest) -> AsyncIterator[ResourceScope]:
+    """``open_scope(device, **marker options)``; bad options name the marker."""
+    from .. import open_scope
+
+    options = _scope_options(request)
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            gpu = await stack.enter_async_context(open_scope(device, **options))
+        except (TypeError, ValueError) as exc:
+            if not options:
+                raise
+            raise _naming_marker("trio_cuda_scope", exc) from exc
+        yield gpu
 
 
 def _unclean(sim: SimDevice) -> str | None:
@@ -169,8 +238,13 @@ def trio_cuda_sim(request: pytest.FixtureRequest) -> Iterator[SimDevice]:
     memcheck violation or an allocation on it."""
     from . import SimDevice
 
-    options, check = _sim_options(request)
-    sim = SimDevice(**options)
+    options, marked, check = _sim_options(request)
+    try:
+        sim = SimDevice(**options)
+    except (TypeError, ValueError) as exc:
+        if not marked:  # the environment's and the command line's are checked already
+            raise
+        raise _naming_marker("trio_cuda_sim", exc) from exc
     yield sim
     if check and (report := _unclean(sim)) is not None:
         pytest.fail(report, pytrace=False)
@@ -201,9 +275,7 @@ async def trio_cuda_scope(
     """A scope open on ``trio_cuda_sim`` for the test. A device the test left
     held is released before the scope exits (the exit waits for all the
     scope's work)."""
-    from .. import open_scope
-
-    async with open_scope(trio_cuda_sim, **_marker_options(request, "trio_cuda_scope")) as gpu:
+    async with _open_marked_scope(trio_cuda_sim, request) as gpu:
         try:
             yield gpu
         finally:
@@ -217,7 +289,5 @@ async def trio_cuda_gpu_scope(
 ) -> AsyncIterator[ResourceScope]:
     """A scope open on a real GPU (``cuda:0``); the test is skipped, with the
     probe's reason, where there is none."""
-    from .. import open_scope
-
-    async with open_scope(_trio_cuda_gpu, **_marker_options(request, "trio_cuda_scope")) as gpu:
+    async with _open_marked_scope(_trio_cuda_gpu, request) as gpu:
         yield gpu
