@@ -98,6 +98,66 @@ async def test_empty_like(sim):
             await gpu.to_device(np.ones(3), order="X")  # type: ignore[arg-type]
 
 
+SUB_ARRAY_DTYPES = [
+    np.dtype(("f4", (2,))),
+    np.dtype((("i2", (2,)), (4,))),  # nested: outer dimensions first
+    np.dtype((POINT, (3,))),
+]
+
+
+def _layout_of(a: np.ndarray) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
+    return a.shape, a.dtype, a.strides
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("dtype", SUB_ARRAY_DTYPES, ids=str)
+async def test_sub_array_dtypes_fold_into_the_shape_as_in_numpy(sim, dtype, order):
+    """A sub-array dtype's shape joins the array's, as NumPy's allocators do:
+    every allocating entry point gives NumPy's shape, element dtype and layout,
+    and the bytes round-trip."""
+    want = np.zeros((3,), dtype, order=order)
+    assert want.dtype.subdtype is None  # (what NumPy does)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        made = [
+            gpu.empty(3, dtype, order=order),
+            gpu.zeros(3, dtype, order=order),
+            gpu.empty_like(np.zeros(3, F4), dtype=dtype, order=order),
+            gpu.empty_like(gpu.zeros(3, F4), dtype=dtype, order=order),
+        ]
+        for arr in made:
+            assert (arr.shape, arr.dtype, arr.strides) == _layout_of(want), arr
+            assert arr.nbytes == want.nbytes
+        np.testing.assert_array_equal(await gpu.to_host(made[1]), want)
+        if dtype.base.fields is None:
+            full = gpu.full(3, 2, dtype, order=order)
+            np.testing.assert_array_equal(await gpu.to_host(full), np.full(3, 2, dtype, order=order))
+
+
+async def test_a_view_as_a_sub_array_dtype_adds_trailing_dimensions(sim):
+    sub = np.dtype(("f4", (2,)))
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros((3, 4), np.float64)
+        v = x.view(sub)
+        host = np.zeros((3, 4), np.float64)
+        assert (v.shape, v.dtype, v.strides) == _layout_of(host.view(sub))
+        assert v.ptr == x.ptr
+        await gpu.run(ops.fill(v, 1.5))
+        np.testing.assert_array_equal(
+            await gpu.to_host(x), np.full((3, 4, 2), 1.5, F4).view(np.float64)[..., 0]
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"^dtype: expected a dtype of 8 bytes \(as float64\), got \('<f4', \(3,\)\) \(12 bytes\)$",
+        ):
+            x.view(("f4", (3,)))
+        f = gpu.zeros((3, 4), np.float64, order="F")
+        with pytest.raises(
+            ValueError, match=r"^dtype: a sub-array dtype adds trailing dimensions \(2,\), which an F-order"
+        ):
+            f.view(sub)
+        assert f.T.view(sub).shape == (4, 3, 2)  # C order: fine
+
+
 # --------------------------------------------------------------------------- views
 
 

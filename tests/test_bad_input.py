@@ -18,6 +18,7 @@ from _kernels import ADD, COPY, SAXPY, add, stub_source
 
 import trio_cuda
 from trio_cuda import In, InOut, KernelArgumentError, Out, Scalar, ScopeClosedError, Slice, ops, unsafe
+from trio_cuda._core import _dlpack
 from trio_cuda.testing import SimDevice
 
 F4 = np.float32
@@ -719,6 +720,85 @@ async def test_bad_shapes_and_dtypes_allocate_nothing(sim, shape, dtype, error, 
                 gpu.empty(shape, dtype)
             with pytest.raises(error, match=pattern):
                 gpu.zeros(shape, dtype)
+
+
+_DIM = r"^shape: expected dimensions of at most 2\*\*63 - 1 \(int64\), got "
+_SPAN = (
+    r"^shape: expected an array of at most 2\*\*63 - 1 bytes "
+    r"\(every dimension counted at least once, as NumPy does\), got shape "
+)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "pattern"),
+    [
+        ((0, 2**63), "f4", _DIM + r"\(0, 9223372036854775808\)$"),
+        ((2**64 + 5, 0), "u1", _DIM + r"\(18446744073709551621, 0\)$"),
+        ((0, 2**62, 2**62), "u1", _SPAN + r"\(0, 4611686018427387904, 4611686018427387904\) of uint8"),
+        ((0, 2**61), "f4", _SPAN + r"\(0, 2305843009213693952\) of float32 \(9223372036854775808 bytes\)$"),
+        ((2**62, 4), "f4", _SPAN + r"\(4611686018427387904, 4\) of float32"),
+        ((0, 2**62), ("f4", (2,)), _SPAN + r"\(0, 4611686018427387904, 2\) of float32"),
+    ],
+)
+async def test_shapes_beyond_int64_are_refused_everywhere_a_shape_enters(sim, shape, dtype, pattern):
+    """Every dimension, and the bytes the array spans (zero-size arrays too),
+    must fit int64: DLPack and the CUDA Array Interface carry them so."""
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        empty = gpu.zeros(0, np.dtype(dtype).base)
+        like = gpu.zeros(1, np.uint8)
+        with nothing_happens(sim, gpu):
+            for make in (
+                lambda: gpu.empty(shape, dtype),
+                lambda: gpu.zeros(shape, dtype),
+                lambda: gpu.full(shape, 0, dtype),
+                lambda: gpu.empty_like(like, dtype=dtype, shape=shape),
+            ):
+                with pytest.raises(ValueError, match=pattern):
+                    make()
+            if 0 in shape and np.dtype(dtype).shape == ():  # a view of a zero-size array
+                with pytest.raises(ValueError, match=pattern):
+                    empty.reshape(shape)
+                with pytest.raises(ValueError, match=pattern):
+                    empty.reshape(*shape)
+
+
+async def test_the_largest_shapes_are_accepted_and_export_exactly(sim):
+    """At the bound itself: a zero-size array whose span is 2**63 - 1 bytes
+    is an array like any other, and DLPack carries its shape and strides
+    as they are (not wrapped negative)."""
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        a = gpu.zeros((0, 2**63 - 1), np.uint8)
+        assert (a.shape, a.nbytes) == ((0, 2**63 - 1), 0)
+        assert a.reshape(2**63 - 1, 0).shape == (2**63 - 1, 0)
+        tensor = _dlpack.ImportedTensor(a.__dlpack__(max_version=(1, 0), dl_device=a.__dlpack_device__()))
+        try:
+            assert tensor.shape == (0, 2**63 - 1)
+            assert tensor.strides == (2**63 - 1, 1)  # in elements
+        finally:
+            tensor.close()
+        a.close()
+
+
+def test_dlpack_export_refuses_values_that_do_not_fit_int64() -> None:
+    released: list[int] = []
+    for shape, strides, label in [
+        ((2**63,), (1,), "shape"),
+        ((-1,), (1,), "shape"),
+        ((2,), (2**63,), "strides"),
+        ((2,), (-(2**63) - 1,), "strides"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^DLPack export: {label}: expected values that fit int64"):
+            _dlpack.make_capsule(
+                ptr=0,
+                shape=shape,
+                strides=strides,
+                dtype=(2, 32),
+                device=(1, 0),
+                versioned=True,
+                read_only=False,
+                release=lambda: released.append(1),
+            )
+    assert released == []  # nothing was made that would need releasing
 
 
 # --------------------------------------------------------------------------- open_scope, streams, kernels

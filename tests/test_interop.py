@@ -3,11 +3,13 @@
 The simulator tests run everywhere: a DeviceArray of one scope is exported with
 DLPack and borrowed by another scope on the same SimDevice. The ``gpu`` tests
 need a CUDA device, and CuPy or PyTorch for their round trips (each skips
-cleanly without them). Under compute-sanitizer set ``TRIO_CUDA_SANITIZER=1``.
+cleanly without them). Under compute-sanitizer (detected by the variables it
+sets, or ``TRIO_CUDA_SANITIZER=1``) timing slack is larger.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 
@@ -240,6 +242,79 @@ async def test_borrow_bad_input(sim):
             assert elsewhere.statistics().leases_held == 0
         assert gpu.statistics().live_allocations == 0
     assert new_exports() == 0
+
+
+class _RawDLPack:
+    """A DLPack producer of simulated memory with any shape, valid or not
+    (DLPack carries dimensions as int64: a producer may hand out negative
+    ones, or a shape whose bytes overflow). It counts its deleter's calls."""
+
+    def __init__(self, sim: trio_cuda.testing.SimDevice, ptr: int, shape: tuple[int, ...]) -> None:
+        self.device = (_dlpack.kDLExtDev, sim._dl_id)
+        self.deleted = 0
+        self._shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        self._deleter = _dlpack._Deleter(self._on_delete)
+        mt = self._struct = _dlpack.DLManagedTensorVersioned()
+        mt.version.major, mt.version.minor = 1, 0
+        mt.deleter = self._deleter
+        t = mt.dl_tensor
+        t.data = ptr
+        t.device.device_type, t.device.device_id = self.device
+        t.ndim = len(shape)
+        t.dtype.code, t.dtype.bits, t.dtype.lanes = 2, 32, 1  # float32
+        t.shape = ctypes.cast(self._shape, ctypes.POINTER(ctypes.c_int64))
+        self.capsule: object = None
+
+    def _on_delete(self, _addr: int | None) -> None:
+        self.deleted += 1
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.device
+
+    def __dlpack__(self, **_: object) -> object:
+        addr = ctypes.addressof(self._struct)
+        self.capsule = _dlpack._PyCapsule_New(addr, _dlpack._name(b"dltensor_versioned"), None)
+        return self.capsule
+
+    def still_the_producers(self) -> bool:
+        """The capsule was not taken over (its name is unchanged) and not deleted."""
+        named = bool(_dlpack._PyCapsule_IsValid(self.capsule, _dlpack._name(b"dltensor_versioned")))
+        return named and self.deleted == 0
+
+
+@pytest.mark.parametrize(
+    ("shape", "pattern"),
+    [
+        ((-1, 4), r"^DLPack tensor: shape: expected non-negative dimensions, got \(-1, 4\)$"),
+        (
+            (4, -(2**63)),
+            r"^DLPack tensor: shape: expected non-negative dimensions, got \(4, -9223372036854775808\)$",
+        ),
+        (
+            (2**62, 4),
+            r"^DLPack tensor: shape: expected a tensor of at most 2\*\*63 - 1 bytes .* "
+            r"got shape \(4611686018427387904, 4\)",
+        ),
+        ((0, 2**62, 2**62), r"^DLPack tensor: shape: expected a tensor of at most 2\*\*63 - 1 bytes"),
+    ],
+)
+async def test_borrow_refuses_a_foreign_shape_beyond_int64_and_leaves_the_tensor_to_its_producer(
+    sim, shape, pattern
+):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(16, F4)
+        producer = _RawDLPack(sim, x.ptr, shape)
+        before = gpu.statistics()
+        with pytest.raises(ValueError, match=pattern):
+            trio_cuda.borrow(producer)
+        assert producer.still_the_producers()
+        assert gpu.statistics() == before
+        ok = _RawDLPack(sim, x.ptr, (2, 8))  # the same producer, a valid shape: borrowed
+        y = trio_cuda.borrow(ok)
+        assert (y.shape, y.dtype) == ((2, 8), np.dtype(F4))
+        y.close()
+        await settle()
+        assert ok.deleted == 1
 
 
 async def test_borrowed_memory_is_never_freed_by_the_borrower(sim):

@@ -445,7 +445,7 @@ class DeviceArray(metaclass=NoPublicConstructor):
             if known == 0 or self.size % known:
                 raise ValueError(f"shape: cannot reshape an array of size {self.size} into {tuple(dims)}")
             dims[unknown[0]] = self.size // known
-        new = normalize_shape(tuple(dims))
+        new = normalize_shape(tuple(dims), self._dtype)
         if math.prod(new) != self.size:
             raise ValueError(f"shape: cannot reshape an array of size {self.size} into {new}")
         want: Order = self._order if order == "A" else order
@@ -467,16 +467,29 @@ class DeviceArray(metaclass=NoPublicConstructor):
         return self._view(self._shape[::-1], 0, order)
 
     def view(self, dtype: object) -> DeviceArray:
-        """The same bytes as another dtype of the same item size (no copy)."""
+        """The same bytes as another dtype of the same item size (no copy). A
+        sub-array dtype of that size adds its shape as trailing dimensions
+        (as in NumPy: a ``(3,)`` float64 array viewed as ``("f4", (2,))`` is a
+        ``(3, 2)`` float32 one); an F-order array cannot take them."""
         self._check_usable("view")
-        dt = normalize_dtype(dtype)
-        if dt.itemsize != self._dtype.itemsize:
+        dt, sub = split_dtype(dtype)
+        itemsize = dt.itemsize * math.prod(sub)
+        if itemsize != self._dtype.itemsize:
+            given = dt if not sub else f"{np.dtype(dtype)}"  # type: ignore[call-overload]
             raise ValueError(
                 f"dtype: expected a dtype of {self._dtype.itemsize} bytes (as {self._dtype}), "
-                f"got {dt} ({dt.itemsize} bytes)"
+                f"got {given} ({itemsize} bytes)"
             )
+        shape = (*self._shape, *sub)
+        if sub and self._order == "F" and not _trivial(self._shape):
+            raise ValueError(
+                f"dtype: a sub-array dtype adds trailing dimensions {sub}, which an F-order array cannot "
+                f"take and stay contiguous; got {np.dtype(dtype)} for an F-order array of shape "  # type: ignore[call-overload]
+                f"{self._shape} (view it as {dt} through a C-order array, e.g. arr.T)"
+            )
+        check_span(shape, dt)
         return DeviceArray._create(
-            self._alloc, self._shape, dt, readonly=self._readonly, order=self._order, offset=self._offset
+            self._alloc, shape, dt, readonly=self._readonly, order=self._order, offset=self._offset
         )
 
     # ------------------------------------------------------------------ handles
@@ -621,7 +634,16 @@ class DeviceArray(metaclass=NoPublicConstructor):
         return dlpack_device(self)
 
 
-def normalize_shape(shape: object) -> tuple[int, ...]:
+#: the largest dimension, and the largest byte span, of an array: DLPack and
+#: the CUDA Array Interface carry shapes and strides as int64
+MAX_EXTENT = 2**63 - 1
+
+
+def normalize_shape(shape: object, dtype: object = None) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, each in ``[0, MAX_EXTENT]``. With the
+    array's ``dtype``, a sub-array dtype's shape is appended (as NumPy does:
+    ``(3,)`` of ``("f4", (2,))`` is ``(3, 2)`` of float32; see
+    :func:`normalize_dtype`) and the byte span is bounded (:func:`check_span`)."""
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         dims: tuple[object, ...] = (shape,)
     elif isinstance(shape, tuple | list):
@@ -632,20 +654,56 @@ def normalize_shape(shape: object) -> tuple[int, ...]:
     for d in dims:
         if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
             raise ValueError(f"shape: expected non-negative ints, got {shape!r}")
+        if d > MAX_EXTENT:
+            raise ValueError(f"shape: expected dimensions of at most 2**63 - 1 (int64), got {shape!r}")
         out.append(int(d))
-    return tuple(out)
+    if dtype is None:
+        return tuple(out)
+    element, sub = split_dtype(dtype)
+    full = (*out, *sub)
+    check_span(full, element)
+    return full
 
 
-def normalize_dtype(dtype: object) -> np.dtype[Any]:
+def check_span(shape: tuple[int, ...], dtype: np.dtype[Any], label: str = "shape") -> None:
+    """Raise ``ValueError`` unless a contiguous ``shape`` of ``dtype`` spans at
+    most ``MAX_EXTENT`` bytes, counting every dimension at least once (as
+    NumPy does): its size and its strides then fit int64, even when it holds
+    no element."""
+    span = dtype.itemsize
+    for d in shape:
+        span *= max(d, 1)
+    if span > MAX_EXTENT:
+        raise ValueError(
+            f"{label}: expected an array of at most 2**63 - 1 bytes (every dimension counted at least "
+            f"once, as NumPy does), got shape {shape} of {dtype} ({span} bytes)"
+        )
+
+
+def split_dtype(dtype: object) -> tuple[np.dtype[Any], tuple[int, ...]]:
+    """The element dtype of ``dtype`` (checked as :func:`normalize_dtype`
+    does) and the shape a sub-array dtype adds to an array's (``()`` for
+    others): ``("f4", (2,))`` is float32 and ``(2,)``."""
     try:
         dt: np.dtype[Any] = np.dtype(dtype)  # type: ignore[call-overload]
     except TypeError:
         raise TypeError(f"dtype: expected a NumPy dtype, got {dtype!r}") from None
+    sub: tuple[int, ...] = ()
+    while dt.subdtype is not None:  # nested sub-arrays: outer dimensions first
+        dt, dims = dt.subdtype
+        sub += tuple(int(d) for d in dims)
     if dt.hasobject:
         raise TypeError(f"dtype: object dtypes cannot live on a device, got {dt}")
     if dt.itemsize == 0:
         raise TypeError(f"dtype: expected a dtype with a size, got {dt}")
-    return dt
+    return dt, sub
+
+
+def normalize_dtype(dtype: object) -> np.dtype[Any]:
+    """The element dtype of an array of ``dtype``: a sub-array dtype (``("f4",
+    (2,))``) gives its element (float32), whose shape the array's shape takes
+    (``normalize_shape(shape, dtype)``), as in NumPy."""
+    return split_dtype(dtype)[0]
 
 
 def check_copy(dst: object, src: object) -> None:

@@ -16,6 +16,11 @@ Invariants:
 * :func:`consume_capsule` takes a foreign capsule over (renames it to
   ``"used_..."``); the returned :class:`ImportedTensor` calls the producer's
   deleter exactly once, on :meth:`ImportedTensor.close` or when collected.
+* Shapes and strides are int64 in DLPack: :func:`make_capsule` refuses one
+  that does not fit (``ValueError``) before it makes anything, and
+  :class:`ImportedTensor` refuses a negative dimension, or a tensor spanning
+  more than 2**63 - 1 bytes (every dimension counted at least once), before
+  it takes the capsule over.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ DEVICE_NAMES: Final = {
 _kDLInt, _kDLUInt, _kDLFloat, _kDLBfloat, _kDLComplex, _kDLBool = 0, 1, 2, 4, 5, 6
 _KIND_CODES: Final = {"i": _kDLInt, "u": _kDLUInt, "f": _kDLFloat, "c": _kDLComplex, "b": _kDLBool}
 _CODE_KINDS: Final = {v: k for k, v in _KIND_CODES.items()}
+
+_INT64_MIN: Final = -(2**63)
+_INT64_MAX: Final = 2**63 - 1
 
 FLAG_READ_ONLY: Final = 1
 FLAG_IS_COPIED: Final = 2
@@ -242,6 +250,12 @@ def make_capsule(
 ) -> object:
     """A DLPack capsule for ``ptr``. ``strides`` are in elements. ``release``
     runs once, when the consumer (or the capsule's destruction) deletes it."""
+    for label, values, low in (("shape", shape, 0), ("strides", strides, _INT64_MIN)):
+        if any(not low <= v <= _INT64_MAX for v in values):
+            raise ValueError(
+                f"DLPack export: {label}: expected values that fit int64 (from {low} to 2**63 - 1), "
+                f"got {values}"
+            )
     ndim = len(shape)
     c_shape = (ctypes.c_int64 * max(ndim, 1))(*shape)
     c_strides = (ctypes.c_int64 * max(ndim, 1))(*strides)
@@ -286,6 +300,23 @@ def live_exports() -> int:
 # --------------------------------------------------------------------------- import
 
 
+def _check_extent(shape: tuple[int, ...], dtype: tuple[int, int, int]) -> None:
+    """Raise ``ValueError`` for a negative dimension, or for a tensor that
+    spans more than 2**63 - 1 bytes (every dimension counted at least once,
+    as NumPy does)."""
+    if any(d < 0 for d in shape):
+        raise ValueError(f"DLPack tensor: shape: expected non-negative dimensions, got {shape}")
+    _, bits, lanes = dtype
+    span = max(1, -(-bits * lanes // 8))
+    for d in shape:
+        span *= max(d, 1)
+    if span > _INT64_MAX:
+        raise ValueError(
+            f"DLPack tensor: shape: expected a tensor of at most 2**63 - 1 bytes (every dimension "
+            f"counted at least once), got shape {shape} of {bits}-bit x {lanes} elements ({span} bytes)"
+        )
+
+
 @final
 class ImportedTensor:
     """A consumed foreign DLPack tensor. Closing it (or collecting it) calls
@@ -328,10 +359,13 @@ class ImportedTensor:
             mt = DLManagedTensor.from_address(addr)
         t = mt.dl_tensor
         ndim = int(t.ndim)
+        if ndim < 0:
+            raise ValueError(f"DLPack tensor: ndim: expected a non-negative number of dimensions, got {ndim}")
         self.shape = tuple(int(t.shape[i]) for i in range(ndim))
         self.strides = None if not t.strides else tuple(int(t.strides[i]) for i in range(ndim))
         self.device = (int(t.device.device_type), int(t.device.device_id))
         self.dtype = (int(t.dtype.code), int(t.dtype.bits), int(t.dtype.lanes))
+        _check_extent(self.shape, self.dtype)  # before the capsule is ours: its producer keeps it
         self.ptr = int(t.data or 0) + int(t.byte_offset)
         self.read_only = bool(flags & FLAG_READ_ONLY)
         # Take the capsule over: from now on its destruction does not delete.

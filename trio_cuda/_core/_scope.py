@@ -403,7 +403,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         """``empty``, and the stream it was allocated on: work that
         initialises the array goes there (the policy is asked once)."""
         self._check_open("empty")
-        shp = normalize_shape(shape)
+        shp = normalize_shape(shape, dtype)  # folds a sub-array dtype in, bounds the bytes
         dt = normalize_dtype(dtype)
         layout = normalize_order(order)
         nbytes = math.prod(shp) * dt.itemsize
