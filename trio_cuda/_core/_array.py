@@ -18,6 +18,12 @@ Invariants:
   leases per allocation, so freeing stays per allocation.
 * A handle is C- or F-contiguous (``order``); views that would not be are
   refused. ``_offset`` is the handle's byte offset into its allocation.
+* A handle's dtype is never a sub-array dtype: its shape joins the array's
+  (``normalize_shape(shape, dtype)``, as NumPy does). Every dimension, and
+  the bytes a shape spans with every dimension counted at least once, fit
+  int64 (``MAX_EXTENT``), so DLPack and the CUDA Array Interface carry them
+  as they are: allocations and views check before anything is made, and a
+  borrowed DLPack tensor is checked before it is taken over (``_dlpack``).
 * A borrowed allocation (``borrowed``) is never freed: "freeing" it drops the
   reference to the foreign object (``owner``) that keeps its memory alive.
 * When unclosed-array tracking is on (``-W error::ResourceWarning`` or any
