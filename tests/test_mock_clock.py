@@ -12,6 +12,7 @@ regression fails instead of hanging the suite.
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 
 import numpy as np
@@ -294,8 +295,16 @@ async def test_exit_drains(autojump_clock, trio_cuda_scope):
 """
 
 
+def _plugin_args() -> list[str]:
+    """Load the plugin once: by its entry-point name where trio_cuda is
+    installed with it, else by module."""
+    plugin = "trio_cuda.testing.pytest_plugin"
+    installed = any(ep.value == plugin for ep in importlib.metadata.entry_points(group="pytest11"))
+    return ["-p", "trio_cuda" if installed else plugin]
+
+
 def test_plugin_fixtures_under_the_mock_clock_fixtures(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\ntrio_mode = true\nfilterwarnings = error\n")
     pytester.makepyfile(test_user=CLOCK_TESTS.replace("LONG", repr(LONG)))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=60 * SCALE)
+    result = pytester.runpytest_subprocess(*_plugin_args(), "-p", "no:cacheprovider", timeout=60 * SCALE)
     result.assert_outcomes(passed=3)
