@@ -1719,7 +1719,7 @@ class Runner:
                 ok = held
             elif "still in flight after drain_timeout" in text or "lease(s) of other scopes" in text:
                 ok = timed_exit
-            elif "not finished when drain_timeout" in text:
+            elif "not finished after drain_timeout" in text:
                 # (a held export is reported so too when the drain timed out first)
                 ok = (timed_exit and self.exported) or held
             else:

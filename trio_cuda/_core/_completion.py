@@ -21,7 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections import deque
 from time import perf_counter
@@ -552,8 +551,12 @@ class Completion:
         return bool(self._in_flight) or any(s._pending or s._unmarked for s in self._streams)
 
     @enable_ki_protection
-    async def _drain(self, timeout: float | None) -> None:
-        with trio.move_on_after(math.inf if timeout is None else timeout):
+    async def _drain(self, deadline: float) -> None:
+        """Wait until nothing of the scope is in flight, or ``deadline`` (on
+        Trio's clock) passes. A ``KeyboardInterrupt`` delivered at one of its
+        waits propagates with everything still accounted for, so the drain can
+        be entered again."""
+        with trio.move_on_at(deadline):
             while True:
                 # extensions first (exports end at exit: their leases retire
                 # below; other scopes' copies of our memory finish), then the
@@ -580,17 +583,19 @@ class Completion:
                 await self._driver.wait_for_progress(heads)  # type: ignore[arg-type]
             else:  # in flight, but nothing to poll (an export not yet released)
                 await trio.sleep(0.001)
-        except trio.Cancelled:
-            raise
+        except (trio.Cancelled, KeyboardInterrupt):
+            raise  # a Ctrl-C delivered here is the exit's to handle (see ScopeManager._drain)
         except BaseException as exc:
             self._handoff_failed(exc)
             await trio.sleep(0.001)
 
     @enable_ki_protection
-    def _abandon_in_flight(self, timeout: float | None) -> None:
-        """Quarantine what is still in flight after the drain timeout, after
+    def _abandon_in_flight(self, after: str, *, interrupted: bool = False) -> None:
+        """Quarantine what is still in flight ``after`` the drain gave up (its
+        timeout passed, or a second Ctrl-C stopped it: ``interrupted``), after
         one last look: work the device finished meanwhile is retired, not
         leaked (``drain_timeout=0`` waits for nothing, but polls)."""
+        error: type[Exception] = CompletionUnknownError if interrupted else TimeoutError
         abandoned = 0
         try:
             while self._scan():
@@ -612,24 +617,21 @@ class Completion:
                 else:
                     assert isinstance(head, Submission)
                     abandoned += 1
-                    self._quarantine_submission(
-                        head,
-                        TimeoutError(f"still in flight when drain_timeout={timeout} s passed"),
-                        report=False,
-                    )
+                    self._quarantine_submission(head, error(f"still in flight {after}"), report=False)
         self._timed_out += abandoned
         if abandoned:
             log.warning(
-                "drain_timeout=%s s ran out with %d submission(s) in flight; they are quarantined "
-                "(their memory is leaked, never freed)",
-                timeout,
+                "%s with %d submission(s) in flight; they are quarantined (their memory is leaked, "
+                "never freed)",
+                "a second Ctrl-C stopped the exit's drain"
+                if interrupted
+                else f"{after.removeprefix('after ')} ran out",
                 abandoned,
             )
             warnings.warn(
                 ResourceWarning(
-                    f"trio_cuda scope exited with {abandoned} submission(s) still in flight after "
-                    f"drain_timeout={timeout} s; their memory, streams and driver state are quarantined "
-                    f"(leaked, never freed)"
+                    f"trio_cuda scope exited with {abandoned} submission(s) still in flight {after}; "
+                    f"their memory, streams and driver state are quarantined (leaked, never freed)"
                 ),
                 stacklevel=3,
             )

@@ -108,8 +108,8 @@ class ExportRegistry:
         abandon_exports(self.scope, why="still held by their consumer", live_only=True)
         await finish_releases(self.scope)
 
-    def abandon(self, timeout: float | None) -> None:
-        """Released exports whose fence did not finish within the timeout. One
+    def abandon(self, after: str) -> None:
+        """Released exports whose fence did not finish before the drain gave up. One
         last look first (``drain_timeout=0`` waits for nothing): a release
         whose fence needs no blocking call is finished now, so that its lease
         retires like the scope's other work instead of being leaked."""
@@ -117,7 +117,7 @@ class ExportRegistry:
         for e in list(self.exports):
             if e.state is ExportState.RELEASING and not e._blocking_fence():
                 e.finish()
-        abandon_exports(self.scope, why=f"not finished when drain_timeout={timeout} s passed")
+        abandon_exports(self.scope, why=f"not finished {after}")
 
     def close(self) -> None:
         pass

@@ -7,8 +7,9 @@ Invariants:
   per feature, created on first use: never in module-level dicts.
 * At exit, the scope drives every extension through the same steps: ``drain()``
   (inside ``drain_timeout``, repeated with the wait for in-flight work until
-  both are quiet), ``abandon(timeout)`` once the timeout passed (quarantine,
-  never free, what is still held) and ``close()`` after the drain, before any
+  both are quiet), ``abandon(after)`` once the drain gave up (its timeout
+  passed, or a second Ctrl-C stopped it: quarantine, never free, what is
+  still held) and ``close()`` after the drain, before any
   memory is freed.
 """
 
@@ -27,9 +28,10 @@ class ScopeExtension(Protocol):
         checkpoint when there is nothing to do)."""
         ...
 
-    def abandon(self, timeout: float | None) -> None:
-        """``drain_timeout`` passed: quarantine what is still held, with a
-        ``ResourceWarning``."""
+    def abandon(self, after: str) -> None:
+        """The drain gave up: quarantine what is still held, with a
+        ``ResourceWarning`` that says why (``after`` is a phrase such as
+        ``"after drain_timeout=0.5 s"``)."""
         ...
 
     def close(self) -> None:

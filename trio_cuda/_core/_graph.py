@@ -14,7 +14,10 @@ Invariants:
   and so is capturing a ``graph.launch()`` into another graph.
 * A failed capture leaves nothing behind: the driver's capture is ended and
   discarded (the stream is usable), and every handle and owner the recorder
-  took is released before the error is raised.
+  took is released before the error is raised. Capture, update and the step
+  from a recorded capture to a graph are KI-protected: a Ctrl-C there is
+  delivered at the next checkpoint, never between the driver's begin and
+  end of a capture.
 * A graph owns a *generation* of resources: one internal handle per captured
   allocation (so closing or dropping the user's arrays never frees them), the
   kernels' prepared launches and modules, and the captured argument storage
@@ -67,6 +70,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast, final
 import attrs
 import numpy as np
 import trio
+from trio.lowlevel import enable_ki_protection
 
 from ._array import Allocation, DeviceArray, h2d_source
 from ._errors import CudaError, GraphCaptureError, ScopeClosedError
@@ -108,7 +112,7 @@ class OpenGraphs:
         for pending in list(self.updating):
             await pending.finished.wait()
 
-    def abandon(self, timeout: float | None) -> None:
+    def abandon(self, after: str) -> None:
         # A replay still in flight keeps its graph (and is quarantined with it).
         # An update still running in a worker thread uses its executable graph
         # and the driver context: leak them with the scope's driver state.
@@ -118,7 +122,7 @@ class OpenGraphs:
         warnings.warn(
             ResourceWarning(
                 f"trio_cuda scope {self.scope!r} exited while {len(self.updating)} graph update(s) still "
-                f"ran in a worker thread after drain_timeout={timeout} s; their executable graphs and the "
+                f"ran in a worker thread {after}; their executable graphs and the "
                 f"scope's driver state are leaked (never destroyed)"
             ),
             stacklevel=3,
@@ -334,9 +338,13 @@ def _is_capture_error(exc: BaseException) -> bool:
     return isinstance(exc, CudaError) and "CAPTURE" in exc.name
 
 
+@enable_ki_protection
 def _record(scope: ResourceScope, op: object, stream: Stream | None, what: str) -> tuple[_Generation, object]:
     """Capture ``op`` into a new generation and a driver graph template.
-    On any error, nothing is left behind (see the module invariants)."""
+    On any error, nothing is left behind (see the module invariants). It is
+    KI-protected: a Ctrl-C between the driver's begin and end of the capture
+    would leave the stream capturing for good, so Trio delivers it at the
+    next checkpoint instead (the op's closures run protected too)."""
     if not isinstance(op, DeviceOp):
         from ._builder import LaunchBuilder
 
@@ -613,6 +621,7 @@ class CudaGraph(metaclass=NoPublicConstructor):
             raise ScopeClosedError(f"graph.launch(): the graph is closed ({self!r})")
         return self._launch
 
+    @enable_ki_protection
     async def update(self, op: DeviceOp[Any], *, stream: Stream | None = None) -> None:
         """Capture ``op`` and make later replays run its work instead.
 
@@ -800,6 +809,7 @@ def _instantiate(driver: DeviceContext, template: object) -> tuple[object, Excep
     return graph_exec, None
 
 
+@enable_ki_protection
 async def capture_graph(scope: ResourceScope, op: DeviceOp[Any], stream: Stream | None) -> CudaGraph:
     """``scope.capture`` after its first checkpoint: record now, then
     instantiate and upload, in a worker thread where the driver asks for it

@@ -8,6 +8,14 @@ Invariants:
 * Exit drains the scope (shielded) whatever the reason, then releases what it
   owns; errors nobody observed come out as one ``BaseExceptionGroup``, with the
   body's own exception first. ``Cancelled`` is never wrapped.
+* Entry and exit are KI-protected, and a Ctrl-C that Trio delivers at one of
+  the drain's waits (it does, even inside the shield) does not end the drain:
+  the exit keeps waiting, then re-raises it once the scope is settled. A
+  second one stops the waiting: what is still in flight is quarantined, with
+  a ``ResourceWarning``, never freed. Either way the exit ends drained or
+  quarantined, never half-closed.
+* A failure of the tracer is logged, never raised: tracing never makes a
+  program fail.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, final
 
 import trio
+from trio.lowlevel import enable_ki_protection
 
 from ._asynclib import require_trio
 from ._policy import FollowWriter, SchedulingPolicy
@@ -80,7 +89,11 @@ class ScopeManager:
         self._scope: ResourceScope | None = None
         self._entered = False
 
+    @enable_ki_protection
     async def __aenter__(self) -> ResourceScope:
+        # KI-protected, like the exit: a Ctrl-C between opening the nursery
+        # and returning the scope would leave the handoff task running in a
+        # nursery nobody closes; it is delivered at the body's first checkpoint.
         require_trio("open_scope()")
         await trio.lowlevel.checkpoint()
         if self._entered:
@@ -103,15 +116,47 @@ class ScopeManager:
         tracer = process_tracer() if self._trace is None or self._trace is True else self._trace
         if isinstance(tracer, Tracer):
             caps = driver.capabilities
-            scope._trace_id = tracer.open_scope(scope)
-            scope._trace_cmds = caps.device_clock != "host-observed"
-            if tracer.timing and caps.device_timing:
-                driver.timing_start(scope._streams[0].handle)  # the scope's streams are idle
-                scope._trace_timing = True
-            scope._tracer = tracer
+            try:
+                scope._trace_id = tracer.open_scope(scope)
+                scope._trace_cmds = caps.device_clock != "host-observed"
+                if tracer.timing and caps.device_timing:
+                    driver.timing_start(scope._streams[0].handle)  # the scope's streams are idle
+                    scope._trace_timing = True
+                scope._tracer = tracer
+            except Exception:  # tracing must never fail the program: the scope runs untraced
+                scope._trace_timing = False
+                log.exception("tracing %r failed when it opened; the scope runs untraced", scope)
         log.debug("opened %r", scope)
         return scope
 
+    @staticmethod
+    async def _drain(scope: ResourceScope, timeout: float | None) -> tuple[KeyboardInterrupt | None, str]:
+        """Drain ``scope`` within ``timeout``, through Ctrl-C. Trio delivers
+        ``KeyboardInterrupt`` at the main task's next blocking wait even
+        inside a shield; the first one is kept (and re-raised once the scope
+        is settled) and the drain goes on; a second one stops the waiting,
+        and what is still in flight is then quarantined. Returns the kept
+        interrupt and the phrase that says why the drain gave up, if it did."""
+        deadline = math.inf if timeout is None else trio.current_time() + timeout
+        interrupt: KeyboardInterrupt | None = None
+        while True:
+            try:
+                await scope._drain(deadline)
+            except KeyboardInterrupt as ki:
+                if interrupt is not None:
+                    return interrupt, "after a second Ctrl-C stopped the exit's drain"
+                interrupt = ki
+                log.warning(
+                    "Ctrl-C while %r waits for its work in flight (%d submission(s) of its own): "
+                    "still waiting for the device (Ctrl-C again to stop waiting; the work still in "
+                    "flight is then quarantined, its memory leaked, never freed)",
+                    scope,
+                    scope._in_flight,
+                )
+                continue
+            return interrupt, f"after drain_timeout={timeout} s"
+
+    @enable_ki_protection
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
@@ -124,26 +169,29 @@ class ScopeManager:
         scope._closing = True
         timeout = self._drain_timeout
         internal: list[BaseException] = []
+        interrupt: KeyboardInterrupt | None = None
         try:
             with trio.CancelScope(shield=True):
-                await scope._drain(timeout)
+                interrupt, after = await self._drain(scope, timeout)
                 for ext in list(scope._extensions.values()):
-                    ext.abandon(timeout)  # still held when drain_timeout passed
+                    ext.abandon(after)  # still held when the drain gave up
                 if scope._work_remains():
-                    scope._abandon_in_flight(timeout)
+                    scope._abandon_in_flight(after, interrupted=interrupt is not None)
                 if scope._tracer is not None:
                     try:
                         scope._tracer.collect_times(scope, scope._trace_id)
-                    except Exception as trace_exc:  # a trace must never stop the release
-                        internal.append(trace_exc)
+                    except Exception:  # a trace must never stop the release, nor fail the program
+                        log.exception(
+                            "tracing %r failed at its exit; the trace may lack its device times", scope
+                        )
                 scope._release_everything()
         finally:
             tracer = scope._tracer
             if tracer is not None:
                 try:
                     tracer.close_scope(scope, scope._trace_id)
-                except Exception as trace_exc:  # a trace must never break the exit
-                    internal.append(trace_exc)
+                except Exception:  # a trace must never break the exit, nor fail the program
+                    log.exception("tracing %r failed when it closed; the trace may lack its end", scope)
             scope._closed = True
             if scope._handoff_cs is not None:
                 scope._handoff_cs.cancel()
@@ -159,6 +207,10 @@ class ScopeManager:
         errors.extend(internal)
         scope._unobserved.clear()
         scope._orphan_errors.clear()
+        if interrupt is not None:
+            if not errors and exc is None:
+                raise interrupt  # as if the body had been interrupted: the scope is settled
+            errors.append(interrupt)
         if not errors:
             if exc is None:
                 await trio.lowlevel.checkpoint()

@@ -96,8 +96,8 @@ class ForeignLeases:
                 ev = self.event = trio.Event()
             await ev.wait()
 
-    def abandon(self, timeout: float | None) -> None:
-        abandon_foreign(self.scope, timeout)
+    def abandon(self, after: str) -> None:
+        abandon_foreign(self.scope, after)
 
     def close(self) -> None:
         pass
@@ -136,7 +136,7 @@ def _foreign_users(scope: ResourceScope, alloc: Allocation) -> list[Submission]:
     return [u for u in users if u.scope is not scope and u.state is SubState.IN_FLIGHT]
 
 
-def abandon_foreign(scope: ResourceScope, timeout: float | None) -> None:
+def abandon_foreign(scope: ResourceScope, after: str) -> None:
     """At exit, after the drain: memory that other scopes' in-flight work still
     uses is quarantined, and the scope's driver state is leaked with it."""
     if foreign_lease_count(scope) <= 0:
@@ -151,7 +151,7 @@ def abandon_foreign(scope: ResourceScope, timeout: float | None) -> None:
         ResourceWarning(
             f"trio_cuda scope {scope!r} exited while {foreign_lease_count(scope)} lease(s) of other scopes' "
             f"in-flight work ({', '.join(sorted(map(repr, users)))}) still held {len(held)} of its "
-            f"allocation(s) after drain_timeout={timeout} s; that memory and the scope's driver state are "
+            f"allocation(s) {after}; that memory and the scope's driver state are "
             f"quarantined (leaked, never freed)"
         ),
         stacklevel=3,
