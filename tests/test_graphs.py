@@ -182,6 +182,68 @@ async def test_replays_order_against_other_streams_through_leases():
     assert sim.violations == []
 
 
+def _views_op(kind: str, x: trio_cuda.DeviceArray) -> trio_cuda.DeviceOp:
+    """Work between two views of one allocation: reads x[0:4], writes x[4:8]."""
+    if kind == "copy":
+        return ops.copy(x[4:8], x[0:4])
+    if kind == "launch":
+        return copy(x[0:4], x[4:8])  # the kernel: In src, Out dst
+    return trio_cuda.zip(ops.fill(x[6:8], 2.0), ops.copy(x[4:6], x[0:2]))
+
+
+@pytest.mark.parametrize("kind", ["copy", "launch", "zip"])
+async def test_a_replay_leases_every_view_it_captured_order(sim, kind):
+    """Rules 8 and 11: a graph of work between two views of one allocation
+    takes, at every replay, the lease of each view it captured: a replay
+    submitted after another stream's write of the source view waits for it
+    device-side and copies the new data (before, a captured copy between
+    views of one allocation leased only its destination)."""
+    async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
+        s0, s1 = gpu.streams
+        x = await gpu.to_device(np.arange(8, dtype=F4), stream=s0)
+        graph = await gpu.capture(_views_op(kind, x), stream=s0)
+        await settle(gpu)
+        sim.clear_trace()
+        sim.hold()
+        async with releasing(sim):
+            gpu.submit(ops.fill(x[0:4], 7.0), stream=s1)  # a writer of the source view, in flight
+            replay = gpu.submit(graph.launch(), stream=s0)
+        await replay.wait()
+        assert [e for e in sim.trace if e.kind == "wait_marker" and e.stream == 0], (
+            "the replay must wait for the other stream's writer of its source view"
+        )
+        got = await gpu.to_host(x)
+        np.testing.assert_array_equal(got[0:4], 7.0)
+        assert got[4] == 7.0, got  # copied after the write
+        graph.close()
+    assert sim.violations == []
+
+
+@pytest.mark.parametrize("kind", ["copy", "launch", "zip"])
+async def test_a_replay_leases_every_view_it_captured_error(kind):
+    """The same under conflicts="error": the replay is refused with
+    AccessConflictError, with nothing enqueued or retained."""
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim, streams=2, conflicts="error") as gpu:
+        s0, s1 = gpu.streams
+        x = await gpu.to_device(np.arange(8, dtype=F4), stream=s0)
+        graph = await gpu.capture(_views_op(kind, x), stream=s0)
+        await settle(gpu)
+        sim.hold()
+        async with releasing(sim):
+            gpu.submit(ops.fill(x[0:4], 7.0), stream=s1)
+            before = gpu.statistics()
+            with pytest.raises(trio_cuda.AccessConflictError, match="read-after-write"):
+                gpu.submit(graph.launch(), stream=s0)
+            after = gpu.statistics()
+            assert after.in_flight == before.in_flight
+            assert after.leases_held == before.leases_held
+            assert graph.statistics().replays == 0
+        await gpu.run(ops.value(None), stream=s1)
+        graph.close()
+    assert sim.violations == []
+
+
 async def test_capture_and_update_are_checkpoints(sim):
     async with trio_cuda.open_scope(device=sim) as gpu:
         x = gpu.zeros(N, F4)

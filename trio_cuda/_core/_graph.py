@@ -305,10 +305,9 @@ class _Recorder:
         if isinstance(dst, DeviceArray) and isinstance(src, DeviceArray):
             if dst._alloc.scope is not self.scope or src._alloc.scope is not self.scope:
                 self._refuse("ops.copy between the memory of two scopes")
-            if src._alloc is dst._alloc:
-                self.use([(dst, Access.WRITE)], what="copy")
-            else:
-                self.use([(src, Access.READ), (dst, Access.WRITE)], what="copy")
+            # exactly the leases a direct copy takes: two views of one
+            # allocation are two extents, and each replay leases both
+            self.use([(src, Access.READ), (dst, Access.WRITE)], what="copy")
             d.copy_d2d(h, dst.ptr, src.ptr, dst.nbytes)
         elif isinstance(dst, DeviceArray):
             assert isinstance(src, np.ndarray)
