@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, final
 
 from ._array import DeviceArray
 from ._errors import GraphCaptureError
-from ._ops import Access, DeviceOp
+from ._ops import OPAQUE, Access, DeviceOp
 
 if TYPE_CHECKING:
     from ._stream import Stream
@@ -65,6 +65,8 @@ class _External(DeviceOp[Any]):
         from ._submit import EnqueueContext
 
         ctx.use(self._accesses, what="ops.external")
+        if ctx.preflight:  # fn runs once, at the real enqueue: its output is not known yet
+            return OPAQUE
         ctx.retain(self._fn)  # its closure may hold what the foreign work uses
         mark = ctx.mark() if type(ctx) is EnqueueContext else None
         ctx._enqueued()  # from here on, fn may have enqueued work: retain behind a marker
@@ -153,6 +155,8 @@ class _After(DeviceOp[None]):
     def _enqueue(self, ctx: EnqueueContext) -> None:
         from ._submit import EnqueueContext
 
+        if ctx.preflight:  # it takes no lease; its output is None
+            return
         if type(ctx) is not EnqueueContext:
             raise GraphCaptureError(
                 "ops.after() cannot be captured into a graph: a replay would wait for the foreign "

@@ -75,7 +75,7 @@ from trio.lowlevel import enable_ki_protection
 from ._array import Allocation, DeviceArray, h2d_source
 from ._errors import CudaError, GraphCaptureError, ScopeClosedError
 from ._final import NoPublicConstructor
-from ._ops import Access, DeviceOp
+from ._ops import RUN, Access, DeviceOp
 from ._submit import EnqueueContext, take_leases
 
 if TYPE_CHECKING:
@@ -250,6 +250,10 @@ class _Recorder:
     __slots__ = ("driver", "gen", "label", "scope", "stream")
 
     unsafe = False
+    preflight = False
+
+    def recall(self) -> object:
+        return RUN  # closures run as the capture reaches them
 
     def __init__(self, scope: ResourceScope, stream: Stream, gen: _Generation, label: str) -> None:
         self.scope = scope
@@ -469,6 +473,11 @@ class _GraphLaunch(DeviceOp[Any]):
                 f"graph.launch(): expected a submission on the scope that captured the graph, "
                 f"got one on {ctx.scope!r}"
             )
+        if ctx.preflight:  # conflicts="error": the leases a replay takes, checked only
+            ctx.use(g._gen.accesses, what=f"graph.launch() of {g._label}")
+            for other in g._gen.after:
+                ctx.after(other)
+            return g._gen.output
         pending = g._pending
         if pending is None:
             return self._replay(ctx, g)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, final, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, final, overload
 
 import numpy as np
 
@@ -114,6 +114,24 @@ def check_op(label: str, op: object) -> None:
         raise not_an_op(label, op)
 
 
+#: ``EnqueueContext.recall``: nothing kept, call the closure now
+RUN: Any = type("Run", (), {"__repr__": lambda self: "RUN", "__slots__": ()})()
+#: the output of a foreign step in a preflight: unknown until it runs
+OPAQUE: Any = type("Opaque", (), {"__repr__": lambda self: "OPAQUE", "__slots__": ()})()
+
+
+class StopPreflight(Exception):
+    """A closure's input is only known once a foreign step ran: the preflight
+    checked what comes before; the rest is checked as it is enqueued."""
+
+
+def opaque(out: object) -> bool:
+    """Whether ``out`` holds the output of a foreign step, in a preflight."""
+    if out is OPAQUE:
+        return True
+    return type(out) is tuple and any(opaque(o) for o in out)
+
+
 @final
 class _Value(DeviceOp[T]):
     __slots__ = ("_value",)
@@ -138,14 +156,21 @@ class _Then(DeviceOp[U]):
 
     def _enqueue(self, ctx: EnqueueContext) -> U:
         out = self._op._enqueue(ctx)
-        nxt = self._fn(out)
+        if ctx.preflight:  # conflicts="error": run the closure once, now (see _submit.Preflight)
+            if opaque(out):
+                raise StopPreflight
+            nxt = ctx.keep(self._fn(out))  # type: ignore[attr-defined]
+        else:
+            nxt = ctx.recall()
+            if nxt is RUN:
+                nxt = self._fn(out)
         if not isinstance(nxt, DeviceOp):
             raise TypeError(
                 f"then: the closure {self._fn!r} must return a DeviceOp, got {type(nxt).__name__}"
             )
         if not does_work(nxt):
             raise not_an_op(f"then: the closure {self._fn!r}: its result", nxt)
-        return nxt._enqueue(ctx)
+        return cast("DeviceOp[U]", nxt)._enqueue(ctx)
 
     def __repr__(self) -> str:
         return f"{self._op!r}.then({self._fn!r})"
@@ -160,7 +185,11 @@ class _Map(DeviceOp[U]):
         self._fn = fn
 
     def _enqueue(self, ctx: EnqueueContext) -> U:
-        return self._fn(self._op._enqueue(ctx))
+        out = self._op._enqueue(ctx)
+        if ctx.preflight:  # run it once, now, unless its input is not known yet
+            return ctx.keep(OPAQUE if opaque(out) else self._fn(out))  # type: ignore[attr-defined,no-any-return]
+        kept = ctx.recall()
+        return self._fn(out) if kept is RUN or kept is OPAQUE else kept  # type: ignore[return-value]
 
     def __repr__(self) -> str:
         return f"{self._op!r}.map({self._fn!r})"
@@ -203,6 +232,8 @@ class _Shared(DeviceOp[T]):
     def _enqueue(self, ctx: EnqueueContext) -> T:
         if not self._done:
             out = self._op._enqueue(ctx)
+            if ctx.preflight:
+                return out
             self._out = out
             self._submission = ctx.submission
             self._done = True
@@ -278,6 +309,8 @@ class _ZeroBytes(DeviceOp[Any]):
     def _enqueue(self, ctx: EnqueueContext) -> DeviceArray:
         arr = self._arr
         ctx.use([(arr, Access.WRITE)], what="zeros")
+        if ctx.preflight:
+            return arr
         mark = ctx.mark()
         ctx.driver.fill(ctx.stream.handle, arr.ptr, b"\x00", arr.nbytes)
         ctx._enqueued()
@@ -377,3 +410,8 @@ def resolve_output(out: object) -> object:
     if type(out) is tuple:
         return tuple(resolve_output(o) for o in out)
     return out
+
+
+#: ops of several pieces: under ``conflicts="error"`` they are preflighted
+#: (see ``_submit.Preflight``) so that no piece is enqueued if one conflicts
+COMPOSITE = frozenset({_Then, _Map, _Zip, _Shared})

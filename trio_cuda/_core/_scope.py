@@ -47,10 +47,10 @@ from ._kernel import Kernel, static_launches
 from ._launch import KernelLaunch
 from ._memory import MemoryTable
 from ._multi import foreign_lease_count
-from ._ops import Access, DeviceOp, HostResult, _Copy, _Fill, _ZeroBytes, resolve_output
+from ._ops import COMPOSITE, Access, DeviceOp, HostResult, _Copy, _Fill, _ZeroBytes, resolve_output
 from ._policy import SchedulingPolicy
 from ._stream import Stream
-from ._submit import EnqueueContext, Submission, SubState, take_launch_leases, take_leases
+from ._submit import EnqueueContext, Submission, SubState, preflight, take_launch_leases, take_leases
 from ._trace import Tracer, alloc_args, lease_args, op_name, plan_lease_args
 
 if TYPE_CHECKING:
@@ -619,8 +619,17 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         if type(op) is not KernelLaunch:  # a lone launch loads its kernel before it enqueues
             self._load_static(op)
         s = self._pick(op, stream)
+        memo = None
+        if self._conflicts == "error" and type(op) in COMPOSITE:
+            # a conflict anywhere refuses the whole op before any piece is enqueued
+            self._enqueuing = True
+            try:
+                memo = preflight(self, s, op)
+            finally:
+                self._enqueuing = False
         sub = self._new_submission(s, op)
         ctx = EnqueueContext(self, s, sub)
+        ctx.memo = memo
         tr = self._tracer
         if tr is not None:
             tr.emit("submit", op_name(op), self._trace_id, s.index, sub.id, args={"what": what})

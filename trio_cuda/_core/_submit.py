@@ -9,7 +9,13 @@ Invariants:
   submission's end marker has completed, never when an awaiting task returns.
 * Under ``conflicts="order"``, a conflict with in-flight work on another stream
   becomes a device-side wait on that work's marker; under ``"error"`` it raises
-  :class:`AccessConflictError` before anything of the piece is enqueued.
+  :class:`AccessConflictError` before anything of the *op* is enqueued: an op of
+  several pieces (``zip``, ``then``, ``map``, ``shared``) is first walked by a
+  :class:`Preflight`, which checks every piece's leases, enqueues and records
+  nothing, and runs each ``then``/``map`` closure once, keeping its result for
+  the real enqueue (``EnqueueContext.memo``). Only what comes after the output
+  of a foreign step (``ops.external``), which the preflight cannot know, is
+  checked piece by piece.
 * Reads never conflict with reads; same-stream work needs no wait (FIFO).
 * The unsafe context (``submission is None``) takes no lease, retains nothing
   and adds no wait.
@@ -30,7 +36,8 @@ from ._driver import Finisher, Gate, Marker, MarkerState
 from ._errors import AccessConflictError, CompletionUnknownError, KernelArgumentError
 from ._extent import Extent, array_extent, describe, overlaps
 from ._leases import candidates, record_lease
-from ._ops import Access, HostResult
+from ._ops import OPAQUE as OPAQUE
+from ._ops import RUN, Access, HostResult, StopPreflight
 
 if TYPE_CHECKING:
     from ._launch import KernelLaunch, PreparedLaunch
@@ -149,7 +156,10 @@ def _conflict_name(held: Access, wanted: Access) -> str:
 class EnqueueContext:
     """What an op's ``_enqueue`` may use. One per submission (or unsafe call)."""
 
-    __slots__ = ("driver", "scope", "stream", "submission", "unsafe")
+    __slots__ = ("driver", "memo", "scope", "stream", "submission", "unsafe")
+
+    #: a real enqueue (see :class:`Preflight`)
+    preflight = False
 
     def __init__(self, scope: ResourceScope, stream: Stream, submission: Submission | None) -> None:
         self.scope = scope
@@ -157,6 +167,14 @@ class EnqueueContext:
         self.submission = submission
         self.unsafe = submission is None
         self.driver = scope._driver
+        #: what a preflight's closures returned, last first (``recall``)
+        self.memo: list[object] | None = None
+
+    def recall(self) -> object:
+        """The next value a preflight kept for this enqueue (in the order it
+        kept them), or ``RUN``: compute it now."""
+        memo = self.memo
+        return memo.pop() if memo else RUN
 
     # ------------------------------------------------------------------ retention
     def retain(self, obj: object) -> None:
@@ -315,7 +333,8 @@ class EnqueueContext:
                 "host_closure cannot run through unsafe.async_on: it needs the scope's "
                 "completion-handoff task; submit it with scope.run() or scope.submit()"
             )
-        result: HostResult[Any] = HostResult()
+        kept = self.recall()  # the result a preflight handed to later closures
+        result: HostResult[Any] = kept if isinstance(kept, HostResult) else HostResult()
         self.retain(fn)
         self.retain(args)
         self.scope._flush(self.stream)  # earlier submissions' marker must precede the gate
@@ -327,6 +346,90 @@ class EnqueueContext:
         self.stream._pending.append(HostStep(sub, marker, gate, fn, args, result))
         self.scope._host_steps += 1
         return result
+
+
+@final
+class Preflight:
+    """A dry run of an op's enqueue under ``conflicts="error"``, so that a
+    conflict anywhere in an op of several pieces is refused before any piece
+    is enqueued (see the module invariants). It has the enqueue context's
+    interface: every lease is checked (``take_leases(check=True)``), nothing
+    is recorded, retained or enqueued. Closures run here, once; their results
+    go to ``memo`` for the real enqueue."""
+
+    __slots__ = ("memo", "scope", "stream")
+
+    preflight = True
+    unsafe = False
+    submission = None
+
+    def __init__(self, scope: ResourceScope, stream: Stream) -> None:
+        self.scope = scope
+        self.stream = stream
+        self.memo: list[object] = []
+
+    def keep(self, value: object) -> object:
+        self.memo.append(value)
+        return value
+
+    def retain(self, obj: object) -> None:
+        pass
+
+    def on_retire(self, fn: Finisher) -> None:
+        pass
+
+    def _enqueued(self) -> None:
+        pass
+
+    def mark(self) -> None:
+        return None
+
+    def traced(self, name: str, mark: int | None = None) -> None:
+        pass
+
+    def use(self, accesses: Sequence[tuple[DeviceArray, Access]], *, what: str = "argument") -> None:
+        take_leases(self.scope, self.stream, None, accesses, what, check=True)
+
+    def after(self, other: Submission | None) -> None:
+        if other is not None and other.state is SubState.QUARANTINED:
+            raise CompletionUnknownError(f"shared op: completion of {other.label} is unknown")
+
+    def launch(self, prepared: PreparedLaunch, accesses: Sequence[tuple[DeviceArray, Access]]) -> None:
+        self.use(accesses, what=prepared.kernel.name)
+
+    def copy(self, dst: object, src: object) -> None:
+        if isinstance(dst, DeviceArray) and isinstance(src, DeviceArray):
+            foreign = dst._alloc.scope is not self.scope or src._alloc.scope is not self.scope
+            accesses = ((src, Access.READ), (dst, Access.WRITE))
+            take_leases(self.scope, self.stream, None, accesses, "copy", foreign=foreign, check=True)
+        elif isinstance(dst, DeviceArray):
+            assert isinstance(src, np.ndarray)
+            h2d_source(dst, src)
+            self.use([(dst, Access.WRITE)], what="copy: dst")
+        else:
+            assert isinstance(src, DeviceArray)
+            self.use([(src, Access.READ)], what="copy: src")
+
+    def fill(self, arr: DeviceArray, pattern: bytes) -> None:
+        self.use([(arr, Access.WRITE)], what="fill")
+
+    def host_step(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> HostResult[Any]:
+        result: HostResult[Any] = HostResult()
+        self.memo.append(result)
+        return result
+
+
+def preflight(scope: ResourceScope, stream: Stream, op: object) -> list[object]:
+    """Walk ``op`` (a DeviceOp of several pieces) with a :class:`Preflight`;
+    raise what its real enqueue would raise before enqueueing anything, or
+    return the kept closure results for ``EnqueueContext.memo``."""
+    ctx = Preflight(scope, stream)
+    try:
+        op._enqueue(ctx)  # type: ignore[attr-defined]
+    except StopPreflight:
+        pass
+    ctx.memo.reverse()  # recall() pops from the end
+    return ctx.memo
 
 
 def is_quarantined(alloc: Allocation) -> bool:
@@ -341,10 +444,13 @@ def take_leases(
     what: str,
     *,
     foreign: bool = False,
+    check: bool = False,
 ) -> None:
     """Check, order and record leases for one piece of work on ``stream``,
     atomically: if this raises, no lease was taken and nothing enqueued.
-    ``sub`` None (the unsafe path) only checks. ``foreign=True`` (cross-scope
+    ``sub`` None (the unsafe path) only checks the arrays; with ``check``
+    (a :class:`Preflight`) it checks conflicts too, as for a new submission,
+    and records nothing. ``foreign=True`` (cross-scope
     copies, see ``_multi``) accepts live arrays of other scopes; their leases
     are recorded on their allocations as any other, and conflicts with the
     other scope's in-flight work become device-side waits on its markers.
@@ -363,7 +469,7 @@ def take_leases(
             )
         if access is write and arr._readonly:
             raise KernelArgumentError(f"{what}: write access to a read-only array ({arr!r})")
-        if sub is None:
+        if sub is None and not check:
             continue
         ext = array_extent(arr)
         extents.append(ext)
