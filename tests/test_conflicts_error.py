@@ -33,18 +33,20 @@ def _ops(a, b, calls):
         return out
 
     shared = add(a, 1.0).shared()
+    twice = ops.fill(a, 1.0).map(mapped).shared()  # used twice: its closure runs once
     return [
         ("zip", trio_cuda.zip(add(a, 1.0), add(b, 1.0))),
         ("then", add(a, 1.0).then(later)),
         ("map-then", ops.fill(a, 1.0).map(mapped).then(lambda x: ops.copy(b, x))),
         ("nested", trio_cuda.zip(ops.fill(a, 1.0), trio_cuda.zip(ops.value(3), add(b, 1.0)))),
         ("shared", trio_cuda.zip(shared, add(b, 1.0))),
+        ("shared-twice", trio_cuda.zip(twice, twice.then(later), add(b, 1.0))),
         ("external", trio_cuda.zip(ops.external(lambda s: calls.append("fn"), writes=a), add(b, 1.0))),
         ("closure", ops.host_closure(lambda: calls.append("host")).then(lambda r: add(b, 1.0))),
     ]
 
 
-NAMES = ["zip", "then", "map-then", "nested", "shared", "external", "closure"]
+NAMES = ["zip", "then", "map-then", "nested", "shared", "shared-twice", "external", "closure"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -77,11 +79,11 @@ async def test_a_conflict_in_a_later_piece_refuses_the_whole_op(name):
         # retried once the writer completed: it runs once, the closures once more
         calls.clear()
         await gpu.run(op, stream=s0)
-        assert calls.count("then") == (1 if name == "then" else 0)
-        assert calls.count("map") == (1 if name == "map-then" else 0)
+        assert calls.count("then") == (1 if name in ("then", "shared-twice") else 0)
+        assert calls.count("map") == (1 if name in ("map-then", "shared-twice") else 0)
         got_a = await gpu.to_host(a)
         got_b = await gpu.to_host(b)
-        assert np.all(got_b == (1.0 if name == "map-then" else 6.0)), got_b
+        assert np.all(got_b == (1.0 if name == "map-then" else 7.0 if name == "shared-twice" else 6.0)), got_b
         if name in ("zip", "then", "shared"):
             assert np.all(got_a == 1.0), got_a  # once, not twice
     assert sim.violations == []

@@ -357,7 +357,7 @@ class Preflight:
     is recorded, retained or enqueued. Closures run here, once; their results
     go to ``memo`` for the real enqueue."""
 
-    __slots__ = ("memo", "scope", "stream")
+    __slots__ = ("memo", "scope", "shared", "stream")
 
     preflight = True
     unsafe = False
@@ -367,6 +367,8 @@ class Preflight:
         self.scope = scope
         self.stream = stream
         self.memo: list[object] = []
+        #: shared ops not executed yet, walked once: their outputs
+        self.shared: dict[object, object] = {}
 
     def keep(self, value: object) -> object:
         self.memo.append(value)
