@@ -911,6 +911,66 @@ def test_kernel_and_parameter_constructors_check_their_arguments():
             cls("f4", access="read")  # the access mode is the class
 
 
+@pytest.mark.parametrize("cls", [In, Out, InOut, Slice])
+@pytest.mark.parametrize(
+    ("dtype", "element", "dims"),
+    [
+        (("f4", (2,)), "float32", "2"),
+        (("i8", (2, 3)), "int64", "2, 3"),
+        ((("f4", (2,)), (3,)), "float32", "3, 2"),  # nested: outer dimensions first, as NumPy's shape
+        (np.dtype((np.uint8, 4)), "uint8", "4"),
+    ],
+)
+def test_array_parameters_refuse_a_sub_array_dtype_when_declared(cls, dtype, element, dims):
+    # an array's dtype is never a sub-array dtype: one declared here could never
+    # match (a launch would fail with "expected dtype void64"), so it is refused now
+    given = re.escape(str(np.dtype(dtype)))
+    with pytest.raises(
+        TypeError,
+        match=rf"^dtype: expected the element dtype of the array \(a sub-array dtype's dimensions belong "
+        rf"to the array's shape, as in NumPy\), got {given}; declare '{element}' and pass an array of "
+        rf"shape \(\.\.\., {dims}\) of {element}$",
+    ):
+        cls(dtype)
+    with pytest.raises(TypeError, match=r"^dtype: expected a numeric, bool, complex .*fixed-size array"):
+        Scalar(dtype)  # a by-value parameter refuses it too
+
+
+@pytest.mark.parametrize("cls", [In, Out, InOut, Slice])
+def test_array_parameters_refuse_dtypes_no_array_has(cls):
+    with pytest.raises(TypeError, match=r"^dtype: object dtypes cannot live on a device, got object$"):
+        cls("O")
+    with pytest.raises(TypeError, match=r"^dtype: expected a dtype with a size, got \|V0$"):
+        cls("V0")
+
+
+async def test_the_suggested_declaration_of_a_sub_array_parameter_launches(sim):
+    k = kernel(InOut("f4"), name="k")
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        y = gpu.zeros(8, ("f4", (2,)))  # (8, 2) of float32, as in NumPy
+        assert (y.shape, y.dtype) == ((8, 2), np.dtype(F4))
+        await gpu.run(k.launch(y, grid=1, block=8))
+
+
+async def test_wrong_array_dtype_of_the_same_name_names_both_dtypes(sim):
+    # structured dtypes of one size, and byte orders, share a name ("void8",
+    # "float32"): the message shows the dtypes themselves then
+    pair = np.dtype([("a", "f4"), ("b", "i4")])
+    other = np.dtype([("x", "i4"), ("y", "f4")])
+    k = kernel(In(pair), name="k")
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(8, other)
+        with (
+            nothing_happens(sim, gpu),
+            pytest.raises(
+                KernelArgumentError,
+                match=rf"^k: argument 0 \(In\('\|V8'\)\): expected dtype {re.escape(str(pair))}, "
+                rf"got {re.escape(str(other))}$",
+            ),
+        ):
+            k.launch(x, grid=1, block=8)
+
+
 async def test_builder_argument_errors(sim):
     async with trio_cuda.open_scope(device=sim) as gpu:
         x = gpu.zeros(8, F4)

@@ -7,7 +7,10 @@ Invariants:
   parameter's dtype is a native-order numeric, bool, complex (aligned like
   ``float2``/``double2``), ``ml_dtypes`` scalar or a structured dtype whose
   fields sit at C offsets; anything else is refused when the :class:`Scalar`
-  is made.
+  is made. An array parameter's dtype (``In``, ``Out``, ``InOut``,
+  ``Slice``) is an array's element dtype: a sub-array dtype, whose dimensions
+  belong to the array's shape, and the object and zero-size dtypes that no
+  array has are refused when the spec is made, never at a launch.
 * Sizes and alignments follow the C ABI: a parameter's alignment is its
   dtype's ``alignof``, raised (never lowered) by ``align=`` or
   ``dtype.metadata["align"]``; its size is the dtype's size rounded up to it.
@@ -29,7 +32,7 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
-from ._array import DeviceArray
+from ._array import DeviceArray, split_dtype
 from ._errors import KernelArgumentError
 from ._ops import Access
 
@@ -42,6 +45,24 @@ def _as_dtype(value: DTypeLike) -> np.dtype[Any]:
         return np.dtype(value)
     except TypeError as exc:
         raise TypeError(f"dtype: expected a NumPy dtype or dtype string, got {value!r}") from exc
+
+
+def _array_dtype(value: DTypeLike) -> np.dtype[Any]:
+    """The element dtype of an array parameter (``In``, ``Out``, ``InOut``,
+    ``Slice``). An array's dtype is never a sub-array dtype (its dimensions
+    join the array's shape, see ``_array.normalize_shape``), so one is refused
+    here, naming the element dtype and the trailing shape to use instead;
+    object and zero-size dtypes, which no array has, are refused too."""
+    dtype = _as_dtype(value)
+    element, sub = split_dtype(dtype)
+    if sub:
+        dims = ", ".join(str(d) for d in sub)
+        raise TypeError(
+            f"dtype: expected the element dtype of the array (a sub-array dtype's dimensions belong to "
+            f"the array's shape, as in NumPy), got {dtype}; declare {element.name!r} and pass an array "
+            f"of shape (..., {dims}) of {element.name}"
+        )
+    return dtype
 
 
 # --------------------------------------------------------------------------- params
@@ -150,7 +171,7 @@ class Scalar:
 
 @attrs.frozen
 class _ArrayParam:
-    dtype: np.dtype[Any] = attrs.field(converter=_as_dtype)
+    dtype: np.dtype[Any] = attrs.field(converter=_array_dtype)
     name: str | None = attrs.field(default=None, kw_only=True)
     access: Access = attrs.field(init=False, default=Access.READ)
 
@@ -196,7 +217,7 @@ class Slice:
     """A device array passed as two parameters: a pointer and its length
     (``len_dtype``, ``size_t`` by default)."""
 
-    dtype: np.dtype[Any] = attrs.field(converter=_as_dtype)
+    dtype: np.dtype[Any] = attrs.field(converter=_array_dtype)
     access: Access = attrs.field(default=Access.WRITE, converter=_access_from_name, kw_only=True)
     len_dtype: np.dtype[Any] = attrs.field(
         default=np.dtype(np.uint64), converter=_as_dtype, kw_only=True, validator=_check_len_dtype
@@ -345,7 +366,10 @@ def _check_array(label: str, param: Param, value: object, access: Access) -> Dev
     if value.closed:
         raise KernelArgumentError(f"{label}: the array is closed")
     if value.dtype != param.dtype:
-        raise KernelArgumentError(f"{label}: expected dtype {param.dtype.name}, got {value.dtype.name}")
+        expected, got = param.dtype.name, value.dtype.name
+        if expected == got:  # structured dtypes of one size, byte orders: "void8", "float32"
+            expected, got = str(param.dtype), str(value.dtype)
+        raise KernelArgumentError(f"{label}: expected dtype {expected}, got {got}")
     if access is Access.WRITE and value.readonly:
         raise KernelArgumentError(
             f"{label}: the kernel writes this argument, but the array is read-only (made by as_readonly())"
