@@ -244,6 +244,134 @@ async def test_borrow_bad_input(sim):
     assert new_exports() == 0
 
 
+class _AnyCAI:
+    """A CUDA Array Interface producer of any dict, valid or not (a producer
+    may hand out negative dimensions, a shape whose bytes overflow int64, or
+    strides that do not fit it)."""
+
+    def __init__(self, **fields: object) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (4,),
+            "typestr": "<f4",
+            "data": (0x1000, False),
+            "version": 3,
+            **fields,
+        }
+
+
+_CAI_REFUSED = r"^borrow: obj: CUDA Array Interface "
+_BIG = 2**62
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "pattern"),
+    [
+        ({"shape": (-1, 4)}, ValueError, r"shape: expected non-negative dimensions, got \(-1, 4\)$"),
+        ({"shape": (4, -(2**63))}, ValueError, r"shape: expected non-negative dimensions, got \(4, -9223"),
+        (
+            {"shape": (2**63,)},
+            ValueError,
+            r"shape: expected dimensions of at most 2\*\*63 - 1 \(int64\), got \(9223372036854775808,\)$",
+        ),
+        (  # np.prod(shape, dtype=np.int64) wraps to 0: a borrow of 0 bytes
+            {"shape": (2**32, 2**32)},
+            ValueError,
+            r"shape: expected an array of at most 2\*\*63 - 1 bytes \(every dimension counted at least "
+            r"once, as NumPy does\), got shape \(4294967296, 4294967296\) of float32 "
+            r"\(73786976294838206464 bytes\)$",
+        ),
+        ({"shape": (_BIG, 2)}, ValueError, r"shape: expected an array of at most 2\*\*63 - 1 bytes"),
+        (  # a zero-size array spans its other dimensions too, as in NumPy
+            {"shape": (0, _BIG, _BIG)},
+            ValueError,
+            r"shape: expected an array of at most 2\*\*63 - 1 bytes",
+        ),
+        (  # a sub-array dtype's dimensions count: (2**61, 4) of float32 is 2**65 bytes
+            {"shape": (2**61,), "typestr": "(4,)<f4"},
+            ValueError,
+            r"shape: expected an array of at most 2\*\*63 - 1 bytes .* got shape \(2305843009213693952, 4\) "
+            r"of float32",
+        ),
+        ({"shape": (4.0,)}, TypeError, r"shape: expected a tuple of ints, got \(4.0,\)$"),
+        ({"shape": (True, 4)}, TypeError, r"shape: expected a tuple of ints, got \(True, 4\)$"),
+        ({"shape": 4}, TypeError, r"shape: expected a tuple of ints, got 4$"),
+        (  # strides that wrap in int64: 2**64 + 4 is 4
+            {"shape": (1, 4), "strides": (2**64 + 16, 4)},
+            ValueError,
+            r"strides: expected values that fit int64 \(from -2\*\*63 to 2\*\*63 - 1\), got "
+            r"\(18446744073709551632, 4\)$",
+        ),
+        (
+            {"shape": (2, 4), "strides": (-(2**63) - 1, 4)},
+            ValueError,
+            r"strides: expected values that fit int64",
+        ),
+        (
+            {"shape": (2, 4), "strides": (16,)},
+            ValueError,
+            r"strides: expected one stride per dimension of shape \(2, 4\), got \(16,\)$",
+        ),
+        ({"shape": (2, 4), "strides": (16, "4")}, TypeError, r"strides: expected a tuple of ints"),
+        ({"data": 0x1000}, TypeError, r"data: expected a \(pointer, read_only\) pair, got 4096$"),
+        (
+            {"data": (-8, False)},
+            ValueError,
+            r"data: expected a device pointer from 0 to 2\*\*64 - 1, got -8$",
+        ),
+        ({"data": (2**64, False)}, ValueError, r"data: expected a device pointer from 0 to 2\*\*64 - 1"),
+        ({"data": ("0x1000", False)}, TypeError, r"data: expected an int device pointer, got '0x1000'$"),
+        ({"typestr": "|O"}, TypeError, r"dtype: object dtypes cannot live on a device, got object$"),
+    ],
+)
+async def test_borrow_refuses_a_cuda_array_interface_beyond_int64_before_anything_is_taken(
+    sim, fields, error, pattern
+):
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        before = gpu.statistics()
+        producer = _AnyCAI(**fields)
+        with pytest.raises(error, match=_CAI_REFUSED + pattern):
+            trio_cuda.borrow(producer)
+        assert gpu.statistics() == before
+        # a valid one gets as far as the backend check (the simulator has no CUDA memory)
+        with pytest.raises(ValueError, match=r"CUDA memory \(_AnyCAI, CUDA Array Interface\) in a scope on"):
+            trio_cuda.borrow(_AnyCAI(shape=(_BIG - 1,), typestr="|u1"))
+        assert gpu.statistics() == before
+
+
+@pytest.mark.parametrize(
+    ("fields", "layout"),
+    [
+        ({"shape": (2, 3)}, ((2, 3), "float32", "C")),
+        ({"shape": (2, 3), "strides": (12, 4)}, ((2, 3), "float32", "C")),
+        ({"shape": (2, 3), "strides": (4, 8)}, ((2, 3), "float32", "F")),
+        ({"shape": (1, 4), "strides": (2**63 - 1, 4)}, ((1, 4), "float32", "C")),  # fits int64: unused
+        ({"shape": (3,), "typestr": "(2,)<f4"}, ((3, 2), "float32", "C")),  # folded, as in NumPy
+        ({"shape": (3, 1), "typestr": "(2,)<f4", "strides": (8, 8)}, ((3, 1, 2), "float32", "C")),
+        ({"shape": (_BIG - 1,), "typestr": "|u1"}, ((_BIG - 1,), "uint8", "C")),
+        ({"shape": (0, 2**30), "data": (None, False)}, ((0, 2**30), "float32", "C")),
+    ],
+)
+def test_a_valid_cuda_array_interface_layout_is_taken_as_given(fields, layout):
+    from trio_cuda import interop
+
+    cai = _AnyCAI(**fields).__cuda_array_interface__
+    _ptr, shape, dt, order, read_only = interop._cai_layout(cai, "borrow: obj")
+    assert (shape, dt.name, order) == layout
+    assert read_only is False
+
+
+def test_a_sub_array_cuda_array_interface_in_f_order_is_refused():
+    from trio_cuda import interop
+
+    cai = _AnyCAI(shape=(2, 3), typestr="(2,)<f4", strides=(8, 16)).__cuda_array_interface__
+    with pytest.raises(
+        ValueError,
+        match=r"^borrow: obj: a sub-array dtype adds trailing dimensions \(2,\), which an F-order array "
+        r"cannot take and stay contiguous; got \('<f4', \(2,\)\) for an F-order array of shape \(2, 3\)$",
+    ):
+        interop._cai_layout(cai, "borrow: obj")
+
+
 class _RawDLPack:
     """A DLPack producer of simulated memory with any shape, valid or not
     (DLPack carries dimensions as int64: a producer may hand out negative

@@ -19,15 +19,30 @@ Invariants:
   non-contiguous layout, ``access="write"`` on read-only memory) raises before
   anything is retained; a DLPack tensor already taken over is handed back to
   its producer's deleter.
+* A borrowed shape is bounded as the shapes of arrays made here are (every
+  dimension and the bytes spanned fit int64; a sub-array dtype's dimensions
+  join the shape): a DLPack tensor is checked before it is taken over
+  (``_dlpack``), a CUDA Array Interface dict (its shape, strides, dtype and
+  pointer) before its producer's stream is fenced (``_cai_layout``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import numpy as np
 
-from ._core._array import Allocation, DeviceArray, Order, _trivial, contiguous_strides, normalize_dtype
+from ._core._array import (
+    MAX_EXTENT,
+    Allocation,
+    DeviceArray,
+    Order,
+    _trivial,
+    check_span,
+    contiguous_strides,
+    split_dtype,
+)
 from ._core._dlpack import (
     ImportedTensor,
     device_name,
@@ -117,31 +132,94 @@ def _from_dlpack(
         raise
 
 
+_CAI = "CUDA Array Interface"
+_INT64_MIN = -(2**63)
+
+
+def _cai_ints(what: str, key: str, value: object) -> tuple[int, ...]:
+    """A CUDA Array Interface ``shape`` or ``strides``: a tuple of ints."""
+    if isinstance(value, tuple | list) and all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value
+    ):
+        return tuple(int(v) for v in value)
+    raise TypeError(f"{what}: {_CAI} {key}: expected a tuple of ints, got {value!r}")
+
+
+def _cai_layout(cai: dict[str, Any], what: str) -> tuple[int, tuple[int, ...], np.dtype[Any], Order, bool]:
+    """The pointer, shape, element dtype, order and read-only flag of a CUDA
+    Array Interface dict, checked as arrays made here are: every dimension in
+    ``[0, 2**63 - 1]``, the bytes spanned (every dimension counted at least
+    once) at most 2**63 - 1, strides that fit int64 and describe a C- or
+    F-contiguous layout. A sub-array dtype adds its dimensions to the shape,
+    as in NumPy. Raises before anything is fenced or taken over."""
+    data = cai["data"]
+    if not (isinstance(data, tuple | list) and len(data) == 2):
+        raise TypeError(f"{what}: {_CAI} data: expected a (pointer, read_only) pair, got {data!r}")
+    ptr, read_only = data
+    if ptr is None:
+        ptr = 0
+    if isinstance(ptr, bool) or not isinstance(ptr, (int, np.integer)):
+        raise TypeError(f"{what}: {_CAI} data: expected an int device pointer, got {ptr!r}")
+    if not 0 <= ptr < 2**64:
+        raise ValueError(f"{what}: {_CAI} data: expected a device pointer from 0 to 2**64 - 1, got {ptr}")
+    shape = _cai_ints(what, "shape", cai["shape"])
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{what}: {_CAI} shape: expected non-negative dimensions, got {shape}")
+    if any(d > MAX_EXTENT for d in shape):
+        raise ValueError(
+            f"{what}: {_CAI} shape: expected dimensions of at most 2**63 - 1 (int64), got {shape}"
+        )
+    descr = cai.get("descr")
+    structured = isinstance(descr, list) and bool(descr) and (len(descr) > 1 or bool(descr[0][0]))
+    try:
+        given = np.dtype(descr) if structured else np.dtype(cai["typestr"])
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"{what}: expected a dtype NumPy understands, got {cai.get('typestr')!r} ({exc})"
+        ) from None
+    try:
+        dt, sub = split_dtype(given)
+    except TypeError as exc:
+        raise TypeError(f"{what}: {_CAI} {exc}") from None
+    full = (*shape, *sub)
+    check_span(full, dt, label=f"{what}: {_CAI} shape")
+    strides: tuple[int, ...] | None = None
+    if cai.get("strides") is not None:
+        strides = _cai_ints(what, "strides", cai["strides"])
+        if len(strides) != len(shape):
+            raise ValueError(
+                f"{what}: {_CAI} strides: expected one stride per dimension of shape {shape}, got {strides}"
+            )
+        if any(not _INT64_MIN <= st <= MAX_EXTENT for st in strides):
+            raise ValueError(
+                f"{what}: {_CAI} strides: expected values that fit int64 (from -2**63 to 2**63 - 1), "
+                f"got {strides}"
+            )
+    order = _layout(what, shape, strides, given.itemsize)
+    if sub:  # the sub-array's dimensions are C-contiguous within each element
+        if order == "F" and not _trivial(shape):
+            raise ValueError(
+                f"{what}: a sub-array dtype adds trailing dimensions {sub}, which an F-order array cannot "
+                f"take and stay contiguous; got {given} for an F-order array of shape {shape}"
+            )
+        order = "C"
+    return int(ptr), full, dt, order, bool(read_only)
+
+
 def _from_cai(
     obj: Any, scope: ResourceScope, stream: Stream, what: str
 ) -> tuple[int, tuple[int, ...], np.dtype[Any], Order, bool, object]:
+    cai = obj.__cuda_array_interface__
+    if not isinstance(cai, dict) or not {"data", "shape", "typestr"} <= cai.keys():
+        raise TypeError(f"{what}: expected a CUDA Array Interface dict, got {cai!r}")
+    if cai.get("mask") is not None:
+        raise ValueError(f"{what}: expected no mask in the CUDA Array Interface, got one")
+    ptr, shape, dt, order, read_only = _cai_layout(cai, what)
     if scope.backend != "cuda":
         raise ValueError(
             f"{what}: expected memory of this scope's device, got CUDA memory ({type(obj).__name__}, "
             f"CUDA Array Interface) in a scope on the {scope.backend!r} backend"
         )
-    cai = obj.__cuda_array_interface__
-    if not isinstance(cai, dict) or "data" not in cai or "shape" not in cai:
-        raise TypeError(f"{what}: expected a CUDA Array Interface dict, got {cai!r}")
-    if cai.get("mask") is not None:
-        raise ValueError(f"{what}: expected no mask in the CUDA Array Interface, got one")
-    ptr, read_only = cai["data"]
-    shape = tuple(int(d) for d in cai["shape"])
-    descr = cai.get("descr")
-    structured = isinstance(descr, list) and bool(descr) and (len(descr) > 1 or bool(descr[0][0]))
-    try:
-        dt = normalize_dtype(np.dtype(descr) if structured else np.dtype(cai["typestr"]))
-    except (TypeError, ValueError) as exc:
-        raise TypeError(
-            f"{what}: expected a dtype NumPy understands, got {cai.get('typestr')!r} ({exc})"
-        ) from None
-    strides = cai.get("strides")
-    order = _layout(what, shape, None if strides is None else tuple(int(s) for s in strides), dt.itemsize)
     producer = cai.get("stream")
     if producer is not None:
         if isinstance(producer, bool) or not isinstance(producer, int) or producer == 0:
@@ -154,7 +232,7 @@ def _from_cai(
             driver.wait_fence(stream.handle, fence)
         finally:
             driver.drop_fence(fence)
-    return int(ptr or 0), shape, dt, order, bool(read_only), obj
+    return ptr, shape, dt, order, read_only, obj
 
 
 def borrow(
@@ -218,7 +296,7 @@ def borrow(
             raise ValueError(
                 "borrow: access: expected 'read' for memory its producer exported read-only, got 'write'"
             )
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        nbytes = math.prod(shape) * dt.itemsize  # bounded: at most 2**63 - 1
         _check_device(scope, what, ptr, nbytes)
     except BaseException:
         if isinstance(owner, ImportedTensor):
