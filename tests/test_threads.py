@@ -4,6 +4,11 @@
   message naming the call, the thread and the way to make it
   (``trio.from_thread.run_sync(gpu.statistics)``), however busy the loop is;
   that way works; a closed scope's final statistics may be read anywhere.
+* So are a future's and a graph's ``statistics()`` (``fut.statistics``,
+  ``graph.statistics`` in the hint), from a worker thread however busy the
+  loop and from another Trio run; a closed scope's may be read anywhere. A
+  future used from a worker thread (``wait_nowait``, a scope call) names both
+  threads and the way to call it on the loop.
 * One lifetime trace shared by scopes in several threads, each running its own
   ``trio.run`` (a ``Trace`` passed to each scope, or the process trace of
   ``trio_cuda.trace.enable()``), while other threads export it: no scope exit
@@ -33,7 +38,7 @@ import numpy as np
 import pytest
 import trio
 import trio.lowlevel
-from _guard import SCALE, run_bounded
+from _guard import SCALE, held, run_bounded
 from _kernels import add
 
 import trio_cuda
@@ -197,6 +202,169 @@ def test_a_closed_scopes_final_statistics_may_be_read_from_any_thread(sim: SimDe
     assert gpu.statistics() == final
     assert final.completed >= 2
     assert final.live_allocations == 0
+
+
+# --------------------------------------------------------------------------- futures' and graphs' statistics
+
+#: what the refusal must say for each: the call, the thread, the way to make it
+FUT_REFUSAL = (
+    r"^statistics: expected a call from the Trio run that opened <ResourceScope .*\(on thread .*\), got "
+    r"one from thread .*, which runs no Trio loop; call it on that loop: "
+    r"trio\.from_thread\.run_sync\(fut\.statistics\)"
+)
+GRAPH_REFUSAL = FUT_REFUSAL.replace("fut", "graph")
+
+
+async def _busy_replays(
+    gpu: trio_cuda.ResourceScope, graph: trio_cuda.CudaGraph, x: trio_cuda.DeviceArray, stop: trio.Event
+) -> None:
+    """Replay ``graph``, submit and retire until ``stop``: the tables a
+    future's and a graph's statistics read change all the time."""
+    while not stop.is_set():
+        futs = [gpu.submit(graph.launch()), gpu.submit(add(x, 1.0))]
+        await futs[0].wait()
+        await futs[1].wait()
+        await trio.lowlevel.checkpoint()
+
+
+def test_future_and_graph_statistics_from_a_worker_thread_are_refused_however_busy_the_loop(
+    switchy: None,
+) -> None:
+    sim = SimDevice()
+    calls = 200
+    record: dict[str, Any] = {}
+
+    def from_worker(fut: trio_cuda.DeviceFuture[Any], graph: trio_cuda.CudaGraph) -> None:
+        outcomes: dict[str, list[object]] = {"fut": [], "graph": []}
+        for _ in range(calls):
+            for name, read in (("fut", fut.statistics), ("graph", graph.statistics)):
+                try:
+                    outcomes[name].append(read())
+                except RuntimeError as exc:
+                    outcomes[name].append(str(exc))
+                except BaseException as exc:
+                    outcomes[name].append(exc)
+        # the way the refusal names: on the loop, a consistent snapshot each time
+        record["seen"] = [trio.from_thread.run_sync(graph.statistics) for _ in range(20)]
+        record["fut"] = trio.from_thread.run_sync(fut.statistics)
+        record.update(outcomes=outcomes, thread=threading.current_thread().name)
+
+    async def main() -> None:
+        async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
+            x = await gpu.to_device(np.zeros(64, F4))
+            y = await gpu.to_device(np.zeros(64, F4))
+            graph = await gpu.capture(add(y, 1.0))
+            fut = gpu.submit(add(x, 1.0))
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_busy_replays, gpu, graph, x, stop)
+                await trio.to_thread.run_sync(from_worker, fut, graph)
+                stop.set()
+            record["final"] = graph.statistics()
+            graph.close()
+
+    run_bounded(main, limit=LIMIT)
+    for name, pattern in (("fut", FUT_REFUSAL), ("graph", GRAPH_REFUSAL)):
+        got = record["outcomes"][name]
+        assert len(got) == calls
+        assert all(isinstance(o, str) and re.search(pattern, o) for o in got), got[:3]
+        assert repr(record["thread"]) in got[0]  # the calling thread, by name
+    replays = [st.replays for st in record["seen"]]
+    assert replays == sorted(replays)
+    assert all(st.retained_allocations == 1 for st in record["seen"])
+    assert record["fut"].state == "done"
+    assert record["final"].in_flight == 0
+    assert sim.violations == []
+
+
+def test_future_and_graph_statistics_from_another_trio_run_are_refused(sim: SimDevice) -> None:
+    record: dict[str, str] = {}
+
+    async def other(fut: trio_cuda.DeviceFuture[Any], graph: trio_cuda.CudaGraph) -> None:
+        for name, read in (("fut", fut.statistics), ("graph", graph.statistics)):
+            try:
+                read()
+            except RuntimeError as exc:
+                record[name] = str(exc)
+
+    async def main() -> None:
+        async with trio_cuda.open_scope(device=sim) as gpu:
+            x = await gpu.to_device(np.zeros(8, F4))
+            async with await gpu.capture(add(x, 1.0)) as graph:
+                fut = gpu.submit(graph.launch())
+                await trio.to_thread.run_sync(trio.run, other, fut, graph)
+                await fut.wait()
+
+    run_bounded(main, limit=LIMIT)
+    for name in ("fut", "graph"):
+        assert re.search(
+            r"^statistics: expected a call from the Trio run that opened <ResourceScope .*\(on thread .*\), "
+            r"got one from another Trio run, on thread '.*'; a scope belongs to the run \(and thread\) that "
+            r"opened it$",
+            record.get(name, ""),
+        ), record
+
+
+def test_a_closed_scopes_future_and_graph_statistics_may_be_read_from_any_thread(sim: SimDevice) -> None:
+    async def main() -> tuple[Any, ...]:
+        async with trio_cuda.open_scope(device=sim) as gpu:
+            x = await gpu.to_device(np.zeros(8, F4))
+            graph = await gpu.capture(add(x, 1.0))
+            fut = gpu.submit(graph.launch())
+            await fut.wait()
+            before = (fut.statistics(), graph.statistics())
+        return fut, graph, before, (fut.statistics(), graph.statistics())
+
+    fut, graph, before, final = run_bounded(main, limit=LIMIT)  # trio.run in another thread
+    assert (fut.statistics(), graph.statistics()) == final
+    assert final[0] == before[0]
+    assert final[0].state == "done"
+    assert final[1].closed  # the scope's exit closed it
+    assert final[1].replays == before[1].replays == 1
+
+
+def test_a_future_used_from_a_worker_thread_names_the_threads_and_the_way_to_call_it(sim: SimDevice) -> None:
+    record: dict[str, str] = {}
+
+    def from_worker(gpu: trio_cuda.ResourceScope, fut: trio_cuda.DeviceFuture[Any]) -> None:
+        record["thread"] = threading.current_thread().name
+        for name, call in (("wait_nowait", fut.wait_nowait), ("empty", lambda: gpu.empty(8, F4))):
+            try:
+                call()
+            except RuntimeError as exc:
+                record[name] = str(exc)
+        try:
+            trio.run(fut.wait)  # a Trio run of its own in the worker thread
+        except RuntimeError as exc:
+            record["wait"] = str(exc)
+
+    async def main() -> None:
+        async with trio_cuda.open_scope(device=sim) as gpu:
+            x = await gpu.to_device(np.zeros(8, F4))
+            with held(sim):
+                fut = gpu.submit(add(x, 1.0))  # in flight: wait_nowait must look at the loop's tables
+                await trio.to_thread.run_sync(from_worker, gpu, fut)
+            await fut.wait()
+            record["loop"] = threading.current_thread().name
+
+    run_bounded(main, limit=LIMIT)
+    head = r"expected a call from the Trio run that opened <ResourceScope sim:0 open, \d+ in flight> "
+    head += rf"\(on thread {re.escape(repr(record['loop']))}\), got one from "
+    mine = re.escape(repr(record["thread"]))
+    assert re.search(
+        rf"^wait_nowait: {head}thread {mine}, which runs no Trio loop; call it on that loop: "
+        r"trio\.from_thread\.run_sync\(fut\.wait_nowait\) from a thread Trio started "
+        r"\(trio\.to_thread\.run_sync\), with trio_token= from any other thread$",
+        record["wait_nowait"],
+    ), record
+    assert re.search(
+        rf"^empty: {head}thread {mine}, which runs no Trio loop; call it on that loop: "
+        r"trio\.from_thread\.run_sync\(\) \(trio\.from_thread\.run\(\) for an async call\)",
+        record["empty"],
+    ), record
+    assert re.search(
+        rf"^wait: {head}another Trio run, on thread {mine}; a scope belongs to the run", record["wait"]
+    ), record
 
 
 # --------------------------------------------------------------------------- one trace, many threads

@@ -4,7 +4,8 @@ Invariants:
 
 * Awaiting a future never changes what is retained: cancelling, dropping or
   forgetting it leaves the submission to the scope's completion handoff.
-* A future is awaited only from the Trio run (thread) that owns its scope.
+* A future is awaited, and its statistics read while its scope is open, only
+  from the Trio run (thread) that owns its scope.
 * A waiting task that observes its submission's completion retires the
   scope's completed work itself, in stream order, with no await between the
   look and the retirement; it parks (and the handoff task takes over) only
@@ -13,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from _thread import get_ident
 from time import perf_counter
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from ._scope import ResourceScope
     from ._stream import Stream
 
-__all__ = ["DeviceFuture", "FutureStatistics", "wrong_caller"]
+__all__ = ["DeviceFuture", "FutureStatistics", "check_reader", "wrong_caller"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -60,15 +62,41 @@ def _current_runner() -> object:
         return None
 
 
-def wrong_caller(what: str, scope: ResourceScope) -> RuntimeError:
-    """The error for a scope used outside the Trio run that opened it."""
-    if _current_runner() is None:
-        where = "a thread with no Trio run (a worker thread?); use trio.from_thread.run_sync() to call it"
+def wrong_caller(what: str, scope: ResourceScope, *, how: str | None = None) -> RuntimeError:
+    """The error for a scope (or one of its futures or graphs) used outside
+    the Trio run that opened it. ``what`` names the call; the message names
+    the scope's thread and the caller's and, from a thread with no Trio run,
+    how to make the call on the scope's loop: ``how`` is that call
+    (``"trio.from_thread.run_sync(fut.statistics)"``); without it the message
+    names ``run_sync`` for a synchronous call and ``run`` for an async one.
+    The wording is ``ResourceScope.statistics()``'s."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    loop = names.get(scope._thread, f"thread {scope._thread}")
+    mine = threading.current_thread().name
+    if _current_runner() is not None:
+        where = (
+            f"another Trio run, on thread {mine!r}; a scope belongs to the run (and thread) that opened it"
+        )
     else:
-        where = "another Trio run; a scope belongs to the run (and thread) that opened it"
+        if how is None:
+            how = "trio.from_thread.run_sync() (trio.from_thread.run() for an async call)"
+        where = (
+            f"thread {mine!r}, which runs no Trio loop; call it on that loop: {how} from a thread "
+            "Trio started (trio.to_thread.run_sync), with trio_token= from any other thread"
+        )
     return RuntimeError(
-        f"{what}: expected a call from the Trio run that opened {scope!r}, got one from {where}"
+        f"{what}: expected a call from the Trio run that opened {scope!r} (on thread {loop!r}), "
+        f"got one from {where}"
     )
+
+
+def check_reader(what: str, scope: ResourceScope, how: str) -> None:
+    """Refuse a read of tables the loop of ``scope`` changes (a future's or a
+    graph's statistics) from another thread or Trio run while the scope is
+    open, as ``ResourceScope.statistics()`` does; once the scope has closed,
+    nothing changes them and they may be read anywhere."""
+    if get_ident() != scope._thread and not scope._closed:
+        raise wrong_caller(what, scope, how=how)
 
 
 @final
@@ -122,7 +150,7 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
         sub = self._sub
         scope = sub.scope
         if get_ident() != scope._thread:
-            raise wrong_caller("wait", scope)
+            raise wrong_caller("wait", scope, how="trio.from_thread.run(fut.wait)")
         if sub.state in TERMINAL:
             await trio.lowlevel.checkpoint()
         elif scope._tracer is None:
@@ -146,7 +174,7 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
         if sub.state not in TERMINAL:
             scope = sub.scope
             if get_ident() != scope._thread:
-                raise wrong_caller("wait_nowait", scope)
+                raise wrong_caller("wait_nowait", scope, how="trio.from_thread.run_sync(fut.wait_nowait)")
             if not scope._observe_nowait(sub):
                 raise trio.WouldBlock
         return self._outcome()
@@ -160,8 +188,14 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
         return resolve_output(sub.output)  # type: ignore[return-value]
 
     def statistics(self) -> FutureStatistics:
-        """A snapshot of this submission's state and retention."""
+        """A snapshot of this submission's state and retention.
+
+        It reads tables the scope's loop changes: from another thread or Trio
+        run of an open scope it raises ``RuntimeError`` (a worker thread uses
+        ``trio.from_thread.run_sync(fut.statistics)``); once the scope has
+        closed, it may be read from any thread."""
         sub = self._sub
+        check_reader("statistics", sub.scope, "trio.from_thread.run_sync(fut.statistics)")
         state = sub.state.value
         return FutureStatistics(state, sub.stream.index, len(sub.leases), sum(a.nbytes for a in sub.leases))
 

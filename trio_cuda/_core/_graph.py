@@ -600,7 +600,15 @@ class CudaGraph(metaclass=NoPublicConstructor):
         return self._closed
 
     def statistics(self) -> GraphStatistics:
-        """A snapshot of the graph's counters and retention."""
+        """A snapshot of the graph's counters and retention.
+
+        It reads tables the scope's loop changes: from another thread or Trio
+        run of an open scope it raises ``RuntimeError`` (a worker thread uses
+        ``trio.from_thread.run_sync(graph.statistics)``); once the scope has
+        closed, it may be read from any thread."""
+        from ._future import check_reader
+
+        check_reader("statistics", self._scope, "trio.from_thread.run_sync(graph.statistics)")
         gens = [g for g in (self._gen, *self._old) if not g.released]
         return GraphStatistics(
             operations=self._gen.operations,
