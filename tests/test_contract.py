@@ -18,7 +18,6 @@ injection) are guarded by ``backend.sim``.
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ import numpy as np
 import pytest
 import trio
 from _kernels import ADD, COPY, SAXPY, add, copy, saxpy
+from _sanitizer import SLOW
 
 import trio_cuda
 from trio_cuda import ops, unsafe
@@ -44,10 +44,6 @@ def host(value: float | None = None) -> np.ndarray:
     if value is None:
         return np.arange(N, dtype=np.float32)
     return np.full(N, value, dtype=np.float32)
-
-
-# compute-sanitizer slows every driver call down by an order of magnitude
-SLOW = 20.0 if os.environ.get("TRIO_CUDA_SANITIZER") == "1" else 1.0
 
 
 async def until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:

@@ -1,9 +1,9 @@
 """The cuda backend on a real GPU, through the public API.
 
 Every test here is marked ``gpu`` and skips cleanly without a CUDA device
-(``trio_cuda._backends.probe_cuda()``). Under compute-sanitizer (detected from
-the variables the tool sets for the processes it watches, or
-``TRIO_CUDA_SANITIZER=1``) the tests that fault or fail a driver call on
+(``trio_cuda._backends.probe_cuda()``). Under compute-sanitizer (detected by
+``tests/_sanitizer.py`` from the variables the tool sets for the processes it
+watches, or ``TRIO_CUDA_SANITIZER=1``) the tests that fault or fail a driver call on
 purpose are skipped, so that the tool's report counts only real errors, and
 timing thresholds are relaxed. Run it with ``--show-backtrace device`` (``nox
 -s sanitizer``): host backtraces make the tool keep the Python frames of each
@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from _sanitizer import SLOW, skip_under_sanitizer
 
 import trio_cuda
 from trio_cuda import In, InOut, Kernel, Out, Scalar, ops
@@ -32,17 +33,6 @@ from trio_cuda._backends import probe_cuda
 
 _PROBE = probe_cuda()
 
-
-def _under_sanitizer() -> bool:
-    """Whether compute-sanitizer watches this process: ``TRIO_CUDA_SANITIZER=1``,
-    or the ``NV_SANITIZER_INJECTION_*`` variables the tool sets for its targets."""
-    if os.environ.get("TRIO_CUDA_SANITIZER") == "1":
-        return True
-    return any(name.startswith("NV_SANITIZER_INJECTION_") for name in os.environ)
-
-
-SANITIZER = _under_sanitizer()
-SLOW = 20.0 if SANITIZER else 1.0  # timing slack under compute-sanitizer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -374,7 +364,7 @@ async def test_host_closure_runs_in_stream_order() -> None:
         assert (await gpu.to_host(y))[0] == 2
 
 
-@pytest.mark.skipif(SANITIZER, reason="a deliberate failing driver call, which compute-sanitizer reports")
+@skip_under_sanitizer("a deliberate failing driver call, which compute-sanitizer reports")
 async def test_out_of_memory() -> None:
     async with trio_cuda.open_scope(device="cuda") as gpu:
         with pytest.raises(trio_cuda.OutOfMemoryError) as info:
@@ -585,9 +575,7 @@ STICKY_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(
-    SANITIZER, reason="a deliberate illegal address, which compute-sanitizer reports (in the subprocess too)"
-)
+@skip_under_sanitizer("a deliberate illegal address, which compute-sanitizer reports (in the subprocess too)")
 def test_sticky_illegal_address_in_subprocess() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", STICKY_SCRIPT],

@@ -3,13 +3,14 @@
 Every test is marked ``gpu`` and skips cleanly without a CUDA device. Work is
 kept in flight with a driver *gate* (``create_gate``: a ``cuStreamWaitValue32``
 on a pinned host flag) enqueued before it and opened later. Under
-compute-sanitizer set ``TRIO_CUDA_SANITIZER=1`` (timing slack).
+compute-sanitizer (detected by ``tests/_sanitizer.py``, no variable needed) the
+tests that make a driver call fail on purpose are skipped and timing limits are
+relaxed.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 import time
 from typing import Any
 
@@ -17,17 +18,16 @@ import numpy as np
 import pytest
 import trio
 from _kernels import ADD, COPY, SAXPY, add, copy, saxpy
+from _sanitizer import SLOW, skip_under_sanitizer
 
 import trio_cuda
 from trio_cuda import GraphCaptureError, Kernel, Out, Scalar, ops, unsafe
 from trio_cuda._backends import probe_cuda
 
 _PROBE = probe_cuda()
-SANITIZER = os.environ.get("TRIO_CUDA_SANITIZER") == "1"
-SLOW = 20.0 if SANITIZER else 1.0
 #: tests that make a driver call fail on purpose, which compute-sanitizer reports as an error
-deliberate_driver_error = pytest.mark.skipif(
-    SANITIZER, reason="a deliberately failing driver call, which compute-sanitizer reports"
+deliberate_driver_error = skip_under_sanitizer(
+    "a deliberately failing driver call, which compute-sanitizer reports"
 )
 
 pytestmark = [

@@ -7,7 +7,10 @@ front), programmatic dependent launch (the dependent kernel starts before
 its primary ends), and dynamic shared memory beyond 48 KiB. Refused launches
 enqueue nothing.
 
-Every test is marked ``gpu`` and skips cleanly without a CUDA device.
+Every test is marked ``gpu`` and skips cleanly without a CUDA device. Under
+compute-sanitizer (detected by ``tests/_sanitizer.py``, no variable needed)
+the test that ends in a failing driver call and the overlap of a programmatic
+dependent launch (the tool serialises kernels) are skipped.
 """
 
 from __future__ import annotations
@@ -24,13 +27,13 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from _sanitizer import skip_under_sanitizer
 
 import trio_cuda
 from trio_cuda import In, InOut, Kernel, KernelArgumentError, Out, Scalar, Slice, ops, unsafe
 from trio_cuda._backends import probe_cuda
 
 _PROBE = probe_cuda()
-SANITIZER = os.environ.get("TRIO_CUDA_SANITIZER") == "1"
 
 pytestmark = [
     pytest.mark.gpu,
@@ -262,7 +265,7 @@ async def test_boxed_struct_and_misaligned_blob() -> None:
         assert stats(gpu) == before
 
 
-@pytest.mark.skipif(SANITIZER, reason="finding the kernel's parameter count ends in a failing driver call")
+@skip_under_sanitizer("finding the kernel's parameter count ends in a failing driver call")
 async def test_declared_parameters_that_do_not_match_the_kernel_are_refused() -> None:
     wrong = Kernel.from_source(LAYOUT_SRC, "takes_double", params=[Scalar("f4"), Out("f4")])
     extra = Kernel.from_source(LAYOUT_SRC, "takes_double", params=[Scalar("f8"), Out("f4"), Scalar("i4")])
@@ -504,7 +507,7 @@ async def test_cooperative_groups_grid_sync() -> None:
         np.testing.assert_array_equal(await gpu.to_host(b), np.roll(np.arange(grid, dtype=np.int32) * 3, -1))
 
 
-@pytest.mark.skipif(SANITIZER, reason="compute-sanitizer serialises kernels: no overlap to observe")
+@skip_under_sanitizer("compute-sanitizer serialises kernels: no overlap to observe")
 @pytest.mark.parametrize("path", ["submit", "async_on", "builder"])
 async def test_programmatic_dependent_launch_takes_effect(path: str) -> None:
     spin = 5_000_000  # the primary runs for 5 ms after releasing its dependent

@@ -8,12 +8,13 @@ and ``InteropContext`` themselves, without a scope, and prove that the two
 backends agree on what the protocol promises: streams, memory, copies and
 fills, markers and gates, graph capture, interop answers, and the checks and
 errors of ``trio_cuda._backends._common`` (same type, same message but for the
-backend's class names).
+backend's class names). Under compute-sanitizer (detected by
+``tests/_sanitizer.py``) the parts that make a driver call fail on purpose are
+skipped on the GPU.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ import attrs
 import numpy as np
 import pytest
 import trio
+from _sanitizer import skip_rest_under_sanitizer
 
 import trio_cuda
 from trio_cuda._backends import open_device, probe_cuda
@@ -91,8 +93,10 @@ def drv(
 def deliberate_failure(drv: Driver) -> None:
     """What follows makes a driver call fail on purpose: compute-sanitizer
     reports every failed call as an error, so under it the rest is skipped."""
-    if drv.name == "cuda" and os.environ.get("TRIO_CUDA_SANITIZER") == "1":
-        pytest.skip("the rest makes a driver call fail on purpose, which compute-sanitizer reports")
+    if drv.name == "cuda":
+        skip_rest_under_sanitizer(
+            "the rest makes a driver call fail on purpose, which compute-sanitizer reports"
+        )
 
 
 async def done(ctx: Any, *markers: Any) -> list[Poll]:

@@ -3,19 +3,19 @@
 The simulator tests run everywhere: a DeviceArray of one scope is exported with
 DLPack and borrowed by another scope on the same SimDevice. The ``gpu`` tests
 need a CUDA device, and CuPy or PyTorch for their round trips (each skips
-cleanly without them). Under compute-sanitizer (detected by the variables it
-sets, or ``TRIO_CUDA_SANITIZER=1``) timing slack is larger.
+cleanly without them). Under compute-sanitizer (detected by
+``tests/_sanitizer.py`` from the variables it sets, or ``TRIO_CUDA_SANITIZER=1``) timing slack is larger.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import os
 
 import numpy as np
 import pytest
 import trio
+from _sanitizer import SANITIZER
 
 import trio_cuda
 from trio_cuda import AccessConflictError, In, Kernel, Out, Scalar, ops
@@ -457,13 +457,55 @@ async def test_borrowed_memory_is_never_freed_by_the_borrower(sim):
         np.testing.assert_array_equal(await a.to_host(x), np.ones(4, F4))
 
 
+# --------------------------------------------------------------------------- sanitizer detection
+
+
+@pytest.mark.parametrize(
+    ("environ", "watched"),
+    [
+        ({}, False),
+        ({"TRIO_CUDA_SANITIZER": "1"}, True),
+        ({"TRIO_CUDA_SANITIZER": "0"}, False),
+        ({"NV_SANITIZER_INJECTION_PORT_BASE": "49152"}, True),  # set by the tool, no variable by hand
+        ({"NV_SANITIZER_INJECTION_PORT_RANGE_BEGIN": "49152", "TRIO_CUDA_SANITIZER": "0"}, True),
+        ({"NV_SANITIZER": "1", "SANITIZER_INJECTION": "1"}, False),
+    ],
+)
+def test_compute_sanitizer_is_detected_by_the_variables_it_sets(environ, watched):
+    from _sanitizer import under_sanitizer
+
+    assert under_sanitizer(environ) is watched
+
+
+def test_every_gpu_test_file_detects_compute_sanitizer_through_the_shared_helper():
+    # a file that reads the variables itself misses the ones the tool sets (or the
+    # explicit one): its deliberate faults would count as errors under the tool
+    import re
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    word = "SANI" + "TIZER"  # spelled apart: this line is no reader
+    own = re.compile(rf"environ[^\n]*{word}|getenv\([^\n]*{word}|NV_{word}_INJECTION_[^\n]*environ")
+    readers = sorted(
+        p.name for p in here.glob("*.py") if p.name != "_sanitizer.py" and own.search(p.read_text())
+    )
+    assert readers == []
+    users = {p.name for p in here.glob("test_*.py") if "from _sanitizer import" in p.read_text()}
+    expected = {
+        "test_contract.py",
+        "test_cuda_backend.py",
+        "test_cuda_graphs.py",
+        "test_cuda_launch.py",
+        "test_driver_conformance.py",
+        "test_interop.py",
+        "test_sim_reference.py",
+    }
+    assert expected <= users
+
+
 # --------------------------------------------------------------------------- GPU
 
 _PROBE = probe_cuda()
-#: under compute-sanitizer (TRIO_CUDA_SANITIZER=1, or the variables the tool sets for its targets)
-SANITIZER = os.environ.get("TRIO_CUDA_SANITIZER") == "1" or any(
-    name.startswith("NV_SANITIZER_INJECTION_") for name in os.environ
-)
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not _PROBE.available, reason=f"no CUDA device: {_PROBE.reason}")
 

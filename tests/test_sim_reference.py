@@ -10,7 +10,6 @@ surfaces on a machine without a GPU as it would on one.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import Any
 
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import trio
 from _kernels import ADD, add, stub_source
+from _sanitizer import skip_under_sanitizer
 
 import trio_cuda
 from trio_cuda import NO_REFERENCE, CudaError, InOut, Kernel, MissingReferenceError, Scalar, ops, unsafe
@@ -542,9 +542,8 @@ def _cuda_available() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="no CUDA device")
-@pytest.mark.skipif(
-    os.environ.get("TRIO_CUDA_SANITIZER") == "1",
-    reason="deliberately failing driver calls (cuModuleGetFunction), which compute-sanitizer reports",
+@skip_under_sanitizer(
+    "deliberately failing driver calls (cuModuleGetFunction), which compute-sanitizer reports"
 )
 async def test_a_gpu_raises_what_the_simulator_raises() -> None:
     empty = Kernel.from_source("", "k", params=[])
