@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import random
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -32,10 +34,11 @@ from typing import Any
 import numpy as np
 import trio
 import trio.testing
-from _guard import Hang, run_bounded
+from _guard import SCALE, Hang, run_bounded
 from _kernels import ADD, COPY, SAXPY
 
 import trio_cuda
+import trio_cuda.trace
 from trio_cuda import (
     AccessConflictError,
     CompletionUnknownError,
@@ -59,6 +62,16 @@ KNOWN_DEFECTS = {
     "base_exception": "host closures that raise a BaseException (handoff task dies, scope exit hangs)",
     "drain_zero": "drain_timeout=0 (finished work quarantined with a 'still in flight' ResourceWarning)",
     "bad_policy": "a SchedulingPolicy that returns garbage (the submission leaks)",
+    "view_graphs": "graphs of copies and launches between two views of one allocation, replayed while "
+    "another stream writes the source view (a replay leased only its destination: stale data under "
+    "'order', accepted under 'error')",
+    "later_conflicts": "under conflicts='error', zip/then/map/shared ops whose LATER piece conflicts "
+    "(the first piece was enqueued before the refusal; a retry ran it twice); also the strict model: "
+    "an op refused with AccessConflictError under 'error' enqueued none of its pieces",
+    "mock_clock": "programs under trio.testing.MockClock(autojump_threshold=0) on a timed SimDevice "
+    "(the simulator kept wall time: timed work never completed in virtual time)",
+    "thread_probes": "gpu/pool/future/graph statistics() from a worker thread (must be refused naming "
+    "statistics) and a scope trace exported from a worker thread while it records",
 }
 
 
@@ -424,6 +437,12 @@ def generate(seed: int, skip: frozenset[str] | None = None) -> Program:
         segments=[],
         skip=skip,
     )
+    x = random.Random(f"trio_cuda adversary probes {seed}")  # the features added later draw from it
+    if "mock_clock" not in skip and x.random() < 0.12:
+        # virtual time: far longer than the program's wall-time limit allows, were it real
+        options.update(
+            kernel_time=x.choice([0.01, 0.05, 0.2]), copy_time=x.choice([1e-3, 0.02]), clock="autojump"
+        )
     for _ in range(1 if r.random() < 0.75 else 2):
         topology = (
             r.choice(["one", "one", "twin"]) if devices == "single" else r.choice(["one", "pair", "pool"])
@@ -458,9 +477,62 @@ def generate(seed: int, skip: frozenset[str] | None = None) -> Program:
             seg.parting = (g.shape(), g.dev(), g.stream())
         seg.drop_exports = r.random() < 0.3
         seg.steps = [g.alloc() for _ in range(r.randint(2, 6))]
-        seg.steps += [g.step(task=False) for _ in range(r.randint(4, 36))]
+        for _ in range(r.randint(4, 36)):
+            seg.steps.append(g.step(task=False))
+            if not g.held:  # a probe reads back: never on a held device
+                probe = _probe(x, g, seg, skip)
+                if probe is not None:
+                    seg.steps.append(probe)
         prog.segments.append(seg)
     return prog
+
+
+VIEW_KINDS = ("copy", "launch", "saxpy", "zip")
+VIEW_OTHERS = ("wsrc", "wsrc_part", "wdst", "rdst", "wboth")
+LATER_SHAPES = ("zip", "then", "map_then", "nested", "shared", "shared_twice", "closure", "map_zip")
+
+
+def _probe(x: random.Random, g: _Gen, seg: Segment, skip: frozenset[str]) -> Step | None:
+    """A self-checking probe step of the main task (drawn from ``x``, the
+    program's second generator, so the rest of the program is what it was
+    before probes existed), or None."""
+    boost = 2.0 if seg.conflicts == "error" else 1.0
+    u = x.random()
+    dev = x.randrange(2) if g.multi else 0
+    if "view_graphs" not in skip and seg.streams >= 2 and u < 0.02 * boost:
+        return Step(
+            "view_graph",
+            {
+                "kind": x.choice(VIEW_KINDS),
+                "flip": x.random() < 0.5,
+                "other": x.choice(VIEW_OTHERS),
+                "busy": x.randint(1, 3),
+                "s0": x.randrange(4),
+                "s1": x.randrange(3),
+                "replays": x.choice([1, 1, 2]),
+                "dev": dev,
+            },
+        )
+    u -= 0.04
+    if "later_conflicts" not in skip and seg.streams >= 2 and 0 <= u < 0.02 * boost:
+        return Step(
+            "later_conflict",
+            {
+                "shape": x.choice(LATER_SHAPES),
+                "access": x.choice(["write", "read"]),
+                "busy": x.randint(1, 3),
+                "s0": x.randrange(4),
+                "s1": x.randrange(3),
+                "dev": dev,
+            },
+        )
+    u -= 0.04
+    if "thread_probes" not in skip and 0 <= u < 0.008:
+        return Step("thread_stats")
+    u -= 0.008
+    if "thread_probes" not in skip and 0 <= u < 0.006:
+        return Step("thread_trace", {"rounds": x.randint(3, 12), "dev": dev, "html": x.random() < 0.3})
+    return None
 
 
 # =========================================================================== run-time model
@@ -508,6 +580,7 @@ class Eff:
     pieces: int  # pieces of device work (one: nothing is enqueued when it is refused)
     launches: int  # kernel launches and graph replays: each may take an injected fault
     handles: list[H] = field(default_factory=list)  # the handles the op names
+    calls: list[tuple[str, list[int]]] = field(default_factory=list)  # then/map closures: times run
 
 
 @dataclass(eq=False)
@@ -593,7 +666,8 @@ class Runner:
         self.p = program
         self.result = Result(program)
         self.counts = self.result.counts
-        o = program.options
+        o = {k: v for k, v in program.options.items() if k != "clock"}
+        self.mock = program.options.get("clock") == "autojump"
         if program.devices == "single":
             self.host = None
             self.sims: list[SimDevice] = [SimDevice(**o)]
@@ -625,6 +699,17 @@ class Runner:
 
     # ------------------------------------------------------------------ program
     async def main(self) -> None:
+        if self.mock:
+            t0 = trio.current_time()
+            try:
+                await self._main()
+            finally:
+                self.counts["probe:mock_clock_programs"] += 1
+                self.counts["probe:mock_clock_virtual_ms"] += round((trio.current_time() - t0) * 1000)
+            return
+        await self._main()
+
+    async def _main(self) -> None:
         async with trio.open_nursery() as outer:
             self.outer = outer
             for i, seg in enumerate(self.p.segments):
@@ -653,6 +738,10 @@ class Runner:
         self.then_raise = False
         self.bad_policy = seg.policy == "bad"
         self.exit_info: dict[str, Any] = {}
+        # under 'error' an op refused for a conflict (or a then-closure that raised in the
+        # preflight) enqueued none of its pieces
+        self.strict_refusals = self.conflict_error and "later_conflicts" not in self.p.skip
+        self.all_calls: list[tuple[str, list[int]]] = []
 
     def sim_of(self, scope: int) -> int:
         return 0 if self.p.devices == "single" else self.scope_dev[scope]
@@ -787,6 +876,9 @@ class Runner:
         nothing; otherwise what it wrote is unknown."""
         if eff.pieces <= 1 and isinstance(exc, REFUSALS):
             return
+        if self.strict_refusals and isinstance(exc, (AccessConflictError, ThenBoom)):
+            self.counts["strict_refusals"] += 1
+            return  # the preflight refused the whole op: no piece ran (the model keeps every value)
         for s in eff.writes:
             s.value = None
 
@@ -801,6 +893,17 @@ class Runner:
             self.counts["raced_closes"] += 1
             return True
         return False
+
+    def check_calls(self, eff: Eff, enqueued: bool, where: str) -> None:
+        """Each then/map closure of one submission ran at most once (a then-closure
+        of an op that was enqueued exactly once)."""
+        for kind, c in eff.calls:
+            self.counts["closure_calls_checked"] += 1
+            if c[0] > 1 or (enqueued and kind == "then" and c[0] != 1):
+                self.fail(
+                    f"{where}: a {kind}-closure of {eff.label} ran {c[0]} time(s) for one submission "
+                    f"({'enqueued' if enqueued else 'not enqueued'})"
+                )
 
     def completed_with_error(self, eff: Eff) -> None:
         for s in eff.writes:
@@ -823,13 +926,15 @@ class Runner:
         when there are no arrays to use."""
         fns: list[Callable[[], None]] = []
         writes: list[Slot] = []
-        counts: dict[str, Any] = {"pieces": 0, "launches": 0, "reads": [], "handles": []}
+        counts: dict[str, Any] = {"pieces": 0, "launches": 0, "reads": [], "handles": [], "calls": []}
         op = self._build(shape, scope, fns, writes, counts)
         if op is None:
             return None
         label = shape[0]
         eff = Eff(label, self.sim_of(scope), writes, fns, counts["pieces"], counts["launches"])
         eff.handles = counts["handles"]
+        eff.calls = counts["calls"]
+        self.all_calls += eff.calls
         return op, eff
 
     def _build(
@@ -850,7 +955,16 @@ class Runner:
                 return None
             if kind == "zip":
                 return trio_cuda.zip(a, b)
-            return a.then(lambda _out, b=b: b)
+            c = [0]
+            counts.setdefault("calls", []).append(("then", c))
+
+            def nxt(
+                _out: object, b: trio_cuda.DeviceOp[Any] = b, c: list[int] = c
+            ) -> trio_cuda.DeviceOp[Any]:
+                c[0] += 1
+                return b
+
+            return a.then(nxt)
         if kind == "then_raise":
             a = self._build(shape[1], scope, fns, writes, counts)
             if a is None:
@@ -864,7 +978,16 @@ class Runner:
             return a.then(boom)
         if kind == "map":
             a = self._build(shape[1], scope, fns, writes, counts)
-            return None if a is None else a.map(lambda out: ("mapped", out))
+            if a is None:
+                return None
+            c = [0]
+            counts.setdefault("calls", []).append(("map", c))
+
+            def mapped(out: object, c: list[int] = c) -> object:
+                c[0] += 1
+                return ("mapped", out)
+
+            return a.map(mapped)
         if kind in ("host", "host_then"):
             variant, pick = shape[1], shape[2]
             fn = self.closure(variant, pick)
@@ -874,7 +997,16 @@ class Runner:
                 b = self._build(shape[3], scope, fns, writes, counts)
                 if b is None:
                     return None
-                op = op.then(lambda _res, b=b: b)
+                c = [0]
+                counts.setdefault("calls", []).append(("then", c))
+
+                def after(
+                    _res: object, b: trio_cuda.DeviceOp[Any] = b, c: list[int] = c
+                ) -> trio_cuda.DeviceOp[Any]:
+                    c[0] += 1
+                    return b
+
+                op = op.then(after)
             return op
         if kind == "xcopy":
             if len(self.scopes) < 2:
@@ -1043,8 +1175,10 @@ class Runner:
             try:
                 fut = submit(op, stream=s)
             except Exception as exc:
+                self.check_calls(eff, False, "submit")
                 self.refused(eff, exc)
                 raise
+            self.check_calls(eff, True, "submit")
             self.commit(eff)
             if mode == "submit_keep":
                 self.futs.append(Fut(fut, eff))
@@ -1068,6 +1202,7 @@ class Runner:
                 else:
                     await gpu.run(hooked, stream=s)
         except Exception as exc:
+            self.check_calls(eff, bool(flag), mode)
             if flag:
                 self.completed_with_error(eff)
             else:
@@ -1075,6 +1210,7 @@ class Runner:
                 if self.raced_close(eff, exc):
                     return
             raise
+        self.check_calls(eff, bool(flag), mode)
         if cs.cancelled_caught:
             self.counts["cancellations"] += 1
             if mode == "run_precancel" and flag:
@@ -1503,7 +1639,379 @@ class Runner:
                 return
             if time.monotonic() - t0 > limit:
                 return
-            await trio.sleep(0.0005)
+            # (virtual time: a step of a fraction of a kernel, or the wait would take wall time)
+            await trio.sleep(self.p.options["kernel_time"] / 4 if self.mock else 0.0005)
+
+    # ---- probes: self-checking scenarios on private arrays (main task, device not held)
+    def probe_scope(self, dev: int, s0: int, s1: int) -> tuple[int, Any, Any, Any] | None:
+        """The scope of ``dev`` and two distinct streams of it, after every fault
+        injected on its device was consumed; None if it cannot run a probe."""
+        if self.held:
+            self.counts["probe:skipped"] += 1
+            return None
+        scope = self.scope_index(dev)
+        gpu = self.scopes[scope]
+        streams = gpu.streams
+        if len(streams) < 2:
+            return None
+        sa = streams[s0 % len(streams)]
+        sb = streams[(s0 + 1 + s1 % (len(streams) - 1)) % len(streams)]
+        self.flush(self.sim_of(scope))
+        return scope, gpu, sa, sb
+
+    def in_flight(self, gpu: Any, sb: Any, sim: SimDevice, busy: int) -> tuple[Any, Callable[[], None]]:
+        """Keep the next work of ``sb`` in flight while a probe submits more (no
+        checkpoint in between): under 'error' or on an untimed device hold the
+        device (timed work could complete, and be retired, before the probe's
+        next submission: then it is rightly accepted); under 'order' on a timed
+        one first queue ``busy`` kernels on ``sb`` (so another stream runs ahead
+        unless the runtime orders it). Returns the busy array and the undo."""
+        y = gpu.zeros(16, F4, stream=sb)
+        if not self.timed or self.conflict_error:
+            sim.hold()
+            return y, sim.release
+        for _ in range(busy):
+            gpu.submit(ADD.launch(y, F4(1), 16, grid=1, block=128), stream=sb)
+        return y, lambda: None
+
+    def same_submissions(self, gpu: Any, before: Any, what: str) -> None:
+        after = gpu.statistics()
+        for name in ("in_flight", "leases_held", "retained_bytes", "submitted"):
+            if getattr(after, name) != getattr(before, name):
+                self.fail(
+                    f"{what}: refused with AccessConflictError, but {name} went from "
+                    f"{getattr(before, name)} to {getattr(after, name)} (something was enqueued or kept)"
+                )
+
+    async def probe_read(self, gpu: Any, arr: Any, stream: Any, expected: np.ndarray, what: str) -> bool:
+        """Read ``arr`` back and compare it strictly; False if an allowed error
+        (a fault another task injected meanwhile) made the read inconclusive."""
+        try:
+            got = await gpu.to_host(arr, stream=stream)
+        except (LaunchError, CompletionUnknownError, OutOfMemoryError) as exc:
+            self.expect(exc, what)
+            return False
+        self.counts["reads"] += 1
+        self.counts["checked_reads"] += 1
+        if not np.array_equal(got, expected):
+            self.fail(f"{what}: read back {got!r}, the model expects {expected!r}")
+        return True
+
+    async def do_view_graph(
+        self, kind: str, flip: bool, other: str, busy: int, s0: int, s1: int, replays: int, dev: int
+    ) -> None:
+        """A graph of work between two views of ONE allocation, replayed on one
+        stream while another writes its source view (or writes/reads its
+        destination): under 'order' the replay sees the other stream's earlier
+        work (strict data check); under 'error' it is refused, nothing enqueued."""
+        got = self.probe_scope(dev, s0, s1)
+        if got is None:
+            return
+        scope, gpu, sa, sb = got
+        sim = self.sims[self.sim_of(scope)]
+        m = 8
+        lo_s, lo_d = (m, 0) if flip else (0, m)
+        src, dst = slice(lo_s, lo_s + m), slice(lo_d, lo_d + m)
+        model = np.arange(2 * m, dtype=F4) + F4(1)
+        x = gpu.zeros(2 * m, F4, stream=sa)
+        gpu.submit(ops.copy(x, model), stream=sa)
+        if kind == "copy":
+            op: Any = ops.copy(x[dst], x[src])
+        elif kind == "launch":
+            op = COPY.launch(x[src], x[dst], m, grid=1, block=128)
+        elif kind == "saxpy":
+            op = SAXPY.launch(F4(2), x[src], x[dst], m, grid=1, block=128)
+        else:
+            op = trio_cuda.zip(
+                ops.fill(x[lo_d + 6 : lo_d + 8], 2.0), ops.copy(x[lo_d : lo_d + 6], x[lo_s : lo_s + 6])
+            )
+
+        def apply(v: np.ndarray) -> None:
+            if kind in ("copy", "launch"):
+                v[dst] = v[src]
+            elif kind == "saxpy":
+                v[dst] = F4(2) * v[src] + v[dst]
+            else:
+                v[lo_d + 6 : lo_d + 8] = 2
+                v[lo_d : lo_d + 6] = v[lo_s : lo_s + 6]
+
+        graph = await gpu.capture(op, stream=sa)
+        self.flush(self.sim_of(scope))  # a task may have injected a fault meanwhile
+        host = np.full(m, -1, F4)
+        what = f"view_graph {kind} {other}"
+        y, undo = self.in_flight(gpu, sb, sim, busy)
+        released = False
+        try:
+            if other == "wsrc":
+                w = gpu.submit(ops.fill(x[src], 7), stream=sb)
+                model[src] = 7
+            elif other == "wsrc_part":
+                w = gpu.submit(ops.fill(x[lo_s + 2 : lo_s + 5], 7), stream=sb)
+                model[lo_s + 2 : lo_s + 5] = 7
+            elif other == "wdst":
+                w = gpu.submit(ops.fill(x[lo_d + 1 : lo_d + 5], 9), stream=sb)
+                model[lo_d + 1 : lo_d + 5] = 9
+            elif other == "rdst":
+                w = gpu.submit(ops.copy(host, x[dst]), stream=sb)
+            else:  # both views: the boundary between them
+                w = gpu.submit(ops.fill(x[m - 2 : m + 2], 7), stream=sb)
+                model[m - 2 : m + 2] = 7
+            old_dst = model[dst].copy()
+            if self.conflict_error:
+                before = gpu.statistics()
+                replayed = graph.statistics().replays
+                try:
+                    gpu.submit(graph.launch(), stream=sa)
+                except AccessConflictError:
+                    self.counts["probe:view_graph_refused"] += 1
+                else:
+                    self.fail(
+                        f"{what}: a replay of a graph that uses a view another stream has in flight "
+                        f"was accepted under conflicts='error'"
+                    )
+                self.same_submissions(gpu, before, what)
+                if graph.statistics().replays != replayed:
+                    self.fail(f"{what}: the refused replay counted as a replay")
+                undo()
+                released = True
+                await w.wait()
+                replays = 1  # retried once the other stream's work completed: it runs
+            futs = [gpu.submit(graph.launch(), stream=sa) for _ in range(replays)]
+            if not released:
+                undo()
+                released = True
+            for _ in range(replays):
+                apply(model)
+            await w.wait()
+            for f in futs:
+                await f.wait()
+        finally:
+            if not released:
+                undo()
+        if other == "rdst" and not np.array_equal(host, old_dst):
+            self.fail(
+                f"{what}: the other stream's read of the destination saw {host!r}, expected {old_dst!r} "
+                f"(the replay overwrote it first)"
+            )
+        await self.probe_read(gpu, x, sa, model, what)
+        self.counts["probe:view_graph"] += 1
+        graph.close()
+        x.close()
+        y.close()
+
+    async def do_later_conflict(self, shape: str, access: str, busy: int, s0: int, s1: int, dev: int) -> None:
+        """An op of several pieces whose FIRST piece writes ``a`` and only a later
+        one touches ``b``, which another stream has a writer of in flight: under
+        'error' refused whole, no piece ran, each closure at most once; retried
+        once the writer completed, it runs once. Under 'order' it runs after
+        the writer, each closure once."""
+        got = self.probe_scope(dev, s0, s1)
+        if got is None:
+            return
+        scope, gpu, sa, sb = got
+        sim = self.sims[self.sim_of(scope)]
+        a = gpu.zeros(8, F4, stream=sa)
+        b = gpu.zeros(8, F4, stream=sa)
+        c = gpu.zeros(8, F4, stream=sa)
+        va, vb, vc = np.zeros(8, F4), np.zeros(8, F4), np.zeros(8, F4)
+        calls: Counter[str] = Counter()
+
+        def later_op() -> Any:
+            if access == "write":
+                return ADD.launch(b, F4(1), 8, grid=1, block=128)
+            return ops.copy(c, b)
+
+        def later(_out: object) -> Any:
+            calls["then"] += 1
+            return later_op()
+
+        def mapped(out: object) -> object:
+            calls["map"] += 1
+            return out
+
+        def host() -> None:
+            calls["host"] += 1
+
+        def add_a() -> Any:
+            return ADD.launch(a, F4(1), 8, grid=1, block=128)
+
+        first = "fill" if shape in ("map_then", "nested", "shared_twice") else "add"
+        if shape == "zip":
+            op: Any = trio_cuda.zip(add_a(), later_op())
+        elif shape == "then":
+            op = add_a().then(later)
+        elif shape == "map_then":
+            op = ops.fill(a, 1.0).map(mapped).then(later)
+        elif shape == "nested":
+            op = trio_cuda.zip(ops.fill(a, 1.0), trio_cuda.zip(ops.value(3), later_op()))
+        elif shape == "shared":
+            op = trio_cuda.zip(add_a().shared(), later_op())
+        elif shape == "shared_twice":
+            twice = ops.fill(a, 1.0).map(mapped).shared()
+            op = trio_cuda.zip(twice, twice.then(later))
+        elif shape == "closure":
+            first = "host"
+            op = ops.host_closure(host).then(later)
+        else:  # map_zip
+            op = trio_cuda.zip(add_a().map(mapped), later_op())
+        closures = {
+            "then": shape in ("then", "map_then", "shared_twice", "closure"),
+            "map": shape in ("map_then", "shared_twice", "map_zip"),
+        }
+
+        def run_model() -> None:
+            if first == "add":
+                va[:] += 1
+            elif first == "fill":
+                va[:] = 1
+            if access == "write":
+                vb[:] += 1
+            else:
+                vc[:] = vb
+
+        def check_closures(what: str, enqueued: bool) -> None:
+            for name, present in closures.items():
+                n = calls[name]
+                if n > 1 or (enqueued and present and n != 1) or (not present and n):
+                    self.fail(f"{what}: the {name}-closure ran {n} time(s) for one submission")
+            if not enqueued and calls["host"]:
+                self.fail(f"{what}: a host closure of a refused op ran")
+
+        what = f"later_conflict {shape} ({access})"
+        self.flush(self.sim_of(scope))
+        y, undo = self.in_flight(gpu, sb, sim, busy)
+        released = False
+        try:
+            w = gpu.submit(ops.fill(b, 5.0), stream=sb)  # b's writer, in flight on another stream
+            vb[:] = 5
+            if self.conflict_error:
+                before = gpu.statistics()
+                try:
+                    gpu.submit(op, stream=sa)
+                except AccessConflictError:
+                    self.counts["probe:later_conflict_refused"] += 1
+                else:
+                    self.fail(f"{what}: accepted under conflicts='error' with b's writer in flight")
+                self.same_submissions(gpu, before, what)
+                check_closures(what + " (refused)", False)
+                undo()
+                released = True
+                await w.wait()
+                # no piece ran: a (the first piece's target) is untouched
+                if not await self.probe_read(
+                    gpu, a, sa, va, what + ": the first piece ran although the op was refused"
+                ):
+                    return
+                calls.clear()
+            fut = gpu.submit(op, stream=sa)
+            check_closures(what, True)
+            run_model()
+            if not released:
+                undo()
+                released = True
+            await w.wait()
+            await fut.wait()
+        finally:
+            if not released:
+                undo()
+        for arr, v, name in ((a, va, "a"), (b, vb, "b"), (c, vc, "c")):
+            if not await self.probe_read(gpu, arr, sa, v, f"{what}: {name}"):
+                return
+        self.counts["probe:later_conflict"] += 1
+        for arr in (a, b, c, y):
+            arr.close()
+
+    async def do_thread_stats(self) -> None:
+        """From a worker thread, statistics() of every open scope (and the pool,
+        a kept future, an open graph) is refused with a RuntimeError naming it."""
+        targets: list[tuple[str, Callable[[], object]]] = [
+            (f"scope {i}", g.statistics) for i, g in enumerate(self.scopes) if not g.closed
+        ]
+        if self.pool is not None:
+            targets.append(("pool", self.pool.statistics))
+        if self.futs:
+            targets.append(("future", self.futs[-1].fut.statistics))
+        live = [g.graph for g in self.graphs if g.graph is not None and not g.graph.closed]
+        if live:
+            targets.append(("graph", live[-1].statistics))
+
+        def worker() -> list[tuple[str, str, str]]:
+            out = []
+            for name, fn in targets:
+                try:
+                    fn()
+                except RuntimeError as exc:
+                    out.append((name, "refused", str(exc)))
+                except BaseException as exc:
+                    out.append((name, "raised", _brief(exc)))
+                else:
+                    out.append((name, "accepted", ""))
+            return out
+
+        for name, how, text in await trio.to_thread.run_sync(worker):
+            self.counts["probe:thread_stats"] += 1
+            if how != "refused" or "statistics" not in text:
+                self.fail(
+                    f"thread_stats: {name}.statistics() from a worker thread was {how} {text!r}; "
+                    f"it must be refused with a RuntimeError naming statistics"
+                )
+
+    async def do_thread_trace(self, rounds: int, dev: int, html: bool) -> None:
+        """A scope traced into a Trace records work while a worker thread
+        exports it: every export is valid JSON."""
+        if self.held:
+            self.counts["probe:skipped"] += 1
+            return
+        await self.do_join()  # no other task injects a fault into the traced scope's work
+        sim_i = self.sim_of(self.scope_index(dev))
+        self.flush(sim_i)
+        t = trio_cuda.trace.Trace()
+        done = threading.Event()
+        problems: list[str] = []
+
+        def exporter() -> int:
+            n = 0
+            while (not done.is_set() or n < 2) and n < 60:
+                try:
+                    doc = json.loads(json.dumps(t.to_chrome(), allow_nan=False))
+                    if not isinstance(doc.get("traceEvents"), list):
+                        problems.append(f"export {n} has no traceEvents list: {list(doc)}")
+                    if html and n == 1:
+                        t.to_html()
+                except BaseException as exc:
+                    problems.append(f"export {n} raised {_brief(exc)}")
+                    return n
+                n += 1
+                time.sleep(0.0005)
+            return n
+
+        async with trio_cuda.open_scope(device=self.sims[sim_i], streams=2, trace=t) as g2:
+            xs = g2.zeros(16, F4)
+
+            async def work() -> None:
+                try:
+                    for i in range(rounds):
+                        fut = g2.submit(
+                            ADD.launch(xs, F4(1), 16, grid=1, block=128), stream=g2.streams[i % 2]
+                        )
+                        await fut.wait()
+                finally:
+                    done.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(work)
+                exports = await trio.to_thread.run_sync(exporter)
+            await self.probe_read(g2, xs, None, np.full(16, rounds, F4), "thread_trace")
+            xs.close()
+        if problems:
+            self.fail(
+                f"thread_trace: exporting from a worker thread while the scope recorded: {problems[:3]}"
+            )
+        names = {(e.cat, e.name) for e in t.events}
+        if not {("scope", "open"), ("scope", "close")} <= names:
+            self.fail(f"thread_trace: the trace lacks the scope's open/close events: {sorted(names)[:10]}")
+        self.counts["probe:thread_trace"] += 1
+        self.counts["probe:thread_trace_exports"] += exports
 
     # ---- misuse: refused up front, nothing submitted
     async def do_misuse(self, what: str, p: int) -> None:
@@ -1822,6 +2330,7 @@ class Totals:
         errors = {
             k.split(":", 1)[1]: v for k, v in sorted(c.items()) if k.startswith(("error:", "exit_error:"))
         }
+        probes = {k.split(":", 1)[1]: v for k, v in sorted(c.items()) if k.startswith("probe:")}
         return "\n".join(
             [
                 f"programs run: {self.programs} ({self.steps} steps)",
@@ -1833,10 +2342,17 @@ class Totals:
                 f"submissions committed to the model: {c['committed']} (tainted by a pending fault: "
                 f"{c['tainted_submissions']}), ops without arrays: {c['ops_without_arrays']}",
                 f"allowed errors: {errors}",
+                f"probes: {probes}; strict refusals (nothing enqueued): {c['strict_refusals']}, "
+                f"then/map closures checked: {c['closure_calls_checked']}",
                 f"hangs: {self.hangs}",
                 f"failures: {self.failures}",
             ]
         )
+
+
+#: wall seconds a program under the autojump clock may take (times TRIO_CUDA_TEST_TIME_SCALE): its
+#: simulated kernels take up to seconds of virtual time, which only the mock clock can skip
+MOCK_WALL = 2.5
 
 
 def run_program(program: Program, limit: float = 5.0) -> Result:
@@ -1852,7 +2368,8 @@ def run_program(program: Program, limit: float = 5.0) -> Result:
     sys.unraisablehook = hook
     t0 = time.perf_counter()
     try:
-        run_bounded(runner.main, limit=limit, fail=False)
+        clock = trio.testing.MockClock(autojump_threshold=0) if runner.mock else None
+        run_bounded(runner.main, limit=limit, fail=False, clock=clock)
     except Hang as exc:
         res.hung = True
         res.failures.append(f"hang: {exc}")
@@ -1876,6 +2393,11 @@ def run_program(program: Program, limit: float = 5.0) -> Result:
         sys.unraisablehook = old_hook
     for u in unraisable:
         res.failures.append(f"unraisable exception: {u}")
+    if program.options.get("clock") == "autojump" and not res.hung and res.seconds > MOCK_WALL * SCALE:
+        res.failures.append(
+            f"under MockClock(autojump_threshold=0) the program took {res.seconds:.2f} s of wall time "
+            f"(limit {MOCK_WALL * SCALE:g} s): timed work must take virtual time"
+        )
     if res.ok and not quarantined and "gc_leak" not in program.skip:
         # With nothing quarantined, nothing keeps a scope once the program let go of it.
         alive = [label for ref, label in refs if ref() is not None]

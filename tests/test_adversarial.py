@@ -51,8 +51,42 @@ flight, nothing is pending on the device, and memory with no open handle,
 export or graph is freed; and once a program that quarantined nothing has
 ended, its scopes can be garbage-collected (check ``gc_leak``).
 
-Features that once triggered defects (see ``tests/test_attacks.py``) are generated too; switch
-them off with ``TRIO_CUDA_ADVERSARY_SKIP=base_exception,drain_zero,bad_policy``
+Main-task probes (drawn from a second generator seeded by the program's seed,
+so the rest of the program is unchanged by them) check, strictly, on arrays of
+their own:
+
+* ``view_graph``: a graph of a copy, a kernel (``COPY``, ``SAXPY``) or a zip
+  between two views of ONE allocation, replayed on one stream right after
+  another stream's writer of the source view (all of it, part of it, or both
+  views across their boundary) or writer/reader of the destination view, with
+  no checkpoint in between: under ``"order"`` the read back equals the model
+  (the replay ran after the other stream's work; a reader saw the old
+  destination), under ``"error"`` the replay raises ``AccessConflictError``
+  with nothing enqueued or leased and no replay counted, and runs once retried;
+* ``later_conflict``: under ``"error"``, a zip/then/map/shared/nested op (or a
+  host closure then work) whose first piece writes ``a`` and only a later one
+  touches ``b``, which another stream is writing: refused whole (``a``
+  untouched, statistics unchanged, then/map closures at most once, the host
+  closure never), then retried once (each closure exactly once, ``a`` written
+  once); under ``"order"`` it runs after the writer. Everywhere else, under
+  ``"error"`` an op refused with ``AccessConflictError`` (or a then-closure
+  that raised) leaves the model as it was (no piece ran), and each then/map
+  closure of a random op runs at most once per submission (a then-closure of
+  an enqueued op exactly once);
+* ``thread_stats``: from ``trio.to_thread.run_sync``, ``statistics()`` of every
+  open scope, the pool, a kept future and an open graph raises a RuntimeError
+  naming statistics; ``thread_trace``: a scope opened with
+  ``trace=trio_cuda.trace.Trace()`` records work while a worker thread exports
+  it (``to_chrome`` as strict JSON, ``to_html``), every export valid.
+
+Some programs (``clock=autojump``) run under
+``trio.testing.MockClock(autojump_threshold=0)`` on devices whose kernels take
+0.01-0.2 s and copies 1-20 ms: they must finish in virtual time (under
+``_adversary.MOCK_WALL`` s of wall time) with the model holding.
+
+Features that once triggered defects (see ``tests/test_attacks.py`` and the
+probes above) are generated too; switch them off with
+``TRIO_CUDA_ADVERSARY_SKIP=base_exception,drain_zero,bad_policy,view_graphs,later_conflicts,mock_clock,thread_probes``
 (or ``known`` for all of them; see ``_adversary.KNOWN_DEFECTS``), and the
 ``gc_leak`` check with ``TRIO_CUDA_ADVERSARY_SKIP=gc_leak``.
 
@@ -102,7 +136,15 @@ def test_known_defect_features_are_generated() -> None:
     switched off): they must be covered once the defects are fixed."""
     text = "\n".join(generate(seed).text() for seed in range(200))
     skip = skipped_features()
-    markers = {"base_exception": "host base", "drain_zero": "drain_timeout=0.0 ", "bad_policy": "policy=bad"}
+    markers = {
+        "base_exception": "host base",
+        "drain_zero": "drain_timeout=0.0 ",
+        "bad_policy": "policy=bad",
+        "view_graphs": "view_graph(",
+        "later_conflicts": "later_conflict(",
+        "mock_clock": "clock=autojump",
+        "thread_probes": "thread_stats(",
+    }
     for name, marker in markers.items():
         assert name in KNOWN_DEFECTS
         assert (marker in text) is (name not in skip), name
