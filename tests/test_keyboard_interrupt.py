@@ -91,14 +91,20 @@ PROGRAM = textwrap.dedent(
 )
 
 
+def _env() -> dict[str, str]:
+    """The environment of a subprocess that imports this checkout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 CASES = [(point, nth) for point in ("record_marker", "poll_marker") for nth in (1, 7, 40)]
 CASES += [("free", 1), ("free", 3)]  # four arrays are freed
 
 
 @pytest.mark.parametrize(("point", "nth"), CASES)
 def test_ctrl_c_inside_the_runtime_is_delivered_later_and_loses_nothing(point: str, nth: int) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env = _env()
     try:
         out = subprocess.run(
             [sys.executable, "-c", PROGRAM, point, str(nth)],
@@ -125,8 +131,7 @@ HARNESS = ROOT / "tests" / "_interrupts.py"
 
 def _trials(*args: str, timeout: float = 120) -> list[dict[str, object]]:
     """Run ``tests/_interrupts.py`` with ``args``; its trial reports."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env = _env()
     try:
         out = subprocess.run(
             [sys.executable, str(HARNESS), *args],
@@ -235,8 +240,7 @@ EXIT_PROGRAM = textwrap.dedent(
 
 
 def _run_exit_case(case: str) -> dict[str, object]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env = _env()
     try:
         out = subprocess.run(
             [sys.executable, "-c", EXIT_PROGRAM, case],

@@ -51,7 +51,7 @@ from ._ops import COMPOSITE, Access, DeviceOp, HostResult, _Copy, _Fill, _ZeroBy
 from ._policy import SchedulingPolicy
 from ._stream import Stream
 from ._submit import EnqueueContext, Submission, SubState, preflight, take_launch_leases, take_leases
-from ._trace import Tracer, alloc_args, lease_args, op_name, plan_lease_args
+from ._trace import Tracer, alloc_args, lease_args, op_name, trace_error, trace_submit
 
 if TYPE_CHECKING:
     from ._graph import CudaGraph
@@ -639,7 +639,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         except BaseException as exc:
             self._enqueuing = False
             if tr is not None:
-                self._trace_error(tr, sub, exc)
+                trace_error(self, tr, sub, exc)
             if sub.dirty or sub.leases:
                 # Partial error: keep what was enqueued behind a completion marker.
                 sub.error = exc
@@ -651,13 +651,6 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         if tr is not None:
             tr.emit("lease", "leases", self._trace_id, s.index, sub.id, args={"leases": lease_args(sub)})
         return sub
-
-    def _trace_error(self, tr: Tracer, sub: Submission, exc: BaseException) -> None:
-        partial = bool(sub.dirty or sub.leases)
-        args = {"error": f"{type(exc).__name__}: {exc}"[:300], "partial": partial}
-        if partial:
-            args["leases"] = lease_args(sub)
-        tr.emit("error", type(exc).__name__, self._trace_id, sub.stream.index, sub.id, args=args)
 
     @enable_ki_protection
     def _enqueue_unsafe(self, op: DeviceOp[T], stream: Stream) -> T:
@@ -709,7 +702,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             sub.observed = True
             self._finish_submission(sub, None)
             if self._tracer is not None:
-                self._trace_error(self._tracer, sub, exc)
+                trace_error(self, self._tracer, sub, exc)
             raise
         # _finish_submission(sub, op._output, wake=False), inline: the hot path
         sub.dirty = True
@@ -722,38 +715,11 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             self._unflushed.append(s)
         unmarked.append(sub)
         if tr is not None:
-            self._trace_submit(tr, sub, op, mark)
+            trace_submit(self, tr, sub, op, mark)
         if not self._batch:
             self._flush(s)
         self._driver.notify_submitted()
         return sub
-
-    def _trace_submit(self, tr: Tracer, sub: Submission, op: KernelLaunch, mark: int | None) -> None:
-        """Record a single launch that was enqueued and put in flight: one
-        ``submit`` event that also stands for the launch's enqueue
-        (``args["enqueue"]``, and the driver's command id)."""
-        plan = op._lease_plan
-        if plan is not None and sub.leases is plan[0]:  # the fast path: the plan's leases
-            cache = op.prepared.cache
-            leases = cache.get("trace_leases")
-            if leases is None:
-                leases = cache["trace_leases"] = plan_lease_args(plan)
-        else:
-            leases = lease_args(sub)
-        name = op.prepared.kernel.name
-        tr.emit(
-            "submit",
-            name,
-            self._trace_id,
-            sub.stream.index,
-            sub.id,
-            args={
-                "leases": leases,
-                "enqueue": name,
-                "cmd": self._driver.last_command() if self._trace_cmds else None,
-                "marks": None if mark is None else (mark, self._driver.timing_mark(sub.stream.handle)),
-            },
-        )
 
     @overload
     async def run(self, op: DeviceOp[HostResult[U]], *, stream: Stream | None = None) -> U: ...

@@ -43,6 +43,7 @@ from ._ops import Access
 
 if TYPE_CHECKING:
     from ._array import Allocation
+    from ._launch import KernelLaunch
     from ._scope import ResourceScope
     from ._submit import LeasePlan, Submission
 
@@ -384,3 +385,44 @@ def _load_nvtx() -> Any:
         return importlib.import_module("nvtx")
     except Exception:
         return None
+
+
+def trace_error(scope: ResourceScope, tr: Tracer, sub: Submission, exc: BaseException) -> None:
+    """Record that ``sub`` failed at submission (``partial``: work of it was
+    enqueued or leased before the error, and stays retained)."""
+    partial = bool(sub.dirty or sub.leases)
+    args: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}"[:300], "partial": partial}
+    if partial:
+        args["leases"] = lease_args(sub)
+    tr.emit("error", type(exc).__name__, scope._trace_id, sub.stream.index, sub.id, args=args)
+
+
+def trace_submit(
+    scope: ResourceScope, tr: Tracer, sub: Submission, op: KernelLaunch, mark: int | None
+) -> None:
+    """Record a single launch that was enqueued and put in flight: one
+    ``submit`` event that also stands for the launch's enqueue
+    (``args["enqueue"]``, and the driver's command id)."""
+    plan = op._lease_plan
+    if plan is not None and sub.leases is plan[0]:  # the fast path: the plan's leases
+        cache = op.prepared.cache
+        leases = cache.get("trace_leases")
+        if leases is None:
+            leases = cache["trace_leases"] = plan_lease_args(plan)
+    else:
+        leases = lease_args(sub)
+    name = op.prepared.kernel.name
+    driver = scope._driver
+    tr.emit(
+        "submit",
+        name,
+        scope._trace_id,
+        sub.stream.index,
+        sub.id,
+        args={
+            "leases": leases,
+            "enqueue": name,
+            "cmd": driver.last_command() if scope._trace_cmds else None,
+            "marks": None if mark is None else (mark, driver.timing_mark(sub.stream.handle)),
+        },
+    )
