@@ -18,6 +18,7 @@ from ._core._driver import DeviceInfo as DeviceInfo
 from ._core._errors import AccessConflictError as AccessConflictError
 from ._core._errors import CompletionUnknownError as CompletionUnknownError
 from ._core._errors import CudaError as CudaError
+from ._core._errors import DeviceUnavailableError as DeviceUnavailableError
 from ._core._errors import GraphCaptureError as GraphCaptureError
 from ._core._errors import KernelArgumentError as KernelArgumentError
 from ._core._errors import LaunchError as LaunchError

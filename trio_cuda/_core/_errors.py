@@ -69,3 +69,11 @@ class MissingReferenceError(TrioCudaError):
     runs a kernel's CPU behaviour and has nothing to run. Nothing was enqueued
     or retained. Give the kernel a ``reference=`` function, or
     ``reference=trio_cuda.NO_REFERENCE`` to run it there as a no-op on purpose."""
+
+
+class DeviceUnavailableError(TrioCudaError, RuntimeError):
+    """The device asked for is not there: no CUDA driver or device answers, the
+    cuda backend is not installed, or the ordinal is out of range. The message
+    names what was asked for, why it cannot be used, and what to do instead
+    (``device="auto"`` falls back to the simulator, ``device="sim"`` forces it).
+    Nothing was opened."""
