@@ -147,7 +147,31 @@ def _skip_member(app: Sphinx, what: str, name: str, obj: object, skip: bool, opt
     return None
 
 
+def _public_base(base: object) -> bool:
+    """A base class worth naming: one users can import (or a builtin), not a private helper."""
+    module = getattr(base, "__module__", "") or ""
+    name = getattr(base, "__name__", "") or ""
+    if base is object or name.startswith("_") or name in ("Generic", "Protocol"):
+        return False
+    if not module.startswith("trio_cuda"):
+        return True
+    return not any(part.startswith("_") for part in module.split("."))
+
+
+def _process_bases(app: Sphinx, name: str, obj: object, options: object, bases: list[object]) -> None:
+    bases[:] = [base for base in bases if _public_base(base)]
+
+
+def _follow_imported(app: Sphinx, modname: str, attribute: str) -> str | None:
+    """Source links of re-exported names point to the module that defines them."""
+    from trio_cuda._public import ORIGINS
+
+    return ORIGINS.get(f"{modname}.{attribute}")
+
+
 def setup(app: Sphinx) -> None:
+    app.connect("autodoc-process-bases", _process_bases)
+    app.connect("viewcode-follow-imported", _follow_imported)
     app.connect("autodoc-process-signature", _process_signature)
     app.connect("autodoc-process-docstring", _process_docstring)
     app.connect("autodoc-skip-member", _skip_member)

@@ -18,6 +18,7 @@ from _kernels import COPY
 
 import trio_cuda
 from trio_cuda import ops
+from trio_cuda._public import ORIGINS
 from trio_cuda.testing import SimDevice, SimHost
 
 F4 = np.float32
@@ -232,7 +233,8 @@ async def test_round_robin_still_works_when_asked_for(sim):
 
 def test_policies_are_exported():
     for name in ("FollowWriter", "LeastLoaded", "RoundRobin", "SchedulingPolicy"):
-        assert getattr(trio_cuda, name).__module__ == "trio_cuda._core._policy"
+        assert getattr(trio_cuda, name).__module__ == "trio_cuda"
+        assert ORIGINS[f"trio_cuda.{name}"] == "trio_cuda._core._policy"
 
 
 # --------------------------------------------------------------------------- how often it is asked

@@ -56,5 +56,12 @@ from ._core._stream import Stream as Stream
 from ._core._stream import StreamStatistics as StreamStatistics
 from ._open import open_device_pool as open_device_pool
 from ._open import open_scope as open_scope
+from ._public import publish as _publish
 from ._version import __version__ as __version__
 from .interop import borrow as borrow
+
+# tracebacks, reprs and pickles name the public module: trio_cuda.KernelArgumentError
+for _module in (interop, ops, testing, trace, unsafe):
+    _publish(vars(_module), _module.__name__, _module.__all__)
+_publish(globals(), __name__)
+del _module
