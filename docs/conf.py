@@ -73,15 +73,30 @@ def _attrs_init(cls: object) -> bool:
     return attrs.has(cls) and bool(_ATTRS_INIT.match((getattr(init, "__doc__", None) or "").strip()))
 
 
+def _class_source(klass: type) -> str | None:
+    """The source of ``klass``'s body, found in the module that defines it (a public name's
+    ``__module__`` is the package that re-exports it)."""
+    from trio_cuda._public import ORIGINS
+
+    origin = ORIGINS.get(f"{klass.__module__}.{klass.__qualname__}", klass.__module__)
+    try:
+        module_source = inspect.getsource(sys.modules[origin])
+    except (KeyError, OSError, TypeError):
+        return None
+    for node in ast.walk(ast.parse(module_source)):
+        if isinstance(node, ast.ClassDef) and node.name == klass.__name__:
+            return textwrap.dedent(ast.get_source_segment(module_source, node, padded=True) or "")
+    return None
+
+
 def _default_sources(cls: type) -> dict[str, str]:
     """Field name -> the source of its default, from the class body (and its attrs bases)."""
     out: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not attrs.has(klass):
             continue
-        try:
-            source = textwrap.dedent(inspect.getsource(klass))
-        except (OSError, TypeError):
+        source = _class_source(klass)
+        if source is None:
             continue
         body = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)).body
         for node in body:
