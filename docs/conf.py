@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import inspect
 import re
@@ -150,10 +151,30 @@ def _process_signature(
     return None
 
 
+@functools.cache
+def _attribute_docs(module: str) -> dict[tuple[str, str], list[str]]:
+    """The ``#:`` comments of a module's class attributes, by (class, attribute)."""
+    from sphinx.pycode import ModuleAnalyzer
+
+    try:
+        return dict(ModuleAnalyzer.for_module(module).find_attr_docs())
+    except Exception:
+        return {}
+
+
 def _process_docstring(
     app: Sphinx, what: str, name: str, obj: object, options: object, lines: list[str]
 ) -> None:
     lines[:] = [line for line in lines if not _ATTRS_INIT.match(line.strip())]
+    if what == "attribute" and not any(line.strip() for line in lines):
+        # A public class reports the package as its module (trio_cuda._public), so autodoc looks
+        # for its attributes' ``#:`` comments there; they are in the module that defines it.
+        from trio_cuda._public import ORIGINS
+
+        owner, _, attribute = name.rpartition(".")
+        origin = ORIGINS.get(owner)
+        if origin is not None:
+            lines[:] = list(_attribute_docs(origin).get((owner.rpartition(".")[2], attribute), []))
 
 
 def _skip_member(app: Sphinx, what: str, name: str, obj: object, skip: bool, options: object) -> bool | None:
