@@ -74,21 +74,24 @@ Finisher = Callable[[], None]
 class DeviceInfo:
     """Static facts about the device a context runs on."""
 
-    backend: str
-    name: str
-    ordinal: int
-    total_memory: int
-    compute_capability: tuple[int, int] = (0, 0)
-    multiprocessor_count: int = 0
-    max_threads_per_block: int = 1024
+    backend: str  #: ``"cuda"`` or ``"sim"``
+    name: str  #: the device's name, as the driver reports it
+    ordinal: int  #: the device's index among the host's devices (``cuda:N``)
+    total_memory: int  #: bytes of device memory
+    compute_capability: tuple[int, int] = (0, 0)  #: (major, minor); (0, 0) on the simulator
+    multiprocessor_count: int = 0  #: streaming multiprocessors (SMs)
+    max_threads_per_block: int = 1024  #: threads per block, all dimensions together
+    #: bytes of shared memory a block gets without opting in (static and dynamic together)
     max_shared_memory_per_block: int = 48 * 1024
+    #: bytes of shared memory a block may use after opting in (a launch's ``shared_mem`` above 48 KiB)
     max_shared_memory_per_block_optin: int = 48 * 1024
-    max_grid_dim: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
-    max_block_dim: tuple[int, int, int] = (1024, 1024, 64)
+    max_grid_dim: tuple[int, int, int] = (2**31 - 1, 65535, 65535)  #: blocks per grid, per dimension
+    max_block_dim: tuple[int, int, int] = (1024, 1024, 64)  #: threads per block, per dimension
     #: per-SM residency limits (what a cooperative launch can keep co-resident)
     max_threads_per_multiprocessor: int = 2048
-    max_blocks_per_multiprocessor: int = 32
-    max_shared_memory_per_multiprocessor: int = 228 * 1024
+    max_blocks_per_multiprocessor: int = 32  #: resident blocks per SM
+    max_shared_memory_per_multiprocessor: int = 228 * 1024  #: bytes of shared memory per SM
+    #: bytes of shared memory the system reserves for each resident block
     reserved_shared_memory_per_block: int = 1024
     #: whether the device supports cooperative launches
     cooperative_launch: bool = True

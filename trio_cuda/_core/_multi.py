@@ -309,8 +309,8 @@ class DevicePoolStatistics:
 
     devices: tuple[ScopeStatistics, ...]  #: one per scope, in pool order
     in_flight: int  #: submissions in flight on all devices
-    completed: int
-    failed: int
+    completed: int  #: submissions retired on all devices, successfully or not
+    failed: int  #: of ``completed``: those that failed
     quarantined: int  #: quarantined submissions on all devices
 
 

@@ -31,10 +31,10 @@ __all__ = ["Stream", "StreamStatistics"]
 class StreamStatistics:
     """Counters of one stream."""
 
-    index: int
-    in_flight: int
-    submitted: int
-    completed: int
+    index: int  #: the stream's position in ``gpu.streams``
+    in_flight: int  #: submissions on this stream enqueued and not yet retired
+    submitted: int  #: submissions ever made on this stream
+    completed: int  #: of ``submitted``: those retired
 
 
 @final
@@ -55,7 +55,9 @@ class Stream(metaclass=NoPublicConstructor):
     _obtain = "use scope.streams"
 
     _scope: ResourceScope
+    #: the stream's position in ``gpu.streams``
     index: int
+    #: the backend's handle: a ``CUstream`` on the cuda backend (see :meth:`__cuda_stream__`)
     handle: StreamHandle
     _pending: deque[Submission | HostStep]
     _unmarked: list[Submission]
