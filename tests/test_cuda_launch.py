@@ -564,7 +564,8 @@ async def test_dynamic_shared_memory_beyond_48_kib() -> None:
             rf"bytes of static shared memory, the device {optin} per block\), got {fits + 1}$",
         ):
             gpu.submit(STATIC_SMEM.launch(r, 1, grid=1, block=256, shared_mem=fits + 1))
-        with pytest.raises(KernelArgumentError, match=rf"expected at most {optin} bytes, got {optin + 1}$"):
+        # (at the launch where no GPU allows more, at the submission otherwise)
+        with pytest.raises(KernelArgumentError, match=rf"expected at most {optin} bytes.*, got {optin + 1}$"):
             gpu.submit(BIG_SMEM.launch(out, 1, grid=1, block=256, shared_mem=optin + 1))
         assert stats(gpu) == before
 
@@ -580,7 +581,7 @@ async def test_block_too_large_for_the_kernel() -> None:
             r"__launch_bounds__\), got \(256, 1, 1\) = 256$",
         ):
             gpu.submit(BOUNDED.launch(out, grid=1, block=256))
-        with pytest.raises(KernelArgumentError, match=r"^bounded: block: expected at most 1024"):
+        with pytest.raises(KernelArgumentError, match=r"^block: expected at most 1024"):  # (at the launch)
             gpu.submit(BOUNDED.launch(out, grid=1, block=2048))
         assert stats(gpu) == before
         np.testing.assert_array_equal(await gpu.to_host(out), np.ones(256, np.float32))

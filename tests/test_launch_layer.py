@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 from _kernels import stub_source
@@ -21,7 +22,8 @@ from _kernels import stub_source
 import trio_cuda
 from trio_cuda import In, InOut, KernelArgumentError, Out, Scalar, Slice, ops, unsafe
 from trio_cuda._core._arena import MAX_PARAM_BYTES, check_param_layout
-from trio_cuda._core._config import make_config, modeled_blocks_per_sm
+from trio_cuda._core._config import check_device_limits, make_config, modeled_blocks_per_sm
+from trio_cuda._core._driver import DeviceInfo
 from trio_cuda.testing import SimDevice
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -593,32 +595,177 @@ async def test_impossible_modes_are_refused_by_launch(sim, kwargs, pattern):
             k.launch(x, **kwargs)
 
 
+#: geometry no device can run, refused by ``launch`` and ``finalize_unchecked``
+IMPOSSIBLE = [
+    (
+        {"grid": 1, "block": 2048},
+        r"^block: expected at most 1024 threads per block, got 2048 \(2048 x 1 x 1\)$",
+    ),
+    (
+        {"grid": 1, "block": (32, 32, 2)},
+        r"^block: expected at most 1024 threads per block, got 2048 \(32 x 32 x 2\)$",
+    ),
+    (
+        {"grid": 1, "block": (1, 1, 65)},
+        r"^block: expected at most 64 threads in dimension z, got 65 \(1 x 1 x 65\)$",
+    ),
+    (
+        {"grid": 1, "block": 2**64},
+        r"^block: expected at most 1024 threads per block, got 18446744073709551616 "
+        r"\(18446744073709551616 x 1 x 1\)$",
+    ),
+    (
+        {"grid": 2**31, "block": 32},
+        r"^grid: expected at most 2147483647 blocks in dimension x, got 2147483648 \(2147483648 x 1 x 1\)$",
+    ),
+    (
+        {"grid": (1, 65536), "block": 32},
+        r"^grid: expected at most 65535 blocks in dimension y, got 65536 \(1 x 65536 x 1\)$",
+    ),
+    (
+        {"grid": (1, 1, np.int64(65536)), "block": 32},
+        r"^grid: expected at most 65535 blocks in dimension z, got 65536 \(1 x 1 x 65536\)$",
+    ),
+    (
+        {"grid": 1, "block": 32, "shared_mem": 232449},
+        r"^shared_mem: expected at most 232448 bytes of dynamic shared memory \(the most any supported "
+        r"GPU gives a block\), got 232449$",
+    ),
+    (
+        {"grid": 1, "block": 32, "shared_mem": np.uint64(2**63)},
+        r"^shared_mem: expected at most 232448 bytes .*, got 9223372036854775808$",
+    ),
+    (
+        {"grid": 32, "block": 32, "cluster": 32},
+        r"^cluster: expected at most 16 blocks per cluster \(the most any GPU runs\), got 32 \(32 x 1 x 1\)$",
+    ),
+    (
+        {"grid": (8, 8), "block": 32, "cluster": (4, 8)},
+        r"^cluster: expected at most 16 blocks per cluster .*, got 32 \(4 x 8 x 1\)$",
+    ),
+    ({"grid": True, "block": 32}, r"^grid: expected an int or a tuple of 1 to 3 ints, got True$"),
+    (
+        {"grid": 1, "block": (32, True)},
+        r"^block: expected an int or a tuple of 1 to 3 ints, got \(32, True\)$",
+    ),
+    ({"grid": 4, "block": 32, "cluster": (True,)}, r"^cluster: expected an int or a tuple of 1 to 3 ints"),
+    ({"grid": 1, "block": 32, "shared_mem": True}, r"^shared_mem: expected a non-negative int, got True$"),
+]
+
+
+def _build(k: trio_cuda.Kernel, x: trio_cuda.DeviceArray, kwargs: dict[str, Any]) -> trio_cuda.LaunchBuilder:
+    def dims(v: Any) -> tuple[Any, ...]:
+        return v if isinstance(v, tuple) else (v,)
+
+    b = k.builder().grid(*dims(kwargs["grid"])).block(*dims(kwargs["block"])).arg(x)
+    if "shared_mem" in kwargs:
+        b.shared_mem(kwargs["shared_mem"])
+    if "cluster" in kwargs:
+        b.cluster(*dims(kwargs["cluster"]))
+    return b
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), IMPOSSIBLE)
+async def test_geometry_no_device_runs_is_refused_at_launch(sim, kwargs, pattern):
+    k = kernel(InOut("f4"))
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(4, F4)
+        with nothing_happens(sim, gpu):
+            for _ in range(2):  # a refusal is not cached
+                with pytest.raises(KernelArgumentError, match=pattern) as info:
+                    k.launch(x, **kwargs)
+                assert info.value.__context__ is None  # (no cache lookup error chained to it)
+            b = _build(k, x, kwargs)  # (its dims are tuples: compare up to what was given)
+            with pytest.raises(KernelArgumentError, match=pattern.split(", got ")[0]):
+                b.finalize_unchecked()
+        assert sim.statistics().launches == 0
+
+
+async def test_geometry_at_the_limits_is_accepted_at_launch(sim):
+    got, ref = recorder()
+    k = kernel(InOut("f4"), reference=ref)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(4, F4)
+        for kwargs in (
+            {"grid": 1, "block": 1024},
+            {"grid": 1, "block": (1, 16, 64)},
+            {"grid": 1, "block": (np.int32(32), np.uint8(32))},
+            {"grid": (2**31 - 1, 65535, 65535), "block": 1},
+            {"grid": 1, "block": 32, "shared_mem": 232448},
+            {"grid": 1, "block": 32, "shared_mem": np.int64(1024)},
+            {"grid": 16, "block": 32, "cluster": 16},
+            {"grid": (4, 4), "block": 32, "cluster": (4, 4)},
+        ):
+            op = k.launch(x, **kwargs)
+            assert attrs.astuple(_build(k, x, kwargs).finalize_unchecked().config) == attrs.astuple(op.config)
+        # the cheap ones run; a 2**31 - 1 x 65535 x 65535 grid is only built
+        await gpu.run(k.launch(x, grid=1, block=(1, 16, 64)))
+        await gpu.run(k.launch(x, grid=1, block=32, shared_mem=232448))
+        assert len(got) == 2
+
+
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"grid": 1, "block": 2048}, r"^k: block: expected at most 1024 threads per block"),
-        ({"grid": 1, "block": 32, "shared_mem": 232449}, r"^k: shared_mem: expected at most 232448 bytes"),
         (
             {"grid": 16, "block": 32, "cluster": 16},
             r"^k: cluster: expected at most 8 blocks per cluster, got 16$",
         ),
+        (
+            {"grid": 1000, "block": 1024, "cooperative": True},
+            r"^k: cooperative launch of 1000 blocks exceeds the co-resident limit 264 \(132 SMs\)$",
+        ),
     ],
 )
-async def test_impossible_configurations_of_built_launches_are_refused_before_enqueue(sim, kwargs, pattern):
+async def test_device_limits_of_built_launches_are_refused_before_enqueue(sim, kwargs, pattern):
+    # within what some device runs (so finalize_unchecked accepts it), beyond this one
     k = kernel(InOut("f4"))
     async with trio_cuda.open_scope(device=sim) as gpu:
         x = gpu.zeros(4, F4)
-        b = k.builder().grid(kwargs["grid"]).block(kwargs["block"]).arg(x)
-        if "shared_mem" in kwargs:
-            b.shared_mem(kwargs["shared_mem"])
-        if "cluster" in kwargs:
-            b.cluster(kwargs["cluster"])
+        b = _build(k, x, kwargs)
+        if kwargs.get("cooperative"):
+            b.cooperative()
         op = b.finalize_unchecked()
+        assert attrs.astuple(k.launch(x, **kwargs).config) == attrs.astuple(op.config)
         with nothing_happens(sim, gpu):
             with pytest.raises(KernelArgumentError, match=pattern):
                 gpu.submit(op)
             with pytest.raises(KernelArgumentError, match=pattern):
                 unsafe.async_on(op, gpu.streams[0])
+
+
+async def test_the_device_limits_still_apply_after_the_launch_checks(sim):
+    # a device with smaller limits than any launch-time bound: the submission's
+    # check (check_device_limits) refuses what Kernel.launch let through
+    small = DeviceInfo(
+        backend="sim",
+        name="small",
+        ordinal=0,
+        total_memory=2**30,
+        compute_capability=(9, 0),
+        max_threads_per_block=512,
+        max_shared_memory_per_block_optin=166912,
+        max_grid_dim=(2**31 - 1, 1024, 1024),
+        max_block_dim=(512, 512, 32),
+    )
+    k = kernel(InOut("f4"))
+    cases = [
+        (
+            {"grid": 1, "block": 1024},
+            r"^k: block: expected at most 512 threads per block, got \(1024, 1, 1\)",
+        ),
+        ({"grid": 1, "block": (1, 1, 64)}, r"^k: block: dimension 2 is 64, the device allows 32$"),
+        ({"grid": (1, 2048), "block": 1}, r"^k: grid: dimension 1 is 2048, the device allows 1024$"),
+        ({"grid": 1, "block": 1, "shared_mem": 200_000}, r"^k: shared_mem: expected at most 166912 bytes"),
+        ({"grid": 16, "block": 1, "cluster": 16}, r"^k: cluster: expected at most 8 blocks per cluster"),
+    ]
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        arr = gpu.zeros(4, F4)
+        for kwargs, pattern in cases:
+            op = k.launch(arr, **kwargs)
+            with pytest.raises(KernelArgumentError, match=pattern):
+                check_device_limits(op.prepared, small)
+        check_device_limits(k.launch(arr, grid=(1, 1024), block=(16, 32)).prepared, small)
 
 
 def test_mode_flags_are_not_confused_by_the_config_cache():

@@ -7,7 +7,10 @@ Invariants:
 * It checks nothing against the kernel's parameter list. Each argument is
   checked on its own when it is added (a closed array, a write to a read-only
   array, a scalar dtype, raw bytes and their alignment), and the geometry at
-  ``finalize_unchecked()``.
+  ``finalize_unchecked()``, as ``Kernel.launch`` checks it (types, and the
+  limits that need no device: "unchecked" is about the arguments, and a
+  geometry no GPU runs is cheap to refuse); the device's own limits are
+  checked at submission.
 * A builder whose layout matches its kernel's uses the kernel's own
   :class:`ParamPlan`; other layouts share one plan each (bounded cache).
 """
@@ -190,7 +193,11 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
         return self
 
     def finalize_unchecked(self) -> KernelLaunch:
-        """Freeze into an immutable KernelLaunch. Only the geometry is checked."""
+        """Freeze into an immutable KernelLaunch. The arguments are not checked
+        against the kernel's parameters; the geometry is, as ``Kernel.launch``
+        checks it (a block of at most 1024 threads, grid and block dimensions,
+        dynamic shared memory and cluster size within what some GPU allows, a
+        cluster dividing the grid), raising :class:`KernelArgumentError`."""
         config = cached_config(
             self._grid,
             self._block,

@@ -2,16 +2,22 @@
 
 Invariants:
 
-* A :class:`LaunchConfig` is immutable and normalised: three dimensions of at
-  least 1 each, a non-negative ``shared_mem``, bool modes, and a cluster that
-  divides the grid. :func:`make_config` turns user input into one;
-  :func:`cached_config` memoises it only for exact ints and bools.
+* A :class:`LaunchConfig` is immutable and normalised: three int dimensions
+  of at least 1 each, a non-negative ``shared_mem``, bool modes, and a cluster
+  that divides the grid. It is within the limits no device lifts (at most
+  :data:`MAX_THREADS_PER_BLOCK` threads per block, :data:`MAX_BLOCK_DIM`,
+  :data:`MAX_GRID_DIM`) and within the most any supported device allows
+  (:data:`MAX_SHARED_MEMORY_PER_BLOCK`, :data:`MAX_CLUSTER_SIZE`).
+  :func:`make_config` turns user input into one, so ``Kernel.launch`` and
+  ``LaunchBuilder.finalize_unchecked`` refuse an impossible geometry before a
+  launch exists; :func:`cached_config` memoises it only for exact ints and
+  bools, so a cache hit is a configuration that passed every check.
 * Device limits are checked before anything is enqueued and before any lease
   is taken: :func:`check_device_limits` (geometry, shared memory, clusters,
-  cooperative support) by the scope, then ``DeviceContext.check_launch`` (what
-  only the loaded kernel knows: its own thread limit, static shared memory,
-  parameter layout, cooperative occupancy through
-  :func:`check_cooperative_occupancy`).
+  cooperative support, against the device's own limits) by the scope, then
+  ``DeviceContext.check_launch`` (what only the loaded kernel knows: its own
+  thread limit, static shared memory, parameter layout, cooperative occupancy
+  through :func:`check_cooperative_occupancy`).
 * The caches here are bounded and cleared whole when full. A limit check is
   memoised per configuration and device, so a hit never skips a check.
 """
@@ -34,6 +40,19 @@ Dim3 = tuple[int, int, int]
 
 #: the largest thread-block cluster that every device with clusters can run
 PORTABLE_CLUSTER_SIZE = 8
+#: the largest cluster any device runs (a non-portable size, compute
+#: capability 9.0 and newer); the device's own limit is checked at submission
+MAX_CLUSTER_SIZE = 16
+#: threads per block, and per block dimension, on every device (compute
+#: capability 2.0 and newer)
+MAX_THREADS_PER_BLOCK = 1024
+MAX_BLOCK_DIM = (1024, 1024, 64)
+#: blocks per grid dimension on every device (compute capability 3.0 and newer)
+MAX_GRID_DIM = (2**31 - 1, 65535, 65535)
+#: the most dynamic shared memory any supported device lets one block opt in
+#: to (227 KiB, compute capability 9.0 and 10.0); the device's own limit, and
+#: what the kernel's static shared memory leaves, are checked at submission
+MAX_SHARED_MEMORY_PER_BLOCK = 232448
 #: clusters (and programmatic dependent launch) need sm_90 or newer
 CLUSTER_MIN_CC = (9, 0)
 
@@ -72,6 +91,10 @@ def _dim3(name: str, value: object) -> Dim3:
     return (dims[0], dims[1], dims[2])
 
 
+def _shown(dims: Dim3) -> str:
+    return f"{dims[0]} x {dims[1]} x {dims[2]}"
+
+
 def make_config(
     grid: object,
     block: object,
@@ -80,11 +103,35 @@ def make_config(
     cooperative: object = False,
     pdl: object = False,
 ) -> LaunchConfig:
-    """Check the launch geometry and modes that do not depend on the device."""
+    """Check the launch geometry and modes that do not depend on the device:
+    types, every dimension at least 1, the limits no device lifts (threads
+    per block, block and grid dimensions) and the most any supported device
+    allows (dynamic shared memory, cluster size)."""
     g = _dim3("grid", grid)
     b = _dim3("block", block)
+    threads = b[0] * b[1] * b[2]
+    if threads > MAX_THREADS_PER_BLOCK:
+        raise KernelArgumentError(
+            f"block: expected at most {MAX_THREADS_PER_BLOCK} threads per block, got {threads} ({_shown(b)})"
+        )
+    for axis in range(3):
+        if b[axis] > MAX_BLOCK_DIM[axis]:
+            raise KernelArgumentError(
+                f"block: expected at most {MAX_BLOCK_DIM[axis]} threads in dimension {'xyz'[axis]}, "
+                f"got {b[axis]} ({_shown(b)})"
+            )
+        if g[axis] > MAX_GRID_DIM[axis]:
+            raise KernelArgumentError(
+                f"grid: expected at most {MAX_GRID_DIM[axis]} blocks in dimension {'xyz'[axis]}, "
+                f"got {g[axis]} ({_shown(g)})"
+            )
     if isinstance(shared_mem, bool) or not isinstance(shared_mem, (int, np.integer)) or shared_mem < 0:
         raise KernelArgumentError(f"shared_mem: expected a non-negative int, got {shared_mem!r}")
+    if shared_mem > MAX_SHARED_MEMORY_PER_BLOCK:
+        raise KernelArgumentError(
+            f"shared_mem: expected at most {MAX_SHARED_MEMORY_PER_BLOCK} bytes of dynamic shared memory "
+            f"(the most any supported GPU gives a block), got {shared_mem}"
+        )
     for label, flag in (("cooperative", cooperative), ("pdl", pdl)):
         if not isinstance(flag, (bool, np.bool_)):
             raise KernelArgumentError(f"{label}: expected a bool, got {flag!r}")
@@ -97,6 +144,12 @@ def make_config(
                     f"cluster: dimension {axis} ({cd}) must divide grid dimension {gd}; "
                     f"got grid={g}, cluster={c}"
                 )
+        size = c[0] * c[1] * c[2]
+        if size > MAX_CLUSTER_SIZE:
+            raise KernelArgumentError(
+                f"cluster: expected at most {MAX_CLUSTER_SIZE} blocks per cluster (the most any GPU "
+                f"runs), got {size} ({_shown(c)})"
+            )
     return LaunchConfig(g, b, int(shared_mem), c, bool(cooperative), bool(pdl))
 
 
@@ -144,17 +197,14 @@ def cached_config(
         # floats and bools compare equal to ints: only exact ints (and exact
         # bools for the modes) may hit the cache
         return make_config(grid, block, shared_mem, cluster, cooperative, pdl)
-    key = (grid, block, shared_mem, cluster, cooperative, pdl)
-    try:
-        return _CONFIG_CACHE[key]
-    except KeyError:
+    key = (grid, block, shared_mem, cluster, cooperative, pdl)  # (exact ints: hashable)
+    config = _CONFIG_CACHE.get(key)
+    if config is None:
         config = make_config(grid, block, shared_mem, cluster, cooperative, pdl)
         if len(_CONFIG_CACHE) >= 4096:
             _CONFIG_CACHE.clear()
         _CONFIG_CACHE[key] = config
-        return config
-    except TypeError:  # unhashable (lists)
-        return make_config(grid, block, shared_mem, cluster, cooperative, pdl)
+    return config
 
 
 # --------------------------------------------------------------------------- device limits

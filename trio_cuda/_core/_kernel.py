@@ -6,7 +6,8 @@ Invariants:
   Its arena plan and its fast path (generated for its parameter list) are
   built once, when it is made.
 * ``Kernel.launch`` checks everything (arity, dtypes, scalar ranges, access
-  modes, closed or read-only arrays, launch configuration) before it returns a
+  modes, closed or read-only arrays, the launch configuration as far as it
+  needs no device, see ``_config.make_config``) before it returns a
   :class:`KernelLaunch`; a launch that fails these checks never reaches a stream.
 * The fast path (:func:`_compile_fast`) either returns the launch the checked
   path would build, or None; then the checked path runs, and raises the
@@ -250,9 +251,14 @@ class Kernel:
         cooperative: bool = False,
         pdl: bool = False,
     ) -> KernelLaunch:
-        """Check ``args`` against the parameter list and return an immutable,
-        schedulable :class:`KernelLaunch`. Raises :class:`KernelArgumentError`
-        naming the offending argument; nothing is enqueued."""
+        """Check ``args`` against the parameter list, and the geometry as far
+        as it needs no device (a block of at most 1024 threads, at most 64 in
+        z; a grid of at most 2**31 - 1 x 65535 x 65535 blocks; ``shared_mem``
+        from 0 to 232448 bytes; a cluster of at most 16 blocks that divides
+        the grid), and return an immutable, schedulable :class:`KernelLaunch`.
+        Raises :class:`KernelArgumentError` naming the offending argument;
+        nothing is enqueued. The device's own limits are checked when the
+        launch is submitted."""
         config = cached_config(grid, block, shared_mem, cluster, cooperative, pdl)
         fast = self._fast
         if fast is not None:
