@@ -39,7 +39,7 @@ import trio
 
 import trio_cuda
 from trio_cuda import Kernel, Scalar, Slice, ops
-from trio_cuda.testing import SimDevice, TraceEvent
+from trio_cuda.testing import SimCommandRecord, SimDevice
 
 SRC = r"""
 extern "C" __global__ void lcg(float* x, unsigned long long n, unsigned int iters) {
@@ -86,7 +86,7 @@ def chunk_op(
     )
 
 
-def kernel_overlap(events: Sequence[TraceEvent]) -> tuple[int, int, int, float, float]:
+def kernel_overlap(events: Sequence[SimCommandRecord]) -> tuple[int, int, int, float, float]:
     """(kernels, streams, peak, busy, serial) of the trace's launches: how many
     ran on how many streams, at most how many at once, the seconds when at
     least one ran, and the sum of their durations."""

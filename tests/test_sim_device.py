@@ -13,12 +13,12 @@ import trio
 
 from trio_cuda._backends.sim import (
     SimAllocation,
+    SimCommandRecord,
     SimContext,
     SimDevice,
     SimMarker,
     SimStatistics,
     SimStream,
-    TraceEvent,
     Violation,
 )
 from trio_cuda._core._config import LaunchConfig
@@ -811,12 +811,29 @@ def test_trace_records_executed_commands() -> None:
     d.ctx.record_marker(d.s1)
     events = d.sim.trace
     assert [(e.stream, e.kind) for e in events] == [(1, "fill"), (1, "marker")]
-    assert all(isinstance(e, TraceEvent) and e.t_enqueue <= e.t_start <= e.t_end for e in events)
+    assert all(isinstance(e, SimCommandRecord) and e.t_enqueue <= e.t_start <= e.t_end for e in events)
     for _ in range(5):
         d.ctx.record_marker(d.s0)
     assert len(d.sim.trace) == 4
     d.sim.clear_trace()
     assert d.sim.trace == []
+
+
+def test_the_command_record_has_a_name_of_its_own_and_the_old_one_warns() -> None:
+    import trio_cuda.testing
+    import trio_cuda.trace
+
+    assert trio_cuda.testing.SimCommandRecord is SimCommandRecord
+    assert SimCommandRecord is not trio_cuda.trace.TraceEvent
+    assert "TraceEvent" not in trio_cuda.testing.__all__
+    with pytest.warns(DeprecationWarning, match=r"testing\.TraceEvent is deprecated: use .*SimCommandRecord"):
+        from trio_cuda.testing import TraceEvent
+    assert TraceEvent is SimCommandRecord
+    with pytest.warns(DeprecationWarning, match="SimCommandRecord") as caught:
+        assert trio_cuda.testing.TraceEvent is SimCommandRecord
+    assert caught[0].filename == __file__  # it points at the line that used the old name
+    with pytest.raises(AttributeError, match="has no attribute 'TraceEvents'"):
+        trio_cuda.testing.TraceEvents  # noqa: B018
 
 
 def test_ten_thousand_commands_are_fast() -> None:

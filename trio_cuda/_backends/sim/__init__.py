@@ -31,8 +31,8 @@ from .host import SimHost as SimHost
 from .host import SimHostStatistics as SimHostStatistics
 from .records import FaultKind as FaultKind
 from .records import SimAllocation as SimAllocation
+from .records import SimCommandRecord as SimCommandRecord
 from .records import SimStatistics as SimStatistics
-from .records import TraceEvent as TraceEvent
 from .records import Violation as Violation
 from .records import ViolationKind as ViolationKind
 
@@ -40,6 +40,7 @@ __all__ = [
     "DLPACK_SIM_DEVICE",
     "FaultKind",
     "SimAllocation",
+    "SimCommandRecord",
     "SimContext",
     "SimDevice",
     "SimFunction",
@@ -51,7 +52,6 @@ __all__ = [
     "SimMarker",
     "SimStatistics",
     "SimStream",
-    "TraceEvent",
     "Violation",
     "ViolationKind",
 ]

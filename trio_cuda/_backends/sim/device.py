@@ -6,10 +6,11 @@ Invariants:
   :class:`~.context.SimContext` (one per scope) opened on it. Everything is
   called from one thread (the Trio loop, or synchronous test code); nothing
   here blocks.
-* The controls have fixed names (DESIGN.md): ``hold``, ``release``,
-  ``complete_next``, ``run_until_idle``, ``inject_fault``, ``violations``,
-  ``live_allocations``. While held, work commands execute only through
-  ``complete_next`` / ``run_until_idle``; bookkeeping still runs.
+* The controls have fixed names, which tests and users rely on (see
+  ``docs/testing.rst``): ``hold``, ``release``, ``complete_next``,
+  ``run_until_idle``, ``inject_fault``, ``violations``, ``live_allocations``.
+  While held, work commands execute only through ``complete_next`` /
+  ``run_until_idle``; bookkeeping still runs.
 * An injected fault hits the next launch (or allocation); one launch consumes
   at most one fault. What the engine does with it is in ``engine``.
 * Settings are checked when the device is made; records come out as snapshots
@@ -38,7 +39,7 @@ from .clock import SimClock
 from .context import SimContext
 from .engine import SimEngine, _Alloc
 from .handles import SimStream
-from .records import FaultKind, SimAllocation, SimStatistics, TraceEvent, Violation
+from .records import FaultKind, SimAllocation, SimCommandRecord, SimStatistics, Violation
 
 __all__ = ["SimDevice"]
 
@@ -129,7 +130,7 @@ class SimDevice(SimEngine):
     _live: dict[int, _Alloc] = attrs.field(init=False, factory=dict)
     _live_bytes: int = attrs.field(init=False, default=0)
     _violations: list[Violation] = attrs.field(init=False, factory=list)
-    _trace: deque[TraceEvent] = attrs.field(init=False, factory=deque)
+    _trace: deque[SimCommandRecord] = attrs.field(init=False, factory=deque)
     _faults: dict[str, int] = attrs.field(init=False, factory=dict)
     _seq: int = attrs.field(init=False, default=0)
     _busy: dict[SimStream, None] = attrs.field(init=False, factory=dict)
@@ -236,9 +237,10 @@ class SimDevice(SimEngine):
         return self._graph_uploads
 
     @property
-    def trace(self) -> list[TraceEvent]:
-        """Executed commands in execution order (a snapshot; the most recent
-        ``trace_limit`` of them)."""
+    def trace(self) -> list[SimCommandRecord]:
+        """Executed commands in execution order, as
+        :class:`~trio_cuda.testing.SimCommandRecord` (a snapshot; the most
+        recent ``trace_limit`` of them)."""
         return list(self._trace)
 
     def clear_trace(self) -> None:

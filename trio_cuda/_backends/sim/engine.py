@@ -48,7 +48,7 @@ from ..._core._driver import MarkerState, Poll
 from ..._core._errors import CompletionUnknownError, LaunchError, OutOfMemoryError
 from ..._core._ops import Access
 from .. import _common
-from .records import TraceEvent, Violation, ViolationKind
+from .records import SimCommandRecord, Violation, ViolationKind
 
 if TYPE_CHECKING:
     from ..._core._kernel import Kernel
@@ -149,7 +149,7 @@ class SimEngine:
         _live: dict[int, _Alloc]
         _live_bytes: int
         _violations: list[Violation]
-        _trace: deque[TraceEvent]
+        _trace: deque[SimCommandRecord]
         _faults: dict[str, int]
         _seq: int
         _busy: dict[SimStream, None]
@@ -453,7 +453,8 @@ class SimEngine:
 
     def _record(self, s: SimStream, cmd: _Cmd, start: float, end: float) -> None:
         if self.trace_limit != 0:
-            self._trace.append(TraceEvent(cmd.seq, s.index, cmd.kind, cmd.label, cmd.t_enqueue, start, end))
+            record = SimCommandRecord(cmd.seq, s.index, cmd.kind, cmd.label, cmd.t_enqueue, start, end)
+            self._trace.append(record)
 
     def _effect(self, s: SimStream, cmd: _Cmd) -> None:
         kind = cmd.kind

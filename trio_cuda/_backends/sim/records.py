@@ -11,7 +11,7 @@ from typing import Literal
 
 import attrs
 
-__all__ = ["FaultKind", "SimAllocation", "SimStatistics", "TraceEvent", "Violation", "ViolationKind"]
+__all__ = ["FaultKind", "SimAllocation", "SimCommandRecord", "SimStatistics", "Violation", "ViolationKind"]
 
 ViolationKind = Literal["use_after_free", "unallocated", "out_of_bounds", "double_free", "invalid_free"]
 FaultKind = Literal["launch_error", "out_of_memory", "kernel_fault", "completion_unknown"]
@@ -39,11 +39,18 @@ class Violation:
 
 
 @attrs.frozen
-class TraceEvent:
-    """One executed command. ``seq`` is its global enqueue order; times are
-    the device clock's (``clock``): ``time.perf_counter()`` seconds under
-    Trio's default clock and outside a run, virtual ones under a
-    ``MockClock``; simulated ones for timed work."""
+class SimCommandRecord:
+    """One command the simulated device executed (an entry of
+    :attr:`SimDevice.trace <trio_cuda.testing.SimDevice.trace>`). ``seq`` is
+    its global enqueue order, ``stream`` its stream's index, ``kind`` what it
+    is (``"launch"``, ``"h2d"``, ``"marker"``, ...) and ``label`` a readable
+    description; times are the device clock's (``clock``):
+    ``time.perf_counter()`` seconds under Trio's default clock and outside a
+    run, virtual ones under a ``MockClock``; simulated ones for timed work.
+
+    Not to be confused with :class:`trio_cuda.trace.TraceEvent`, an event of
+    the lifetime trace. ``trio_cuda.testing.TraceEvent``, this class's former
+    name, still works as a deprecated alias (it warns)."""
 
     seq: int
     stream: int
