@@ -65,7 +65,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, cast, final
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, cast, final
 
 import attrs
 import numpy as np
@@ -89,6 +89,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CudaGraph", "GraphStatistics", "OpenGraphs", "capture_graph"]
 
+T = TypeVar("T")
+
 
 @final
 class OpenGraphs:
@@ -99,7 +101,7 @@ class OpenGraphs:
 
     def __init__(self, scope: ResourceScope) -> None:
         self.scope = scope
-        self.graphs: dict[CudaGraph, None] = {}
+        self.graphs: dict[CudaGraph[Any], None] = {}
         #: updates whose driver step runs (or may still run) in a worker thread
         self.updating: dict[_PendingUpdate, None] = {}
 
@@ -402,7 +404,7 @@ class _Replay:
 
     __slots__ = ("gen", "graph")
 
-    def __init__(self, graph: CudaGraph, gen: _Generation) -> None:
+    def __init__(self, graph: CudaGraph[Any], gen: _Generation) -> None:
         self.graph = graph
         self.gen = gen
         gen.in_flight += 1
@@ -453,13 +455,13 @@ class _PendingUpdate:
 
 
 @final
-class _GraphLaunch(DeviceOp[Any]):
+class _GraphLaunch(DeviceOp[T]):
     __slots__ = ("_graph",)
 
-    def __init__(self, graph: CudaGraph) -> None:
+    def __init__(self, graph: CudaGraph[T]) -> None:
         self._graph = graph
 
-    def _enqueue(self, ctx: EnqueueContext) -> object:
+    def _enqueue(self, ctx: EnqueueContext) -> T:
         g = self._graph
         if type(ctx) is not EnqueueContext and isinstance(ctx, _Recorder):
             raise GraphCaptureError(
@@ -477,7 +479,7 @@ class _GraphLaunch(DeviceOp[Any]):
             ctx.use(g._gen.accesses, what=f"graph.launch() of {g._label}")
             for other in g._gen.after:
                 ctx.after(other)
-            return g._gen.output
+            return g._gen.output  # type: ignore[return-value]
         pending = g._pending
         if pending is None:
             return self._replay(ctx, g)
@@ -493,7 +495,7 @@ class _GraphLaunch(DeviceOp[Any]):
                 g._apply(pending)
             return self._replay(ctx, g)
 
-    def _replay(self, ctx: EnqueueContext, g: CudaGraph) -> object:
+    def _replay(self, ctx: EnqueueContext, g: CudaGraph[T]) -> T:
         gen = g._gen
         ctx.use(gen.accesses, what=f"graph.launch() of {g._label}")
         for other in gen.after:
@@ -505,7 +507,7 @@ class _GraphLaunch(DeviceOp[Any]):
         ctx._enqueued()
         ctx.traced(f"graph {g._label}", mark)
         g._replays += 1
-        return gen.output
+        return gen.output  # type: ignore[return-value]
 
     def __repr__(self) -> str:
         return f"{self._graph._label}.launch()"
@@ -515,8 +517,9 @@ class _GraphLaunch(DeviceOp[Any]):
 
 
 @final
-class CudaGraph(metaclass=NoPublicConstructor):
-    """A captured DeviceOp that can be replayed cheaply.
+class CudaGraph(Generic[T], metaclass=NoPublicConstructor):
+    """A captured DeviceOp that can be replayed cheaply; ``T`` is the
+    captured op's output type.
 
     Create one with ``graph = await gpu.capture(op)``. ``graph.output`` is
     the captured op's output; ``await gpu.run(graph.launch())`` replays the
@@ -555,7 +558,7 @@ class CudaGraph(metaclass=NoPublicConstructor):
     _old: list[_Generation]
     _pending: _PendingUpdate | None
     _label: str
-    _launch: _GraphLaunch
+    _launch: _GraphLaunch[T]
     _closed: bool
     _destroyed: bool
     _in_flight: int
@@ -564,7 +567,7 @@ class CudaGraph(metaclass=NoPublicConstructor):
     _thread: int
 
     @classmethod
-    def _create(cls, scope: ResourceScope, graph_exec: object, gen: _Generation, label: str) -> CudaGraph:
+    def _create(cls, scope: ResourceScope, graph_exec: object, gen: _Generation, label: str) -> CudaGraph[T]:
         self = object.__new__(cls)
         self._scope = scope
         self._exec = graph_exec
@@ -584,10 +587,10 @@ class CudaGraph(metaclass=NoPublicConstructor):
 
     # ------------------------------------------------------------------ facts
     @property
-    def output(self) -> Any:
+    def output(self) -> T:
         """The output of the captured op (of the last :meth:`update`): what
         ``await gpu.run(graph.launch())`` returns."""
-        return self._gen.output
+        return self._gen.output  # type: ignore[return-value]
 
     @property
     def scope(self) -> ResourceScope:
@@ -628,7 +631,7 @@ class CudaGraph(metaclass=NoPublicConstructor):
         return f"<CudaGraph of {self._label} ({ops} ops, {state}, {self._in_flight} in flight)>"
 
     # ------------------------------------------------------------------ replay
-    def launch(self) -> DeviceOp[Any]:
+    def launch(self) -> DeviceOp[T]:
         """A DeviceOp that replays the graph: submit it with ``gpu.run``,
         ``gpu.submit`` or ``unsafe.async_on`` (then the caller keeps the
         graph open until the replay completed). Its output is
@@ -638,7 +641,7 @@ class CudaGraph(metaclass=NoPublicConstructor):
         return self._launch
 
     @enable_ki_protection
-    async def update(self, op: DeviceOp[Any], *, stream: Stream | None = None) -> None:
+    async def update(self, op: DeviceOp[T], *, stream: Stream | None = None) -> None:
         """Capture ``op`` and make later replays run its work instead.
 
         ``op`` must have the same topology as the captured work (the same
@@ -796,7 +799,7 @@ class CudaGraph(metaclass=NoPublicConstructor):
         graph_exec, self._exec = self._exec, None
         self._scope._driver.destroy_graph(graph_exec)
 
-    async def __aenter__(self) -> CudaGraph:
+    async def __aenter__(self) -> CudaGraph[T]:
         await trio.lowlevel.checkpoint()
         return self
 
@@ -826,7 +829,7 @@ def _instantiate(driver: DeviceContext, template: object) -> tuple[object, Excep
 
 
 @enable_ki_protection
-async def capture_graph(scope: ResourceScope, op: DeviceOp[Any], stream: Stream | None) -> CudaGraph:
+async def capture_graph(scope: ResourceScope, op: DeviceOp[T], stream: Stream | None) -> CudaGraph[T]:
     """``scope.capture`` after its first checkpoint: record now, then
     instantiate and upload, in a worker thread where the driver asks for it
     (milliseconds for large graphs on a GPU). The thread is shielded: its

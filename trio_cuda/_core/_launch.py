@@ -17,7 +17,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, final
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, final
 
 import attrs
 import numpy as np
@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from ._config import LaunchConfig
     from ._kernel import Kernel
     from ._submit import EnqueueContext, LeasePlan
+
+
+#: what a kernel launch outputs: the array it writes (an ``Out``, ``InOut`` or
+#: writable ``Slice`` argument), a tuple of them if it writes several, or None
+LaunchOutput: TypeAlias = DeviceArray | tuple[DeviceArray, ...] | None
 
 
 @attrs.frozen
@@ -154,7 +159,7 @@ def _merge_accesses(
     return tuple(merged.values())
 
 
-def _output_of(outputs: Sequence[DeviceArray]) -> object:
+def _output_of(outputs: Sequence[DeviceArray]) -> LaunchOutput:
     if not outputs:
         return None
     if len(outputs) == 1:
@@ -163,9 +168,12 @@ def _output_of(outputs: Sequence[DeviceArray]) -> object:
 
 
 @final
-class KernelLaunch(DeviceOp[Any], metaclass=NoPublicConstructor):
+class KernelLaunch(DeviceOp[LaunchOutput], metaclass=NoPublicConstructor):
     """One immutable, reusable kernel launch (a DeviceOp). Its output is the
-    array it writes, a tuple of them if several, or None."""
+    array it writes, a tuple of them if several, or None: to a type checker,
+    ``DeviceArray | tuple[DeviceArray, ...] | None``, whatever the kernel.
+    The arrays written are the ones passed in, so a program usually keeps
+    its own names for them; ``.map(lambda _: y)`` gives an op typed by ``y``."""
 
     __slots__ = ("_accesses", "_lease_plan", "_output", "prepared")
 
@@ -177,7 +185,7 @@ class KernelLaunch(DeviceOp[Any], metaclass=NoPublicConstructor):
     #: extent, whole) entry per access, shared by every submission of this
     #: launch (made by its first safe submission, ``take_launch_leases``)
     _lease_plan: LeasePlan | None
-    _output: object
+    _output: LaunchOutput
 
     @classmethod
     def _create(
@@ -205,12 +213,12 @@ class KernelLaunch(DeviceOp[Any], metaclass=NoPublicConstructor):
         c = self.prepared.config
         return f"<KernelLaunch {self.prepared.kernel.name} grid={c.grid} block={c.block}>"
 
-    def _enqueue(self, ctx: EnqueueContext) -> object:
+    def _enqueue(self, ctx: EnqueueContext) -> LaunchOutput:
         ctx.launch(self.prepared, self._accesses)
         return self._output
 
 
-class _LaunchUnderConstruction(DeviceOp[Any]):
+class _LaunchUnderConstruction(DeviceOp[LaunchOutput]):
     """A :class:`KernelLaunch` being made: the same slots (hence the same
     object layout), without the immutability. :func:`_make_launch` fills one
     with plain attribute stores, then makes it a ``KernelLaunch`` by setting
@@ -221,7 +229,7 @@ class _LaunchUnderConstruction(DeviceOp[Any]):
 
 
 def _make_launch(
-    prepared: PreparedLaunch, accesses: tuple[tuple[DeviceArray, Access], ...], output: object
+    prepared: PreparedLaunch, accesses: tuple[tuple[DeviceArray, Access], ...], output: LaunchOutput
 ) -> KernelLaunch:
     self = object.__new__(_LaunchUnderConstruction)
     self.prepared = prepared  # type: ignore[attr-defined]

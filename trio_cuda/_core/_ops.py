@@ -31,6 +31,14 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 U = TypeVar("U")
+A = TypeVar("A")
+B = TypeVar("B")
+C = TypeVar("C")
+D = TypeVar("D")
+E = TypeVar("E")
+F = TypeVar("F")
+#: the destination of ``copy``, which is its output
+Dst = TypeVar("Dst", bound="DeviceArray | np.ndarray[Any, Any]")
 
 
 class Access(enum.Enum):
@@ -209,9 +217,33 @@ class _Zip(DeviceOp[tuple[Any, ...]]):
         return f"zip({', '.join(map(repr, self._ops))})"
 
 
+# (typed for one to six ops; more, or a starred sequence, give ``tuple[Any, ...]``)
+@overload
+def zip(a: DeviceOp[A], /) -> DeviceOp[tuple[A]]: ...  # noqa: A001 - public name fixed
+@overload
+def zip(a: DeviceOp[A], b: DeviceOp[B], /) -> DeviceOp[tuple[A, B]]: ...  # noqa: A001
+@overload
+def zip(a: DeviceOp[A], b: DeviceOp[B], c: DeviceOp[C], /) -> DeviceOp[tuple[A, B, C]]: ...  # noqa: A001
+@overload
+def zip(  # noqa: A001
+    a: DeviceOp[A], b: DeviceOp[B], c: DeviceOp[C], d: DeviceOp[D], /
+) -> DeviceOp[tuple[A, B, C, D]]: ...
+@overload
+def zip(  # noqa: A001
+    a: DeviceOp[A], b: DeviceOp[B], c: DeviceOp[C], d: DeviceOp[D], e: DeviceOp[E], /
+) -> DeviceOp[tuple[A, B, C, D, E]]: ...
+@overload
+def zip(  # noqa: A001
+    a: DeviceOp[A], b: DeviceOp[B], c: DeviceOp[C], d: DeviceOp[D], e: DeviceOp[E], f: DeviceOp[F], /
+) -> DeviceOp[tuple[A, B, C, D, E, F]]: ...
+@overload
+def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]: ...  # noqa: A001
 def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]:  # noqa: A001 - public name fixed
     """Run independent ops in one submission; the output is the tuple of
-    their outputs."""
+    their outputs (typed element by element for up to six ops). A host
+    closure's element is its :class:`HostResult` inside ``then``/``map``, and
+    its value once run or awaited, as for the closure on its own; the static
+    type keeps the ``HostResult``."""
     for i, op in enumerate(ops):
         if not isinstance(op, DeviceOp):
             raise TypeError(f"zip: argument {i}: expected a DeviceOp, got {type(op).__name__}")
@@ -257,14 +289,14 @@ def value(x: T) -> DeviceOp[T]:
 
 
 @final
-class _Copy(DeviceOp[Any]):
+class _Copy(DeviceOp[Dst]):
     __slots__ = ("_dst", "_src")
 
-    def __init__(self, dst: object, src: object) -> None:
+    def __init__(self, dst: Dst, src: object) -> None:
         self._dst = dst
         self._src = src
 
-    def _enqueue(self, ctx: EnqueueContext) -> object:
+    def _enqueue(self, ctx: EnqueueContext) -> Dst:
         ctx.copy(self._dst, self._src)
         return self._dst
 
@@ -272,7 +304,7 @@ class _Copy(DeviceOp[Any]):
         return f"ops.copy({self._dst!r}, {self._src!r})"
 
 
-def copy(dst: DeviceArray | np.ndarray[Any, Any], src: DeviceArray | np.ndarray[Any, Any]) -> DeviceOp[Any]:
+def copy(dst: Dst, src: DeviceArray | np.ndarray[Any, Any]) -> DeviceOp[Dst]:
     """Copy ``src`` into ``dst``: device to device, host to device or device to
     host (host arrays are NumPy arrays). Shapes and dtypes must match. The
     output is ``dst``; a host ``dst`` is filled once the op completed."""
@@ -285,7 +317,7 @@ def copy(dst: DeviceArray | np.ndarray[Any, Any], src: DeviceArray | np.ndarray[
 
 
 @final
-class _Fill(DeviceOp[Any]):
+class _Fill(DeviceOp["DeviceArray"]):
     __slots__ = ("_arr", "_pattern")
 
     def __init__(self, arr: DeviceArray, pattern: bytes) -> None:
@@ -301,7 +333,7 @@ class _Fill(DeviceOp[Any]):
 
 
 @final
-class _ZeroBytes(DeviceOp[Any]):
+class _ZeroBytes(DeviceOp["DeviceArray"]):
     """Set every byte of ``arr`` to zero (any dtype; used by ``scope.zeros``)."""
 
     __slots__ = ("_arr",)
@@ -382,14 +414,14 @@ class HostResult(Generic[T]):
 
 
 @final
-class _HostClosure(DeviceOp[Any]):
+class _HostClosure(DeviceOp[HostResult[T]]):
     __slots__ = ("_args", "_fn")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...]) -> None:
         self._fn = fn
         self._args = args
 
-    def _enqueue(self, ctx: EnqueueContext) -> HostResult[Any]:
+    def _enqueue(self, ctx: EnqueueContext) -> HostResult[T]:
         return ctx.host_step(self._fn, self._args)
 
     def __repr__(self) -> str:

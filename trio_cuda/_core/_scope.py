@@ -757,7 +757,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         return resolve_output(sub.output)
 
     # ------------------------------------------------------------------ graphs
-    async def capture(self, op: DeviceOp[Any], *, stream: Stream | None = None) -> CudaGraph:
+    async def capture(self, op: DeviceOp[T], *, stream: Stream | None = None) -> CudaGraph[T]:
         """Capture ``op`` into a :class:`~trio_cuda.CudaGraph` without running
         it: ``graph.output`` is the op's output, and ``await
         gpu.run(graph.launch())`` replays the work. The graph keeps what it
