@@ -2,7 +2,9 @@
 
 Run as a program (``python tests/_interrupts.py FIRST COUNT``): it runs
 ``COUNT`` trials from seed ``FIRST`` on, one ``trio.run`` each in the main
-thread (where Trio handles SIGINT), and prints one JSON line per trial. A
+thread (where Trio handles SIGINT; the program first restores SIGINT's
+default, should it have been started with SIGINT ignored), and prints one
+JSON line per trial. A
 trial is fixed by its seed: a scenario, a simulated device with real
 durations, some unawaited work, and the driver calls (counted from the start
 of the scope's exit, or of the capture) at which SIGINT is raised from inside
@@ -271,6 +273,9 @@ def main() -> None:
     parser.add_argument("--at", type=int, nargs="+", help="the calls that carry a SIGINT")
     parser.add_argument("--only", choices=(*POINTS, "wait_for_progress"), help="count these calls alone")
     args = parser.parse_args()
+    # Ctrl-C must raise KeyboardInterrupt here (so that Trio handles it), also in a process
+    # started with SIGINT ignored, as a non-interactive shell starts a background job.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _patch()
     for seed in range(args.first, args.first + args.count):
         print(json.dumps({"start": seed}), flush=True)

@@ -20,12 +20,18 @@ slow variant runs many more trials::
     pytest -m slow tests/test_keyboard_interrupt.py -s          # 3,000 trials
     TRIO_CUDA_INTERRUPT_TRIALS=500 TRIO_CUDA_INTERRUPT_FIRST=10000 \\
         pytest tests/test_keyboard_interrupt.py -k many -s
+
+The children get Ctrl-C whatever this process inherited: started with SIGINT
+ignored (in the background by a non-interactive shell), a process passes that
+on, and Python and Trio then leave SIGINT ignored; each child restores its
+default first (``tests/_sigint.py``; the harness does so itself).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -33,6 +39,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from _sigint import ignoring_sigint, python
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,12 +109,15 @@ CASES = [(point, nth) for point in ("record_marker", "poll_marker") for nth in (
 CASES += [("free", 1), ("free", 3)]  # four arrays are freed
 
 
-@pytest.mark.parametrize(("point", "nth"), CASES)
-def test_ctrl_c_inside_the_runtime_is_delivered_later_and_loses_nothing(point: str, nth: int) -> None:
+def _command(command: list[str], ignored: bool) -> list[str]:
+    return ignoring_sigint(command) if ignored else command
+
+
+def _run_inside_case(point: str, nth: int, ignored: bool = False) -> None:
     env = _env()
     try:
         out = subprocess.run(
-            [sys.executable, "-c", PROGRAM, point, str(nth)],
+            _command(python("-c", PROGRAM, point, str(nth)), ignored),
             capture_output=True,
             text=True,
             timeout=60,
@@ -124,17 +134,23 @@ def test_ctrl_c_inside_the_runtime_is_delivered_later_and_loses_nothing(point: s
     assert report["live"] == 0, report  # the scope drained and freed everything
 
 
+@pytest.mark.parametrize(("point", "nth"), CASES)
+def test_ctrl_c_inside_the_runtime_is_delivered_later_and_loses_nothing(point: str, nth: int) -> None:
+    _run_inside_case(point, nth)
+
+
 # --------------------------------------------------------------------------- exit and capture
 
 HARNESS = ROOT / "tests" / "_interrupts.py"
 
 
-def _trials(*args: str, timeout: float = 120) -> list[dict[str, object]]:
-    """Run ``tests/_interrupts.py`` with ``args``; its trial reports."""
+def _trials(*args: str, timeout: float = 120, ignored: bool = False) -> list[dict[str, object]]:
+    """Run ``tests/_interrupts.py`` with ``args`` (with SIGINT ignored where
+    ``ignored``: the harness restores it); its trial reports."""
     env = _env()
     try:
         out = subprocess.run(
-            [sys.executable, str(HARNESS), *args],
+            _command([sys.executable, str(HARNESS), *args], ignored),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -239,11 +255,11 @@ EXIT_PROGRAM = textwrap.dedent(
 )
 
 
-def _run_exit_case(case: str) -> dict[str, object]:
+def _run_exit_case(case: str, ignored: bool = False) -> dict[str, object]:
     env = _env()
     try:
         out = subprocess.run(
-            [sys.executable, "-c", EXIT_PROGRAM, case],
+            _command(python("-c", EXIT_PROGRAM, case), ignored),
             capture_output=True,
             text=True,
             timeout=60,
@@ -315,6 +331,51 @@ def test_random_interrupts_at_exit_and_capture() -> None:
     seen = Counter((r["scenario"], r["outcome"]) for r in reports if r["sent"])
     for scenario in ("exit", "nested", "capture"):
         assert seen[(scenario, "drained")], seen
+
+
+def test_ctrl_c_reaches_the_children_of_a_process_that_ignores_it() -> None:
+    """Started with SIGINT ignored, as a non-interactive shell starts a
+    background job (and passes on to its children), each kind of child still
+    gets its Ctrl-C: inside the runtime, at a scope's exit (once, then twice)
+    and in the harness's trials."""
+    _run_inside_case("record_marker", 7, ignored=True)
+    assert _run_exit_case("once", ignored=True)["quarantined"] == 0
+    assert _run_exit_case("twice", ignored=True)["quarantined"] >= 1
+    (report,) = _trials("3", "1", "--scenario", "exit", "--at", "1", "--only", "free", ignored=True)
+    _check([report])
+    assert report["delivered"] == 1, report
+
+
+def test_the_sigint_helpers_restore_and_ignore(tmp_path: Path) -> None:
+    """``python()`` restores SIGINT's default in its child, for ``-c`` and
+    ``-m`` alike, under a parent that ignores SIGINT; without it, such a
+    parent's child ignores SIGINT (so the test above can fail)."""
+    probe = "import signal, sys\n"
+    probe += "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, sys.argv[1:])"
+    (tmp_path / "sigint_probe.py").write_text(probe)
+
+    def run(command: list[str]) -> str:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True, cwd=tmp_path)
+        return out.stdout.strip()
+
+    default = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    assert run([sys.executable, "-c", probe, "a"]) == f"{default} ['a']"
+    assert run(ignoring_sigint([sys.executable, "-c", probe, "a"])) == "False ['a']"
+    assert run(ignoring_sigint(python("-c", probe, "a", "b"))) == "True ['a', 'b']"
+    assert run(ignoring_sigint([sys.executable, "-m", "sigint_probe", "a"])) == "False ['a']"
+    assert run(ignoring_sigint(python("-m", "sigint_probe", "a"))) == "True ['a']"
+    interrupted = subprocess.run(
+        ignoring_sigint(
+            python("-c", "import signal, time\nsignal.raise_signal(signal.SIGINT)\ntime.sleep(30)")
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "KeyboardInterrupt" in interrupted.stderr, interrupted
+    with pytest.raises(ValueError, match="^args: expected"):
+        python("script.py")
 
 
 def _slow_selected(config: pytest.Config) -> bool:
