@@ -842,14 +842,14 @@ def table() -> list[dict[str, Any]]:
     lm_raw = v("launchmodes:raw_launch")
     cupy = v("cupy_rawkernel")
     cupy_ratio = cupy / raw if cupy and raw else None
-    # without CuPy in the run, DESIGN.md's figure for it on the H200 host (1.9-2.0 x raw)
+    # without CuPy in the run, the figure measured for it on the H200 host (1.9-2.0 x raw)
     bound = cupy_ratio if cupy_ratio is not None else 1.9
     row(
         "typed k.launch + gpu.submit",
         v("launchmodes:typed_launch+submit"),
         "us/launch",
         lm_raw,
-        f"<= CuPy ratio ({bound:.2f}{'' if cupy_ratio else ', DESIGN.md'})",
+        f"<= CuPy ratio ({bound:.2f}{'' if cupy_ratio else ', measured on the H200 host'})",
         lambda r: r <= bound,
     )
     for key, name in (

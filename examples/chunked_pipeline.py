@@ -3,7 +3,7 @@
 One device buffer ``y`` of ``n`` float32 is split into ``--chunks`` views
 ``y[i*c:(i+1)*c]``. Each chunk runs one op chain on its own stream: upload its
 slice of the host input, run a kernel on the view in place, download it. Leases
-cover byte ranges (DESIGN.md, rule 11), so the chunks never conflict, and their
+cover byte ranges (rule 11 of docs/lifetimes.rst), so the chunks never conflict, and their
 work overlaps although it shares one allocation.
 
 The kernel takes every element (a seed) through ``--iters`` steps of a linear
