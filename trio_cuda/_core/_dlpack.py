@@ -16,6 +16,11 @@ Invariants:
 * :func:`consume_capsule` takes a foreign capsule over (renames it to
   ``"used_..."``); the returned :class:`ImportedTensor` calls the producer's
   deleter exactly once, on :meth:`ImportedTensor.close` or when collected.
+* :func:`expire_unconsumed` ends capsules that must not outlive a call (those
+  made inside an ``ops.external`` fn, whose leases end with its submission):
+  one not consumed yet is renamed ``"expired_dltensor[_versioned]"``, which no
+  consumer accepts, and forgotten; its ``release`` does not run. One already
+  consumed is its consumer's, as any other.
 * Shapes and strides are int64 in DLPack: :func:`make_capsule` refuses one
   that does not fit (``ValueError``) before it makes anything, and
   :class:`ImportedTensor` refuses a negative dimension, or a tensor spanning
@@ -135,7 +140,14 @@ _PyCapsule_SetName = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_
 # Capsule names must outlive every capsule: ctypes string buffers kept forever.
 _NAMES: Final = {
     name: ctypes.create_string_buffer(name)
-    for name in (b"dltensor", b"dltensor_versioned", b"used_dltensor", b"used_dltensor_versioned")
+    for name in (
+        b"dltensor",
+        b"dltensor_versioned",
+        b"used_dltensor",
+        b"used_dltensor_versioned",
+        b"expired_dltensor",
+        b"expired_dltensor_versioned",
+    )
 }
 
 
@@ -288,6 +300,31 @@ def make_capsule(
         raise
     UNCONSUMED[addr] = capsule
     return capsule
+
+
+def expire_unconsumed(capsules: list[object]) -> int:
+    """Make the capsules of ``capsules`` that no consumer took yet unusable
+    (renamed ``"expired_..."``: consumers refuse them as consumed) and forget
+    them; their ``release`` does not run. Capsules a consumer took stay its
+    own (its deleter runs as usual). Returns how many expired."""
+    expired = 0
+    for capsule in capsules:
+        for name in (b"dltensor_versioned", b"dltensor"):
+            if _PyCapsule_IsValid(capsule, _name(name)):
+                addr = _PyCapsule_GetPointer(capsule, _name(name))
+                _PyCapsule_SetName(capsule, _name(b"expired_" + name))
+                UNCONSUMED.pop(addr, None)
+                holder = _HOLDERS.pop(addr, None)
+                if holder is not None:
+                    with holder.lock:
+                        holder.release = None
+                expired += 1
+                break
+    return expired
+
+
+def no_release() -> None:
+    """The ``release`` of a capsule whose memory no lease of its own covers."""
 
 
 def live_exports() -> int:

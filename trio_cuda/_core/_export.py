@@ -33,6 +33,28 @@ Invariants:
   in time, has its memory quarantined (never freed) with a ResourceWarning.
 * An export whose consumer's work cannot be fenced keeps its lease forever:
   its memory is quarantined, never freed.
+
+Inside an ``ops.external`` fn (its :class:`ExternalFrame`, innermost on this
+thread, of the array's scope):
+
+* An export of a view whose bytes the external's ``writes`` cover is
+  writable; one whose bytes ``reads`` or ``writes`` cover only together, or
+  ``reads`` alone, is read-only (a read-only handle always is). Coverage is by
+  bytes of one allocation, as leases are. Any other array of that scope is
+  refused with :class:`~trio_cuda.AccessConflictError` naming ``reads=`` and
+  ``writes=``; nothing is taken.
+* Such an export takes no lease, opens no :class:`Export` and retains
+  nothing: the external's own leases cover the consumer's work, which must be
+  enqueued on the external's stream (after its lease waits, FIFO). So the CUDA
+  Array Interface names no ``stream`` (a consumer would otherwise synchronise
+  the host on it), and DLPack accepts only that stream (or -1) as the
+  consumer's: nothing is waited for or fenced.
+* It ends with the submission: a DLPack capsule not consumed when fn returns
+  (or raises) is expired; a capsule consumed, or a CAI dict, used after that
+  is the caller's responsibility, as with ``unsafe.cuda_view``.
+* Arrays of another scope are exported as anywhere else (their own lease, in
+  their own scope); outside an external, an export while the array's scope is
+  enqueuing (a then/map closure) is refused with ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -45,15 +67,17 @@ from typing import TYPE_CHECKING, Any, final
 import trio
 
 from ._array import AllocState
-from ._dlpack import UNCONSUMED, sweep_dropped
+from ._dlpack import UNCONSUMED, expire_unconsumed, sweep_dropped
 from ._errors import AccessConflictError, CompletionUnknownError
-from ._extent import array_extent
+from ._extent import EMPTY, Extent, array_extent, covers, describe, union
 from ._leases import overlapping
 from ._ops import Access, DeviceOp
 from ._submit import TERMINAL, Submission, SubState, take_leases
 
 if TYPE_CHECKING:
-    from ._array import DeviceArray
+    from collections.abc import Sequence
+
+    from ._array import Allocation, DeviceArray
     from ._scope import ResourceScope
     from ._stream import Stream
 
@@ -301,6 +325,112 @@ class Export:
         scope._finish_submission(sub, None)
 
 
+# --------------------------------------------------------------------------- inside ops.external
+
+_RUNNING = threading.local()
+
+
+@final
+class ExternalFrame:
+    """An ``ops.external`` fn running on this thread: what its leases cover."""
+
+    __slots__ = ("_address", "_table", "accesses", "capsules", "op", "scope", "stream")
+
+    def __init__(
+        self,
+        scope: ResourceScope,
+        stream: Stream,
+        accesses: Sequence[tuple[DeviceArray, Access]],
+        op: object,
+    ) -> None:
+        self.scope = scope
+        self.stream = stream
+        self.accesses = accesses
+        self.op = op
+        #: DLPack capsules made inside fn, expired when it returns if unconsumed
+        self.capsules: list[object] = []
+        #: per allocation: (bytes readable, bytes writable), built at the first export
+        self._table: dict[Allocation, tuple[Extent, Extent]] | None = None
+        self._address: int | None = None
+
+    @property
+    def label(self) -> str:
+        return repr(self.op)
+
+    def address(self) -> int:
+        """The external's stream as consumers name it."""
+        if self._address is None:
+            self._address = self.scope._driver.stream_address(self.stream.handle)
+        return self._address
+
+    def access(self, arr: DeviceArray, what: str) -> Access:
+        """The access an export of ``arr`` gets here: WRITE where ``writes``
+        cover its bytes (and the handle is writable), READ where ``reads`` and
+        ``writes`` do; otherwise raise :class:`AccessConflictError`."""
+        arr._check_usable(what)
+        table = self._table
+        if table is None:
+            spans: dict[Allocation, list[Extent]] = {}
+            for a, acc in self.accesses:
+                span = spans.setdefault(a._alloc, [EMPTY, EMPTY])
+                i = 1 if acc is Access.WRITE else 0
+                span[i] = union(span[i], array_extent(a))
+            table = self._table = {al: (union(r, w), w) for al, (r, w) in spans.items()}
+        ext = array_extent(arr)
+        entry = table.get(arr._alloc)
+        if entry is not None:
+            readable, writable = entry
+            if not arr._readonly and covers(writable, ext):
+                return Access.WRITE
+            if covers(readable, ext):
+                return Access.READ
+            detail = f" ({describe(ext)} of its allocation; the external covers {describe(readable)} of it)"
+        else:
+            detail = ""
+        raise AccessConflictError(
+            f"{what}: {arr!r}{detail} is not covered by this external's reads= or writes= "
+            f"({self.label}), so no lease orders the foreign work on it; add it to reads= (to read "
+            f"it) or writes= (to write it)"
+        )
+
+
+def enter_external(
+    scope: ResourceScope, stream: Stream, accesses: Sequence[tuple[DeviceArray, Access]], op: object
+) -> ExternalFrame:
+    """Before the fn of ``op`` (an ``ops.external``) runs: exports of
+    ``scope``'s arrays on this thread follow its leases until
+    :func:`exit_external`."""
+    frame = ExternalFrame(scope, stream, accesses, op)
+    stack: list[ExternalFrame] | None = getattr(_RUNNING, "stack", None)
+    if stack is None:
+        stack = _RUNNING.stack = []
+    stack.append(frame)
+    return frame
+
+
+def exit_external(frame: ExternalFrame) -> None:
+    """After the fn returned or raised: its frame ends, and its DLPack
+    capsules not consumed yet are expired."""
+    stack: list[ExternalFrame] = _RUNNING.stack
+    if stack and stack[-1] is frame:
+        stack.pop()
+    else:  # pragma: no cover - frames nest as the calls do
+        stack.remove(frame)
+    if frame.capsules:
+        expire_unconsumed(frame.capsules)
+        frame.capsules.clear()
+
+
+def running_external(scope: ResourceScope) -> ExternalFrame | None:
+    """The innermost ``ops.external`` fn running on this thread, if it runs in
+    ``scope``."""
+    stack: list[ExternalFrame] | None = getattr(_RUNNING, "stack", None)
+    if not stack:
+        return None
+    top = stack[-1]
+    return top if top.scope is scope else None
+
+
 # --------------------------------------------------------------------------- open
 
 
@@ -330,7 +460,12 @@ def open_export(
     scope = alloc.scope
     scope._check_open(what)
     if scope._enqueuing:
-        raise RuntimeError(f"{what}: cannot export from inside a then/map closure of a submission")
+        raise RuntimeError(
+            f"{what}: cannot export {arr!r} from inside a then/map closure of a submission (nor inside "
+            f"another scope's ops.external fn): its leases are being taken; export it inside "
+            f"ops.external(fn, reads=..., writes=...), whose leases cover what fn exports, or after "
+            f"the submission"
+        )
     reg = _registry(scope)
     # The consumer orders after the stream of the latest in-flight writer of
     # the exported bytes when it is one of this scope's; other writers (other
@@ -481,30 +616,48 @@ def cuda_array_interface(arr: DeviceArray) -> dict[str, Any]:
             f"{scope._info.backend!r} backend, whose memory has no CUDA address; use DLPack "
             "(trio_cuda.borrow) between scopes of one simulated device"
         )
+    what = "__cuda_array_interface__"
+    frame = running_external(scope)
+    if frame is not None:
+        # covered by the external's leases: no export, no stream to synchronise
+        # with (the consumer works on the external's stream)
+        access = frame.access(arr, what)
+        return _cai(arr, arr._readonly or access is Access.READ, None)
     info = arr._info
     cached = arr._cai
     export = None if info is None else info.export
     if cached is not None and export is not None and export.state is ExportState.LIVE:
         return dict(cached)
     access = Access.READ if arr._readonly else Access.WRITE
-    export, stream, pending = open_export(
-        arr, access, "CUDA Array Interface", UNKNOWN_STREAM, "__cuda_array_interface__"
-    )
+    export, stream, pending = open_export(arr, access, "CUDA Array Interface", UNKNOWN_STREAM, what)
     info = arr._gc_info()
     info.export = export
+    cai = _cai(arr, arr._readonly, scope._driver.stream_address(stream.handle) if pending else None)
+    arr._cai = cai
+    return dict(cai)
+
+
+def _stream_name(stream: int | None) -> str:
+    if stream is None or stream == 1:
+        return f"{stream} (the legacy default stream)"
+    if stream == 2:
+        return "2 (the per-thread default stream)"
+    return f"{stream:#x}"
+
+
+def _cai(arr: DeviceArray, readonly: bool, stream: int | None) -> dict[str, Any]:
     dt = arr._dtype
     cai: dict[str, Any] = {
         "shape": arr._shape,
         "typestr": dt.str,
-        "data": (arr.ptr, arr._readonly),
+        "data": (arr.ptr, readonly),
         "version": 3,
         "strides": None if arr.c_contiguous else arr.strides,
-        "stream": scope._driver.stream_address(stream.handle) if pending else None,
+        "stream": stream,
     }
     if dt.fields is not None:
         cai["descr"] = dt.descr
-    arr._cai = cai
-    return dict(cai)
+    return cai
 
 
 def dlpack_export(
@@ -516,7 +669,7 @@ def dlpack_export(
     copy: object,
 ) -> object:
     """``__dlpack__`` of ``arr``."""
-    from ._dlpack import dl_dtype, kDLExtDev, make_capsule
+    from ._dlpack import dl_dtype, kDLExtDev, make_capsule, no_release
 
     what = "__dlpack__"
     arr._check_usable(what)
@@ -552,15 +705,27 @@ def dlpack_export(
             f"{what}: expected a dtype DLPack can carry (bool, signed/unsigned int, float or complex, "
             f"native byte order), got {arr._dtype}"
         )
-    if arr._readonly and not versioned:
+    if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
+        raise TypeError(f"{what}: stream: expected None or an int stream handle, got {stream!r}")
+    scope = arr._alloc.scope
+    frame = running_external(scope)
+    readonly = arr._readonly
+    if frame is not None:
+        readonly = readonly or frame.access(arr, what) is Access.READ
+    if readonly and not versioned:
+        if frame is not None and not arr._readonly:
+            raise BufferError(
+                f"{what}: {arr!r} is covered only by this external's reads= ({frame.label}), so it is "
+                f"exported read-only, which only consumers of DLPack 1.0 or later (max_version=(1, 0)) "
+                f"can be told; got max_version={max_version!r}. Add it to writes= to let the "
+                f"consumer write it"
+            )
         raise BufferError(
             f"{what}: a read-only array can only be exported to consumers of DLPack 1.0 or later "
             f"(max_version=(1, 0)), which can mark it read-only; got max_version={max_version!r}"
         )
-    if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
-        raise TypeError(f"{what}: stream: expected None or an int stream handle, got {stream!r}")
     consumer: int | None
-    if arr._alloc.scope._info.backend == "cuda":
+    if scope._info.backend == "cuda":
         if stream == 0:
             raise ValueError(
                 f"{what}: stream: expected None, -1, 1 (legacy default), 2 (per-thread default) or a "
@@ -569,16 +734,35 @@ def dlpack_export(
         consumer = 1 if stream is None else (None if stream == -1 else stream)
     else:
         consumer = None if stream is None or stream == -1 else stream
+    itemsize = arr._dtype.itemsize
+    if frame is not None:
+        own = frame.address()
+        if consumer is not None and consumer != own:
+            raise AccessConflictError(
+                f"{what}: stream: expected the stream of the running ops.external ({own:#x}), on "
+                f"which its leases order the consumer's work, or -1; got {_stream_name(stream)}. Adopt the "
+                f"external's stream before the import (cupy.cuda.Stream.from_external(stream), "
+                f"torch.cuda.stream(torch.cuda.ExternalStream(stream.__cuda_stream__()[1])))"
+            )
+        capsule = make_capsule(
+            ptr=arr.ptr,
+            shape=arr._shape,
+            strides=tuple(b // itemsize for b in arr.strides),
+            dtype=dt,
+            device=device,
+            versioned=versioned,
+            read_only=readonly,
+            release=no_release,
+        )
+        frame.capsules.append(capsule)
+        return capsule
     if consumer is not None:
-        arr._alloc.scope._driver.check_foreign_stream(
-            consumer
-        )  # a bad stream fails here, not when the export is released
+        scope._driver.check_foreign_stream(consumer)  # a bad stream fails here, not at the release
     access = Access.READ if arr._readonly else Access.WRITE
     export, s, pending = open_export(arr, access, "DLPack", consumer, what)
     try:
         if pending and consumer is not None:
             sync_consumer(export, s, consumer)
-        itemsize = arr._dtype.itemsize
         return make_capsule(
             ptr=arr.ptr,
             shape=arr._shape,

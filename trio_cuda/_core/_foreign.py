@@ -11,6 +11,12 @@ Invariants:
 * ``fn`` is assumed to have enqueued something as soon as it was called, so
   that an ``fn`` that raises leaves its partial work retained behind a marker
   (rule 6), with the error raised to the submitter.
+* While ``fn`` runs, exports of the scope's arrays on this thread
+  (``__cuda_array_interface__``, ``__dlpack__``: ``cupy.asarray(x)``,
+  ``torch.from_dlpack(x)``) are covered by the external's leases, by bytes:
+  they take no lease of their own, wait for nothing and retain nothing, and a
+  view that ``reads``/``writes`` do not cover is refused (see ``_export``). A
+  DLPack capsule not consumed when ``fn`` returns is expired.
 * ``fn`` must not block: it runs on the loop, so a synchronising call inside
   it (a ``.get()``, a ``synchronize()``) stalls every task of the program until
   the device finished. It is not an error, and nothing is freed early; it is
@@ -27,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, final
 
 from ._array import DeviceArray
 from ._errors import GraphCaptureError
+from ._export import enter_external, exit_external
 from ._ops import OPAQUE, Access, DeviceOp
 
 if TYPE_CHECKING:
@@ -70,7 +77,11 @@ class _External(DeviceOp[Any]):
         ctx.retain(self._fn)  # its closure may hold what the foreign work uses
         mark = ctx.mark() if type(ctx) is EnqueueContext else None
         ctx._enqueued()  # from here on, fn may have enqueued work: retain behind a marker
-        out = self._fn(ctx.stream)
+        frame = enter_external(ctx.scope, ctx.stream, self._accesses, self)
+        try:
+            out = self._fn(ctx.stream)
+        finally:
+            exit_external(frame)
         if type(ctx) is EnqueueContext and ctx.scope._tracer is not None:
             ctx.traced(f"external {getattr(self._fn, '__name__', 'fn')}", mark)
         return out
@@ -97,6 +108,20 @@ def external(
     (views, or memory wrapped with :func:`trio_cuda.borrow`) the work touches:
     read leases on ``reads``, write leases on ``writes``, taken before ``fn``
     runs and released when the work completed, exactly as a kernel's.
+
+    Inside ``fn``, the other library may wrap those arrays directly:
+    ``cupy.asarray(x)``, ``torch.as_tensor(x, device="cuda")`` (the CUDA Array
+    Interface) and ``torch.from_dlpack(x)`` (DLPack) export them under the
+    external's leases, with no lease or wait of their own. A view is covered
+    when its bytes lie inside the declared arrays' (of one allocation); one
+    covered only by ``reads`` is exported read-only (a versioned DLPack
+    consumer is told; a legacy one is refused with ``BufferError``); an
+    uncovered array of this scope raises
+    :class:`~trio_cuda.AccessConflictError` naming ``reads=`` and ``writes=``.
+    The consumer must enqueue on ``stream`` (DLPack refuses another consumer
+    stream), and must not touch the memory it wrapped after ``fn`` returns:
+    the leases end with the op's work (a DLPack capsule not consumed by then
+    is expired).
 
     It composes like any op (``then``, ``zip``, graphs where the library's
     work can be captured). If ``fn`` raises, whatever it enqueued stays
