@@ -18,10 +18,14 @@ from _kernels import add
 
 import trio_cuda
 from trio_cuda import ops
+from trio_cuda._backends import probe_cuda
 from trio_cuda.testing import SimDevice
 
 F4 = np.float32
 ROOT = Path(__file__).resolve().parent.parent
+_PROBE = probe_cuda()
+# a marker, not pytest.skip() in the test: the async tests' runner drops a skip's reason
+needs_cuda = pytest.mark.skipif(not _PROBE.available, reason=f"no CUDA device: {_PROBE.reason}")
 
 
 def cats(trace):
@@ -329,16 +333,35 @@ async def test_drain_timeout_that_runs_out_is_logged(caplog):
     assert any("drain_timeout=0" in r.getMessage() and "ran out" in r.getMessage() for r in caplog.records)
 
 
+def test_the_timeline_page_counts_the_events_recorded():
+    """The page's header counts the lifetime events (``trace.events``), not
+    the JSON's records, which are more: a retirement alone is a complete and a
+    retire marker, lease slices and take/release markers and a flow's end."""
+    from test_trace_html import facts
+
+    trace = trio_cuda.trace.Trace()
+    trio.run(_scenario, SimDevice(kernel_time=0.002), trace)
+    records, n = len(trace.to_chrome()["traceEvents"]), len(trace.events)
+    assert records > 2 * n > 0, (records, n)  # the two counts differ: the test can tell them apart
+    shown = facts(trace.to_html())
+    assert shown["events"] == f"{n} recorded", shown
+    assert str(records) not in shown["events"], shown
+
+
 def test_the_timeline_page_of_a_real_trace_in_chromium(tmp_path):
-    from test_trace_html import body, console_lines, dump_dom, find_chromium
+    from test_trace_html import body, console_lines, dump_dom, facts, find_chromium
 
     if find_chromium() is None:
         pytest.skip("no chromium binary on PATH")
     trace = trio_cuda.trace.Trace()
     trio.run(_scenario, SimDevice(kernel_time=0.002), trace)
-    dom, stderr = dump_dom(trace.to_html(title="scenario"), tmp_path)
+    page = trace.to_html(title="scenario")
+    dom, stderr = dump_dom(page, tmp_path)
     assert body(dom).get("data-ready") == "1"
     assert console_lines(stderr) == []
+    bars, marks, arrows = (int(part.split()[0]) for part in facts(page)["drawn"].split(", "))
+    assert int(body(dom)["data-events"]) == bars + marks == len(dom.by_class("ev"))
+    assert arrows == len(dom.by_class("flow")) > 0
     lanes = {lane["data-track"]: lane["data-kind"] for lane in dom.by_class("lane")}
     assert lanes["stream 0"] == lanes["stream 1"] == "stream"
     assert any(name.startswith("alloc 0x") and kind == "alloc" for name, kind in lanes.items())
@@ -397,12 +420,8 @@ async def test_a_broken_nvtx_turns_itself_off(monkeypatch, caplog):
 
 
 @pytest.mark.gpu
+@needs_cuda
 async def test_a_trace_on_the_gpu_shows_host_observed_times(tmp_path):
-    from trio_cuda._backends import probe_cuda
-
-    probe = probe_cuda()
-    if not probe.available:
-        pytest.skip(f"no CUDA device: {probe.reason}")
     trace = trio_cuda.trace.Trace()
     async with trio_cuda.open_scope(device="cuda", streams=2, trace=trace) as gpu:
         x = await gpu.to_device(np.arange(1024, dtype=F4))
@@ -424,12 +443,8 @@ async def test_a_trace_on_the_gpu_shows_host_observed_times(tmp_path):
 
 
 @pytest.mark.gpu
+@needs_cuda
 async def test_timing_on_the_gpu_takes_device_times_from_cuda_events():
-    from trio_cuda._backends import probe_cuda
-
-    probe = probe_cuda()
-    if not probe.available:
-        pytest.skip(f"no CUDA device: {probe.reason}")
     spin = trio_cuda.Kernel.from_source(
         r"""extern "C" __global__ void spin(float* x, unsigned long long ns) {
             unsigned long long t0, t;

@@ -7,8 +7,10 @@ the page's script ran, the console, the interactions and a screenshot.
 
 from __future__ import annotations
 
+import html
 import json
 import math
+import re
 import shutil
 import struct
 import subprocess
@@ -71,6 +73,14 @@ def embedded_data(page: str) -> dict[str, Any]:
         raise AssertionError(f"{name} is not JSON")
 
     return json.loads(text, parse_constant=no_constants)
+
+
+def facts(page: str) -> dict[str, str]:
+    """The header's facts: label -> text."""
+    header = re.search(r"<header>(.*?)</header>", page, re.S)
+    assert header is not None
+    found = re.findall(r'<span class="fact"[^>]*><i>([^<]*)</i> ([^<]*)</span>', header.group(1))
+    return {html.unescape(k): html.unescape(v) for k, v in found}
 
 
 def fixture_tracks(trace: dict[str, Any]) -> list[str]:
@@ -152,7 +162,39 @@ def test_empty_trace(trace: dict[str, Any]) -> None:
     assert data["events"] == []
     assert data["procs"] == []
     assert Page(page).by_id("legend") is not None
-    assert "0 in trace, 0 drawn" in page
+    assert facts(page)["records"] == "0 in the JSON"
+    assert facts(page)["drawn"] == "0 bars, 0 markers, 0 flow arrows"
+
+
+@pytest.mark.parametrize(
+    ("other", "counted"),
+    [
+        ({"events": 40}, ("events", "40 recorded")),
+        ({"events": 40, "dropped": 17}, ("events", "40 recorded, 17 dropped")),
+        ({"events": 0}, ("events", "0 recorded")),
+        ({}, ("records", "102 in the JSON")),  # a trace without the count: what is counted is said
+        ({"events": -1}, ("records", "102 in the JSON")),
+        ({"events": True}, ("records", "102 in the JSON")),
+        ({"events": "40"}, ("records", "102 in the JSON")),
+    ],
+)
+def test_header_counts_events_as_recorded_not_json_records(
+    other: dict[str, Any], counted: tuple[str, str]
+) -> None:
+    trace = load_fixture()
+    trace["otherData"] = {**trace["otherData"], **other}
+    assert len(trace["traceEvents"]) == 102
+    shown = facts(render_html(trace))
+    label, text = counted
+    assert shown[label] == text, shown
+    assert ({"events", "records"} - {label}).isdisjoint(shown), shown  # one count, labelled as what it is
+    phases = Counter(e["ph"] for e in trace["traceEvents"])
+    assert (
+        shown["drawn"]
+        == f"{phases['X']} bars, {phases['i']} markers, 7 flow arrows"
+        == ("25 bars, 43 markers, 7 flow arrows")
+    )
+    assert "in trace" not in render_html(trace)
 
 
 def test_fixture_model() -> None:
@@ -290,6 +332,10 @@ def test_dom_after_script(fixture_dom: tuple[Page, str]) -> None:
     events = dom.by_class("ev")
     assert Counter(e["data-cat"] for e in events) == fixture_cats(trace)
     assert body(dom)["data-events"] == str(len(events)) == str(sum(fixture_cats(trace).values()))
+    # the header's "drawn" counts what the page drew
+    bars = len([e for tag, e in dom.tags if tag == "rect" and "ev" in e.get("class", "").split()])
+    header = facts(render_html(trace))["drawn"]
+    assert header == f"{bars} bars, {len(events) - bars} markers, {len(dom.by_class('flow'))} flow arrows"
     assert len(dom.by_class("flow")) == 7
     assert sorted(a["data-cat"] for a in dom.by_class("alert")) == ["cancel", "drop", "error", "quarantine"]
     for ident in ("legend", "tooltip", "zoom-in", "zoom-out", "zoom-reset"):

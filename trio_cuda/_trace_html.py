@@ -27,6 +27,13 @@ events (slices and instants) class ``ev`` and ``data-cat``; ``#tooltip``,
 ``#zoom-out``, ``#zoom-reset``. Once drawn, ``<body>`` has ``data-ready="1"`` and
 ``data-events`` (the number of ``.ev``); a script error is shown on the page and
 counted in ``data-errors`` on ``<html>``.
+
+The header's ``events`` fact counts the lifetime events recorded (``otherData.events``,
+which is ``len(trace.events)``), never the JSON's records: one event becomes several
+records (a retirement: complete and retire markers, lease slices, a flow's ends; each
+track: its metadata). A trace without that count shows its ``records`` instead. The
+``drawn`` fact counts the bars (``.ev`` slices), markers (``.ev`` instants) and flow
+arrows the page draws.
 """
 
 from __future__ import annotations
@@ -113,6 +120,11 @@ def _num(value: Any) -> float | None:
 def _int(value: Any) -> int:
     f = _num(value)
     return int(f) if f is not None else 0
+
+
+def _count(value: Any) -> int | None:
+    """A count from the trace's metadata: an int >= 0, else None (unknown)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _clean(value: Any, depth: int = 0) -> Any:
@@ -231,7 +243,8 @@ def _model(trace: dict[str, Any]) -> dict[str, Any]:
         "instants": {k: [c, s] for k, (c, s, _) in _INSTANTS.items()},
         "slices": {k: [f, s] for k, (f, s, _) in _SLICES.items()},
         "alerts": _ALERTS,
-        "total": len(events),
+        "records": len(events),
+        "recorded": _count(other.get("events")),
         "dropped": _int(other.get("dropped")),
         "backend": str(other.get("backend", "unknown")),
         "device_time": str(other.get("device_time", "unknown")),
@@ -279,6 +292,39 @@ def _legend() -> str:
     return f'<div id="legend">{body}</div>'
 
 
+#: what each counted fact of the header counts (the hover text of the fact)
+_FACT_HELP = {
+    "events": "lifetime events the trace recorded (trace.events): an allocation, a free, a submission,"
+    " an enqueue, a retirement, ...; one event may be drawn as several bars and markers",
+    "records": "records of the trace-event JSON (metadata, slices, instants and flows)",
+    "drawn": "bars (kernels, copies, allocations alive, leases, awaits) and markers the timeline draws,"
+    " and arrows from each submission's work to its retirement",
+}
+
+
+def _title(text: str | None) -> str:
+    return f' title="{html.escape(text)}"' if text else ""
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _counted(model: dict[str, Any]) -> tuple[str, str]:
+    """The header's count: the lifetime events recorded (``trace.events``, as the
+    trace's metadata counts them), or, for a trace without that count, its records."""
+    if model["recorded"] is None:
+        return ("records", f"{model['records']} in the JSON")
+    dropped = f", {model['dropped']} dropped" if model["dropped"] > 0 else ""
+    return ("events", f"{model['recorded']} recorded{dropped}")
+
+
+def _drawn(model: dict[str, Any]) -> str:
+    bars = sum(1 for e in model["events"] if e[1] == "X")
+    marks = len(model["events"]) - bars
+    return f"{_plural(bars, 'bar')}, {_plural(marks, 'marker')}, {_plural(len(model['flows']), 'flow arrow')}"
+
+
 def render_html(trace: dict[str, Any], *, title: str = "trio_cuda trace") -> str:
     """Return a self-contained HTML page drawing ``trace`` (Chrome trace-event JSON, as a dict)."""
     if not isinstance(title, str):
@@ -295,11 +341,14 @@ def render_html(trace: dict[str, Any], *, title: str = "trio_cuda trace") -> str
     facts = [
         ("backend", model["backend"]),
         ("device time", model["device_time"] + (f" ({hint})" if hint else "")),
-        ("events", f"{model['total']} in trace, {len(model['events'])} drawn, {len(model['flows'])} flows"),
+        _counted(model),
+        ("drawn", _drawn(model)),
     ] + ([("trio_cuda", model["version"])] if model["version"] else [])
     parts = {
         "TITLE": esc(title),
-        "FACTS": "".join(f'<span class="fact"><i>{esc(k)}</i> {esc(v)}</span>' for k, v in facts),
+        "FACTS": "".join(
+            f'<span class="fact"{_title(_FACT_HELP.get(k))}><i>{esc(k)}</i> {esc(v)}</span>' for k, v in facts
+        ),
         "DROPPED": dropped,
         "LEGEND": _legend(),
         "DATA": _script_json(model),
