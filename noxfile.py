@@ -18,8 +18,8 @@ TEST_PATHS = ["tests", "docs", "README.md"]
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite and the docs' code blocks, on the simulated device (and the GPU, where one
-    answers). With the docs extra, tests/test_docs_render.py also builds and renders the HTML."""
-    session.install("-e", ".[test]")
+    answers), with the dev extra (tests/test_docs_render.py also builds and renders the HTML)."""
+    session.install("-e", ".[dev]")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 
 
@@ -36,7 +36,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def types(session: nox.Session) -> None:
     """mypy --strict on trio_cuda/ (configured in pyproject.toml)."""
-    session.install("-e", ".[types,test]")
+    session.install("-e", ".[dev]")  # mypy, and the optional packages trio_cuda imports (pytest)
     session.run("mypy", *session.posargs)
 
 
@@ -55,7 +55,7 @@ def gpu(session: nox.Session) -> None:
     """Only the tests that need a real NVIDIA GPU -- the suite's and the docs' code blocks marked
     ``:class: gpu`` (those importing CuPy or PyTorch skip where it is not installed) -- and the
     batch job on it."""
-    session.install("-e", ".[test]")
+    session.install("-e", ".[dev]")
     session.run("python", "-m", "trio_cuda", "info")
     session.run("python", "-m", "pytest", "-q", "-m", "gpu", *TEST_PATHS, *session.posargs)
     session.run("python", "-m", "trio_cuda", "demo", "--device", "cuda")
@@ -70,7 +70,7 @@ def sanitizer(session: nox.Session) -> None:
     with them their local variables, so arrays whose last handle was dropped
     would look pinned after their work retired. Device backtraces stay on.
     """
-    session.install("-e", ".[test]")
+    session.install("-e", ".[dev]")
     session.run(
         "compute-sanitizer",
         "--tool",

@@ -9,6 +9,7 @@ marker is what makes it work.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shutil
@@ -50,13 +51,16 @@ def _build(tmp: Path) -> Path:
     """trio_cuda as installed: the package and its package data, in ``tmp/site``."""
     src = tmp / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(ROOT / "trio_cuda", src / "trio_cuda", ignore=shutil.ignore_patterns("__pycache__"))
     site = tmp / "site"
     try:
-        import setuptools  # noqa: F401
-    except ImportError:  # pragma: no cover - no build backend: copy what pyproject.toml declares
+        backend = int(importlib.metadata.version("setuptools").split(".")[0])
+    except importlib.metadata.PackageNotFoundError:
+        backend = 0
+    # pyproject.toml's license metadata needs setuptools >= 77 (a Python 3.11 venv has 65)
+    if backend < 77:  # no usable build backend here: copy what pyproject.toml declares
         data = tomllib.loads((ROOT / "pyproject.toml").read_text())
         assert "py.typed" in data["tool"]["setuptools"]["package-data"]["trio_cuda"]
         shutil.copytree(src / "trio_cuda", site / "trio_cuda")
