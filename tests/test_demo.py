@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import os
@@ -15,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import trio_cuda
 import trio_cuda._demo as _demo_module
+import trio_cuda._demo_cli as _demo_cli
 import trio_cuda._demo_output as _demo_output
 from trio_cuda._demo import BatchConfig, DeviceUnavailableError, make_kernels, run_batch
 from trio_cuda._demo_cli import main
@@ -306,13 +309,16 @@ def test_progress_is_plain_lines_when_not_a_terminal() -> None:
     assert proc.stdout.splitlines()[-1].startswith("OK: 16 verified")
 
 
-def _run_on_a_terminal(args: list[str], *, stdout_too: bool) -> tuple[int, str, str]:
-    """Run the demo with stderr (and stdout, if ``stdout_too``) on a pseudo-terminal."""
+def _run_on_a_terminal(
+    args: list[str], *, stdout_too: bool, command: list[str] | None = None
+) -> tuple[int, str, str]:
+    """Run the demo (``python -m trio_cuda`` or ``python *command``) with stderr
+    (and stdout, if ``stdout_too``) on a pseudo-terminal."""
     pty = pytest.importorskip("pty")
     master, slave = pty.openpty()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trio_cuda", "demo", *args],
+            [sys.executable, *(command or ["-m", "trio_cuda"]), "demo", *args],
             stdin=subprocess.DEVNULL,
             stdout=slave if stdout_too else subprocess.PIPE,
             stderr=slave,
@@ -375,6 +381,64 @@ async def test_bar_mode_writes_the_bar_to_err_and_lines_to_out() -> None:
     assert "%|" not in out.getvalue()
     assert "progress: " not in out.getvalue()
     assert len(re.findall(r"^input +\d+: stream", out.getvalue(), re.MULTILINE)) == FAST["inputs"]
+
+
+# --------------------------------------------------------------------------- the bar without tqdm
+
+#: runs ``python -m trio_cuda`` with the tqdm import blocked, as where tqdm is not installed
+NO_TQDM = "import sys; sys.modules['tqdm'] = None; from trio_cuda.__main__ import main; sys.exit(main())"
+
+
+async def test_bar_mode_without_tqdm_draws_the_built_in_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+    with pytest.raises(ImportError):
+        import tqdm  # noqa: F401
+    out, err = io.StringIO(), io.StringIO()
+    report = await run_batch(
+        BatchConfig(**FAST, deadline=math.inf, progress="bar", verbose=1), out=out, err=err
+    )  # type: ignore[arg-type]
+    _assert_clean(report, out.getvalue())
+    bar = err.getvalue()
+    assert "%|" not in bar  # not tqdm's
+    last = bar.rstrip("\n").rsplit("\r", 1)[-1]
+    assert re.fullmatch(r"batch: 100% \[#{24}\] 24/24 inputs, \d+\.\d s, 0 in flight *", last), repr(last)
+    assert bar.endswith("\n")  # the bar's line is ended when it closes
+    assert "\r" not in out.getvalue()
+    assert "progress: " not in out.getvalue()
+    assert len(re.findall(r"^input +\d+: stream", out.getvalue(), re.MULTILINE)) == FAST["inputs"]
+
+
+def test_the_built_in_bar_writes_lines_above_itself_and_closes_once() -> None:
+    err, out = io.StringIO(), io.StringIO()
+    bar = _demo_output.PlainBar(4, err, mininterval=3600.0)
+    bar.update()  # not redrawn: too soon
+    assert err.getvalue().count("\r") == 1
+    bar.write("a line", file=out)
+    assert out.getvalue() == "a line\n"
+    # the bar was blanked out before the line and drawn again after it, at 1/4
+    assert re.search(r"\r {20,}\r+batch:  25% \[#{6}\.{18}\] 1/4 inputs, \d+\.\d s$", err.getvalue())
+    bar.set_postfix_str("2 in flight")
+    bar.update(3)  # the last one is drawn whatever the interval
+    assert re.search(r"\] 4/4 inputs, \d+\.\d s, 2 in flight$", err.getvalue())
+    bar.close()
+    bar.close()
+    assert err.getvalue().count("\n") == 1
+    bar.write("after", file=out)  # a closed bar writes plain lines
+    assert out.getvalue() == "a line\nafter\n"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_without_tqdm_the_terminal_gets_the_built_in_bar() -> None:
+    status, terminal, piped = _run_on_a_terminal(
+        [*QUICK, "--deadline", "none"], stdout_too=False, command=["-c", NO_TQDM]
+    )
+    assert status == 0, terminal + piped
+    assert "Traceback" not in terminal
+    assert "%|" not in terminal
+    assert re.search(r"batch: 100% \[#{24}\] 16/16 inputs", terminal), terminal
+    assert "progress: " not in terminal + piped
+    assert "\r" not in piped
+    assert piped.splitlines()[-1].startswith("OK: 16 verified")
 
 
 # --------------------------------------------------------------------------- hostile input
@@ -478,18 +542,66 @@ def test_failed_inputs_are_reported_together_and_the_exit_status_is_1(
 
 
 def test_a_trace_that_cannot_be_written_is_one_error_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    def disk_full(self: object, path: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trio_cuda.trace.Trace, "write", disk_full)
     target = tmp_path / "t.html"
-    target.mkdir()  # a folder where the file should go
     status = main(
         ["--device", "sim", "--inputs", "2", "--size", "64", "--kernel-ms", "0", "--trace", str(target)]
     )
     captured = capsys.readouterr()
     assert status == 1
     assert captured.err.count("\n") == 1
-    assert "--trace: could not write" in captured.err
+    assert f"--trace: could not write {str(target)!r}: [Errno 28] No space left on device" in captured.err
     assert "nothing leaked" in captured.out
+
+
+@pytest.mark.parametrize("name", ["t.html", "t.json", "plain"])
+def test_a_folder_as_the_trace_is_refused_before_the_job_runs(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / name
+    folder.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", "sim", "--inputs", "2", "--trace", str(folder)])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran
+    [line] = [line for line in captured.err.splitlines() if "error:" in line]
+    assert line == (
+        f"batch_job: error: argument --trace: expected a file name, not a folder, got {str(folder)!r}"
+    )
+    assert list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize(("name", "start"), [("T.HTML", "<!doctype html"), ("t.Json", "{"), ("t.HtM", "<!")])
+def test_the_trace_suffix_is_read_in_any_case(
+    tmp_path: Path, name: str, start: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / name
+    status = main(
+        ["--device", "sim", "--inputs", "2", "--size", "64", "--kernel-ms", "0", "--trace", str(target)]
+    )
+    assert status == 0, capsys.readouterr()
+    assert target.read_text(encoding="utf-8").lower().startswith(start)
+    assert f"written to {target}" in capsys.readouterr().out
+
+
+def test_the_demo_trace_keeps_the_documented_number_of_events(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "t.json"
+    status = main(
+        ["--device", "sim", "--inputs", "2", "--size", "64", "--kernel-ms", "0", "--trace", str(target)]
+    )
+    assert status == 0
+    doc = json.loads(target.read_text())
+    assert doc["otherData"]["limit"] == _demo_cli.TRACE_LIMIT == 100_000
+    assert doc["otherData"]["dropped"] == 0
+    assert "the last 100,000 events are kept" in " ".join(_demo_cli.build_parser().format_help().split())
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child is POSIX")

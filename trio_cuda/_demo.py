@@ -37,7 +37,7 @@ import numpy as np
 import trio
 
 from ._core._array import DeviceArray
-from ._core._errors import TrioCudaError
+from ._core._errors import DeviceUnavailableError
 from ._core._kernel import Kernel
 from ._core._params import In, InOut, Out, Scalar
 from ._core._scope import ResourceScope, ScopeStatistics
@@ -230,7 +230,7 @@ class BatchConfig:
     streams: int = attrs.field(default=4, validator=_integer(1, MAX_STREAMS))
     seed: int = attrs.field(default=0, validator=_integer(0))
     #: "lines": a plain line every ``progress_every`` completions (and at
-    #: least every few seconds); "bar": a tqdm bar on the error stream; "none"
+    #: least every few seconds); "bar": a bar on the error stream (tqdm's, else a built-in one); "none"
     progress: str = attrs.field(default="lines", validator=_PROGRESS)
     progress_every: int = attrs.field(default=0, validator=_integer(0))  #: 0: every eighth of the inputs
     #: 1: a line per input, the trio_cuda logger at INFO; 2: a line per step, DEBUG
@@ -282,10 +282,6 @@ class BatchReport:
 # --------------------------------------------------------------------------- backend choice
 
 
-class DeviceUnavailableError(TrioCudaError):
-    """The device named by ``--device`` is not there; the message says why."""
-
-
 def check_device(device: str) -> str:
     """Why ``device`` was chosen, or :class:`DeviceUnavailableError` saying
     why it cannot be used. Asks the CUDA driver (never raises anything else)."""
@@ -302,14 +298,18 @@ def check_device(device: str) -> str:
         if usable:
             return "a CUDA driver and device answer"
         return probe.reason if not probe.available else "the cuda backend is not installed"
+    instead = "--device auto uses the simulator when no GPU answers, --device sim always"
     if not probe.available:
-        raise DeviceUnavailableError(probe.reason)
+        raise DeviceUnavailableError(f"no CUDA device answered ({probe.reason}); {instead}")
     if not usable:
-        raise DeviceUnavailableError("a CUDA device answers, but the cuda backend is not installed")
+        raise DeviceUnavailableError(
+            f"a CUDA device answers, but the cuda backend is not installed; {instead}"
+        )
     ordinal = int(m.group(1) or 0)
     if ordinal >= probe.device_count:
+        n = probe.device_count
         raise DeviceUnavailableError(
-            f"the CUDA driver reports {probe.device_count} device(s), cuda:0 to cuda:{probe.device_count - 1}"
+            f"the CUDA driver reports {n} device(s), " + ("cuda:0" if n == 1 else f"cuda:0 to cuda:{n - 1}")
         )
     return f"asked for with --device {device}"
 
@@ -576,6 +576,8 @@ async def _run(config: BatchConfig, output: Output, stop: trio.Event | None) -> 
     except BaseException as exc:
         if not isinstance(exc, Exception):
             raise  # KeyboardInterrupt, an outer Cancelled: not ours to swallow
+        if gpu is None and isinstance(exc, DeviceUnavailableError):
+            raise  # the device went away since it was checked: the command line says so
         errors = exc.exceptions if isinstance(exc, BaseExceptionGroup) else (exc,)
         report.scope_errors.extend(f"{type(e).__name__}: {e}" for e in errors)
     report.elapsed = time.perf_counter() - started

@@ -6,8 +6,9 @@ Invariants:
   the output stream; the progress bar and log records go to the error stream.
   While a bar is shown, every line is written through the bar, so that a line
   never lands in the middle of the bar on a terminal that shows both streams.
-* The bar is a tqdm bar, used only when asked for (``progress="bar"``, which
-  the command line picks when stderr is a terminal). Otherwise progress is a
+* The bar is used only when asked for (``progress="bar"``, which the command
+  line picks when stderr is a terminal): tqdm's where tqdm can be imported,
+  else :class:`PlainBar`, one line redrawn in place. Otherwise progress is a
   plain line every so often: no carriage returns in logs and CI output.
 * The bar is closed before the summary is printed, and on every way out of
   the run (an error, Ctrl-C), so the summary is never drawn over.
@@ -27,7 +28,7 @@ import time
 from types import TracebackType
 from typing import Any, TextIO
 
-__all__ = ["Output", "to_devnull"]
+__all__ = ["Output", "PlainBar", "to_devnull"]
 
 #: seconds between two plain progress lines when completions are slow
 LINE_INTERVAL = 5.0
@@ -76,6 +77,80 @@ class _Handler(logging.Handler):
         self._output.log_line(line)
 
 
+class PlainBar:
+    """The progress bar where tqdm is not installed: one line on ``file``
+    (``batch:  50% [############............] 8/16 inputs, 0.2 s, 3 in flight``),
+    redrawn in place at most every ``mininterval`` seconds and at the end. It
+    has the part of tqdm's interface that :class:`Output` uses."""
+
+    WIDTH = 24
+
+    def __init__(self, total: int, file: TextIO, *, desc: str = "batch", mininterval: float = 0.1) -> None:
+        self.total = total
+        self.n = 0
+        self.file = file
+        self.desc = desc
+        self.mininterval = mininterval
+        self.postfix = ""
+        self._started = time.perf_counter()
+        self._drawn = 0.0
+        self._width = 0  # of the line on screen, to blank it out
+        self._closed = False
+        self._draw()
+
+    def _line(self) -> str:
+        frac = min(1.0, self.n / self.total) if self.total > 0 else 1.0
+        filled = int(frac * self.WIDTH)
+        line = (
+            f"{self.desc}: {frac * 100:3.0f}% [{'#' * filled}{'.' * (self.WIDTH - filled)}] "
+            f"{self.n}/{self.total} inputs, {time.perf_counter() - self._started:.1f} s"
+        )
+        return f"{line}, {self.postfix}" if self.postfix else line
+
+    def _draw(self) -> None:
+        self._drawn = time.perf_counter()
+        line = self._line()
+        self.file.write("\r" + line + " " * max(0, self._width - len(line)))
+        self.file.flush()
+        self._width = len(line)
+
+    def _clear(self) -> None:
+        if self._width:
+            self.file.write("\r" + " " * self._width + "\r")
+            self.file.flush()
+            self._width = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n >= self.total or time.perf_counter() - self._drawn >= self.mininterval:
+            self._draw()
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        self.postfix = text
+        if refresh:
+            self._draw()
+
+    def write(self, line: str, file: TextIO | None = None) -> None:
+        """Print ``line`` to ``file`` (the bar's by default) above the bar."""
+        if self._closed:
+            print(line, file=self.file if file is None else file)
+            return
+        self._clear()
+        target = self.file if file is None else file
+        print(line, file=target)
+        target.flush()
+        self._draw()
+
+    def close(self) -> None:
+        """Draw the last state and end the line; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._draw()
+        self.file.write("\n")
+        self.file.flush()
+
+
 class Output:
     """The job's printer: lines, verbose lines, progress (bar or lines) and logging."""
 
@@ -95,7 +170,7 @@ class Output:
         self.verbose = verbose
         self.progress = progress
         self.progress_every = progress_every
-        self._bar: Any = None  # a tqdm bar while one is shown
+        self._bar: Any = None  # a tqdm bar or a PlainBar while one is shown
         self._total = 0
         self._every = 0
         self._started = 0.0
@@ -170,8 +245,8 @@ class Output:
             return
         try:
             tqdm = importlib.import_module("tqdm").tqdm  # typed as Any: tqdm ships no stubs
-        except ImportError:  # pragma: no cover - tqdm is a dependency
-            self.progress = "lines"
+        except ImportError:  # tqdm is optional: the built-in bar
+            self._bar = PlainBar(total, self.err, desc="batch", mininterval=0.1)
             return
         self._bar = tqdm(
             total=total,
