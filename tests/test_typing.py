@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 import tomllib
 from pathlib import Path
 
@@ -24,27 +23,11 @@ import pytest
 pytest.importorskip("mypy", reason="mypy is in the test extra")
 
 ROOT = Path(__file__).resolve().parent.parent
-PROGRAM = ROOT / "tests" / "typing" / "user_program.py"
-
-#: each line with the error code mypy must report on it
-MISTAKES = textwrap.dedent(
-    """\
-    import numpy as np
-    import trio_cuda
-
-
-    async def main() -> None:
-        async with trio_cuda.open_scope("sim") as gpu:
-            x = await gpu.to_device(np.ones(4))
-            n: int = await gpu.to_host(x)  # E: assignment
-            await gpu.run(42)  # E: call-overload
-            gpu.upload(x)  # E: attr-defined
-            fut = gpu.submit(trio_cuda.ops.value(1.5))
-            s: str = await fut.wait()  # E: assignment
-            trio_cuda.open_scope(conflicts="ignore")  # E: arg-type
-            x.no_such_attribute  # E: attr-defined
-    """
-)
+TYPING = ROOT / "tests" / "typing"
+#: typed programs that must check clean (each also runs, on the simulator)
+PROGRAMS = ("user_program.py", "typed_results.py")
+#: wrong uses: each line marked ``# E: CODE[, CODE]`` must be reported with those codes
+WRONG = "wrong_uses.py"
 
 
 def _build(tmp: Path) -> Path:
@@ -129,25 +112,33 @@ def test_the_built_package_ships_py_typed(site: Path) -> None:
     assert not (site / "tests").exists()
 
 
-def test_a_typed_user_program_checks_clean_and_mistakes_are_reported(
+def _expected(path: Path) -> set[tuple[int, str]]:
+    return {
+        (i, code.strip())
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if (m := re.search(r"# E: ([\w-]+(?:, [\w-]+)*)$", line))
+        for code in m.group(1).split(",")
+    }
+
+
+def test_typed_programs_check_clean_and_wrong_uses_are_reported(
     site: Path, cache: Path, tmp_path: Path
 ) -> None:
     work = tmp_path / "project"
     work.mkdir()
-    shutil.copy2(PROGRAM, work / "user_program.py")
-    (work / "mistakes.py").write_text(MISTAKES)
-    result = _mypy(site, work, cache, "user_program.py", "mistakes.py")
+    for name in (*PROGRAMS, WRONG):
+        shutil.copy2(TYPING / name, work / name)
+    result = _mypy(site, work, cache, *PROGRAMS, WRONG)
     report = result.stdout + result.stderr
-    # the library came from the installed copy, not from the repository
-    assert "user_program.py" not in report, report
-    expected = {
-        (i, m.group(1))
-        for i, line in enumerate(MISTAKES.splitlines(), 1)
-        if (m := re.search(r"# E: ([\w-]+)$", line))
-    }
+    # the typed programs check clean (trio_cuda came from the installed copy: a
+    # library mypy cannot find is reported on their import lines)
+    for name in PROGRAMS:
+        assert name not in report, report
+    expected = _expected(TYPING / WRONG)
+    assert len(expected) >= 30
     found = {
         (int(m.group(1)), m.group(2))
-        for m in re.finditer(r"^mistakes\.py:(\d+): error: .*\[([\w-]+)\]$", report, re.MULTILINE)
+        for m in re.finditer(rf"^{re.escape(WRONG)}:(\d+): error: .*\[([\w-]+)\]$", report, re.MULTILINE)
     }
     assert found == expected, report
     assert result.returncode == 1
@@ -175,6 +166,7 @@ def test_without_py_typed_users_get_untyped_imports(site: Path, cache: Path, tmp
     ), typed.stdout + typed.stderr
 
 
-def test_the_user_program_runs() -> None:
-    result = subprocess.run([sys.executable, str(PROGRAM)], capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_the_typed_programs_run(name: str) -> None:
+    result = subprocess.run([sys.executable, str(TYPING / name)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -78,7 +78,7 @@ async def main() -> None:
         assert_type(chained, DeviceOp[float])
         assert_type(await gpu.run(chained, stream=gpu.streams[1]), float)
         both = trio_cuda.zip(label, chained.shared())
-        assert_type(both, DeviceOp[tuple[Any, ...]])
+        assert_type(both, DeviceOp[tuple[str, float]])
         assert await gpu.run(both) == ("3", 6.0)
 
         arr = gpu.empty(4, np.float32)

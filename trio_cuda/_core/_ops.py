@@ -217,9 +217,13 @@ class _Zip(DeviceOp[tuple[Any, ...]]):
         return f"zip({', '.join(map(repr, self._ops))})"
 
 
-# (typed for one to six ops; more, or a starred sequence, give ``tuple[Any, ...]``)
+# Typed for up to six ops; seven or more, or a starred sequence, give
+# ``tuple[Any, ...]``. (The fallback takes seven or more so that a mismatch in a
+# call of up to six is reported, not absorbed by the fallback.)
 @overload
-def zip(a: DeviceOp[A], /) -> DeviceOp[tuple[A]]: ...  # noqa: A001 - public name fixed
+def zip() -> DeviceOp[tuple[()]]: ...  # noqa: A001 - public name fixed
+@overload
+def zip(a: DeviceOp[A], /) -> DeviceOp[tuple[A]]: ...  # noqa: A001
 @overload
 def zip(a: DeviceOp[A], b: DeviceOp[B], /) -> DeviceOp[tuple[A, B]]: ...  # noqa: A001
 @overload
@@ -237,13 +241,23 @@ def zip(  # noqa: A001
     a: DeviceOp[A], b: DeviceOp[B], c: DeviceOp[C], d: DeviceOp[D], e: DeviceOp[E], f: DeviceOp[F], /
 ) -> DeviceOp[tuple[A, B, C, D, E, F]]: ...
 @overload
-def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]: ...  # noqa: A001
+def zip(  # noqa: A001
+    a: DeviceOp[Any],
+    b: DeviceOp[Any],
+    c: DeviceOp[Any],
+    d: DeviceOp[Any],
+    e: DeviceOp[Any],
+    f: DeviceOp[Any],
+    g: DeviceOp[Any],
+    /,
+    *ops: DeviceOp[Any],
+) -> DeviceOp[tuple[Any, ...]]: ...
 def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]:  # noqa: A001 - public name fixed
     """Run independent ops in one submission; the output is the tuple of
     their outputs (typed element by element for up to six ops). A host
-    closure's element is its :class:`HostResult` inside ``then``/``map``, and
-    its value once run or awaited, as for the closure on its own; the static
-    type keeps the ``HostResult``."""
+    closure's element is typed, and passed to ``then``/``map``, as its
+    :class:`HostResult`; ``run`` and ``wait`` return the tuple with the
+    closure's value in its place."""
     for i, op in enumerate(ops):
         if not isinstance(op, DeviceOp):
             raise TypeError(f"zip: argument {i}: expected a DeviceOp, got {type(op).__name__}")
