@@ -483,3 +483,120 @@ def test_the_documented_example_runs(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_double=example)
     result = run(pytester)
     assert_gpu_outcome(result, passed=3)
+
+
+NEEDS_PYTEST_TRIO = """
+def test_sim_needs_no_pytest_trio(trio_cuda_sim):
+    assert trio_cuda_sim.live_allocations == []
+
+async def test_scope(trio_cuda_scope):
+    assert trio_cuda_scope.backend == "sim"
+
+def test_sync_test_on_the_scope(trio_cuda_scope):
+    pass
+
+async def test_gpu_scope(trio_cuda_gpu_scope):
+    assert trio_cuda_gpu_scope.backend == "cuda"
+"""
+
+#: pytest, in a process where ``pytest_trio`` cannot be imported, as where pytest-trio is not
+#: installed (with plugin autoloading off: no entry point imports it, and pytest's assertion
+#: rewriter, which finds the modules of entry-point plugins itself, is not asked for it)
+WITHOUT_PYTEST_TRIO = """
+import importlib.abc
+import sys
+
+class NoPytestTrio(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "pytest_trio":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, NoPytestTrio())
+import pytest
+
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+
+def _run_apart(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str, blocked: bool, autoload: bool
+) -> pytest.RunResult:
+    """pytest on ``NEEDS_PYTEST_TRIO`` in a subprocess, with the plugin loaded."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    if autoload:
+        monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+        plugin: list[str] = []
+    else:
+        monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+        plugin = _plugin_args()
+    pytester.makeini("[pytest]\ntrio_mode = true\n")
+    pytester.makepyfile(test_user=NEEDS_PYTEST_TRIO)
+    run_pytest = ["-c", WITHOUT_PYTEST_TRIO] if blocked else ["-m", "pytest"]
+    return pytester.run(sys.executable, *run_pytest, *plugin, "-p", "no:cacheprovider", "-rsE", *args)
+
+
+def _assert_refused(result: pytest.RunResult, why: str) -> None:
+    """The three tests on a scope fixture fail at setup, each naming its fixture, pytest-trio,
+    ``why`` and how to make the test a Trio test; the one on trio_cuda_sim passes."""
+    result.assert_outcomes(passed=1, errors=3)
+    out = result.stdout.str()
+    message = (
+        "trio_cuda's scope fixtures are Trio fixtures and need the pytest-trio plugin, "
+        f"{why}; then make the test a Trio test (trio_mode = true in the pytest configuration, "
+        "or @pytest.mark.trio)"
+    )
+    lines = out.splitlines()
+    assert lines.count(f"trio_cuda_scope: {message}") == 2, out
+    assert lines.count(f"trio_cuda_gpu_scope: {message}") == 1, out
+    result.stdout.fnmatch_lines_random(
+        [
+            "ERROR test_user.py::test_scope - Failed: trio_cuda_scope: *",
+            "ERROR test_user.py::test_sync_test_on_the_scope - Failed: trio_cuda_scope: *",
+            "ERROR test_user.py::test_gpu_scope - Failed: trio_cuda_gpu_scope: *",
+        ]
+    )
+    assert "requested an async fixture" not in out, out
+    assert "Traceback" not in out, out
+
+
+def test_scope_fixtures_without_pytest_trio_name_it_and_the_extra(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = _run_apart(pytester, monkeypatch, blocked=True, autoload=False)
+    _assert_refused(
+        result,
+        "which is not installed: pip install 'trio_cuda[pytest]' brings pytest and pytest-trio "
+        "(or pip install pytest-trio)",
+    )
+
+
+def test_scope_fixtures_with_pytest_trio_turned_off_say_how_to_load_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = _run_apart(pytester, monkeypatch, "-p", "no:trio", blocked=False, autoload=True)
+    _assert_refused(
+        result,
+        "which is installed but not loaded in this run: it was turned off (-p no:trio), or "
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD is set; load it with -p trio",
+    )
+
+
+@pytest.mark.parametrize("name", ["trio", "pytest_trio.plugin"])
+def test_pytest_trio_loaded_by_hand_is_found(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Without autoloading, ``-p trio`` (the advice above) or the module's name loads
+    pytest-trio, and the scope fixtures run (a sync test on one gets pytest-trio's refusal)."""
+    result = _run_apart(pytester, monkeypatch, "-p", name, blocked=False, autoload=False)
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed") == (3 if HAS_GPU else 2), result.stdout.str()
+    assert outcomes.get("skipped", 0) == (0 if HAS_GPU else 1), result.stdout.str()
+    assert outcomes.get("failed", 0) + outcomes.get("errors", 0) == 1, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "E * RuntimeError: Trio fixtures can only be used by Trio tests",
+            "ERROR test_user.py::test_sync_test_on_the_scope - RuntimeError: *",
+        ]
+    )
+    assert "need the pytest-trio plugin" not in result.stdout.str()

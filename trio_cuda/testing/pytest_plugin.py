@@ -16,8 +16,11 @@ Fixtures (function-scoped):
   is skipped, with the reason, where there is none. Tests that use it are
   marked ``gpu``.
 
-The two scope fixtures are Trio fixtures: they need pytest-trio, and a Trio
-test (``trio_mode = true``, or ``@pytest.mark.trio``).
+The two scope fixtures are Trio fixtures: they need pytest-trio
+(``pip install 'trio_cuda[pytest]'`` brings pytest and pytest-trio), and a
+Trio test (``trio_mode = true``, or ``@pytest.mark.trio``). Where pytest-trio
+is not loaded, a test that uses one fails at setup with a message that names
+pytest-trio and the extra, or the way it was turned off.
 
 Markers: ``trio_cuda_sim(**options)`` passes SimDevice options to
 ``trio_cuda_sim`` (``check=False`` turns its teardown checks off);
@@ -36,6 +39,9 @@ Invariants:
   not registered it.
 * Nothing here touches CUDA until ``trio_cuda_gpu_scope`` is used: the probe
   runs then, once per session.
+* Nothing here imports pytest-trio: whether it is loaded is read from the
+  plugin manager (under its entry-point name or its module's), and checked
+  before either scope fixture, or the GPU probe, runs.
 * A marker's bad argument fails the test with an error that names the
   marker and the argument, what was expected and what was given: unknown
   names before anything is made, bad values as the device or scope refuses
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import inspect
 import math
 from collections.abc import AsyncIterator, Iterator
@@ -63,6 +70,7 @@ __all__ = ["trio_cuda_gpu_scope", "trio_cuda_scope", "trio_cuda_sim"]
 _KERNEL_TIME_OPTION = "--trio-cuda-kernel-time"
 _GPU_MARKER = "gpu: needs a real NVIDIA GPU (skipped cleanly without one)"
 _probe_key = pytest.StashKey["CudaProbe"]()
+_PYTEST_TRIO = "pytest_trio.plugin"
 
 
 def _seconds(text: str) -> float:
@@ -268,9 +276,56 @@ def _trio_cuda_gpu(request: pytest.FixtureRequest) -> str:
     return "cuda:0"
 
 
+def _pytest_trio_loaded(config: pytest.Config) -> bool:
+    plugins = config.pluginmanager.get_plugins()
+    return any(getattr(plugin, "__name__", None) == _PYTEST_TRIO for plugin in plugins)
+
+
+def _pytest_trio_installed() -> bool:
+    try:
+        return importlib.util.find_spec("pytest_trio") is not None
+    except (ImportError, ValueError):  # e.g. blocked: sys.modules["pytest_trio"] is None
+        return False
+
+
+def _without_pytest_trio(fixture: str) -> str:
+    """Why ``fixture`` cannot run in this session, and what to do."""
+    if _pytest_trio_installed():
+        why = (
+            "which is installed but not loaded in this run: it was turned off (-p no:trio), or "
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD is set; load it with -p trio"
+        )
+    else:
+        why = (
+            "which is not installed: pip install 'trio_cuda[pytest]' brings pytest and pytest-trio "
+            "(or pip install pytest-trio)"
+        )
+    return (
+        f"{fixture}: trio_cuda's scope fixtures are Trio fixtures and need the pytest-trio plugin, {why}; "
+        "then make the test a Trio test (trio_mode = true in the pytest configuration, or @pytest.mark.trio)"
+    )
+
+
+def _require_pytest_trio(config: pytest.Config, fixture: str) -> None:
+    """Fails the test, readably, where pytest-trio is not loaded (pytest would
+    otherwise refuse the async ``fixture`` without saying what is missing)."""
+    if not _pytest_trio_loaded(config):
+        pytest.fail(_without_pytest_trio(fixture), pytrace=False)
+
+
+@pytest.fixture
+def _trio_cuda_scope_needs_trio(request: pytest.FixtureRequest) -> None:
+    _require_pytest_trio(request.config, "trio_cuda_scope")
+
+
+@pytest.fixture
+def _trio_cuda_gpu_scope_needs_trio(request: pytest.FixtureRequest) -> None:
+    _require_pytest_trio(request.config, "trio_cuda_gpu_scope")
+
+
 @pytest.fixture
 async def trio_cuda_scope(
-    trio_cuda_sim: SimDevice, request: pytest.FixtureRequest
+    _trio_cuda_scope_needs_trio: None, trio_cuda_sim: SimDevice, request: pytest.FixtureRequest
 ) -> AsyncIterator[ResourceScope]:
     """A scope open on ``trio_cuda_sim`` for the test. A device the test left
     held is released before the scope exits (the exit waits for all the
@@ -285,7 +340,7 @@ async def trio_cuda_scope(
 
 @pytest.fixture
 async def trio_cuda_gpu_scope(
-    _trio_cuda_gpu: str, request: pytest.FixtureRequest
+    _trio_cuda_gpu_scope_needs_trio: None, _trio_cuda_gpu: str, request: pytest.FixtureRequest
 ) -> AsyncIterator[ResourceScope]:
     """A scope open on a real GPU (``cuda:0``); the test is skipped, with the
     probe's reason, where there is none."""
