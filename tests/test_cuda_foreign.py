@@ -1,12 +1,15 @@
 """``ops.external``, ``ops.after`` and ``Stream.__cuda_stream__`` on a real GPU,
 with the CUDA driver API, CuPy (cuBLAS), PyTorch and cuda.core as the "other
-library" (each skipped where it is not installed). Marked ``gpu``."""
+library" (each skipped where it is not installed), and exports of an external's
+arrays inside its fn (``cupy.asarray(x)``, ``torch.from_dlpack(x)``). Marked
+``gpu``."""
 
 import time
 
 import numpy as np
 import pytest
 import trio
+from _sanitizer import SLOW
 
 import trio_cuda
 from trio_cuda import ops, unsafe
@@ -292,3 +295,105 @@ async def test_after_cupy_streams_and_events():
             elapsed, _ = await _ticking(lambda: gpu.run(ops.after(event)))
             assert elapsed >= 0.05, elapsed
             assert event.done
+
+
+# --------------------------------------------------------------------------- exports inside ops.external
+
+
+async def test_cupy_wraps_the_arrays_of_an_external_directly():
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    rng = np.random.default_rng(5)
+    n = 256
+    w_h = rng.standard_normal((n, n)).astype(np.float32)
+    x_h = rng.standard_normal(n).astype(np.float32)
+    spin = _spin_cupy(cupy)
+    with cupy.cuda.Device(0):
+        scratch = cupy.zeros(4, cupy.float32)
+        cupy.cuda.Device().synchronize()
+    double = cupy.ElementwiseKernel("float32 a", "float32 b", "b = 2 * a + 1", "trio_cuda_test_double")
+    async with trio_cuda.open_scope(device="cuda", streams=2) as gpu:
+        w, x = await gpu.to_device(w_h), await gpu.to_device(x_h)
+        y = gpu.zeros(n, np.float32)
+        z = gpu.zeros(2 * n, np.float32)
+        seen = {}
+
+        def foreign(stream):
+            with cupy.cuda.Device(gpu.device.ordinal), _cupy_stream(cupy, stream):
+                before = gpu.statistics().leases_held
+                spin((1,), (1,), (scratch, np.uint64(100_000_000)))  # 100 ms ahead on our stream
+                t0 = time.perf_counter()
+                w_cp, x_cp, y_cp = cupy.asarray(w), cupy.asarray(x), cupy.asarray(y)
+                lo = cupy.from_dlpack(z[:n])  # DLPack: CuPy names its current stream, ours
+                seen["export_s"] = time.perf_counter() - t0  # no host synchronisation on our stream
+                seen["ptrs"] = (w_cp.data.ptr, x_cp.data.ptr, y_cp.data.ptr, lo.data.ptr)
+                cai = w.__cuda_array_interface__
+                seen["w"] = (cai["stream"], cai["data"])
+                seen["y"] = y.__cuda_array_interface__["data"]
+                cupy.matmul(w_cp, x_cp, out=y_cp)  # cuBLAS writes y
+                double(y_cp, lo)  # a CuPy kernel reads y's new values and writes z[:n]
+                seen["leases"] = gpu.statistics().leases_held - before
+                try:
+                    z[n:].__cuda_array_interface__  # noqa: B018 - not covered
+                except trio_cuda.AccessConflictError as exc:
+                    seen["uncovered"] = str(exc)
+                try:
+                    cupy.from_dlpack(z[n:])
+                except trio_cuda.AccessConflictError as exc:
+                    seen["uncovered_dlpack"] = str(exc)
+            return "done"
+
+        op = ops.external(foreign, reads=[w, x], writes=[y, z[:n]])
+        assert await gpu.run(op, stream=gpu.streams[1]) == "done"
+        assert seen["export_s"] < 0.05 * SLOW, seen["export_s"]
+        assert seen["ptrs"] == (w.ptr, x.ptr, y.ptr, z.ptr)  # views, no copies
+        assert seen["w"] == (None, (w.ptr, True))  # no stream to synchronise with; reads=: read-only
+        assert seen["y"] == (y.ptr, False)
+        assert seen["leases"] == 0  # the external's leases cover them
+        assert "add it to reads= (to read it) or writes= (to write it)" in seen["uncovered"]
+        assert "is not covered by this external's reads= or writes=" in seen["uncovered_dlpack"]
+        expected = w_h @ x_h
+        np.testing.assert_allclose(await gpu.to_host(y), expected, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(await gpu.to_host(z[:n]), 2 * expected + 1, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(await gpu.to_host(z[n:]), np.zeros(n, np.float32))
+        assert gpu.statistics().leases_held == 0
+        # outside fn the same call is an ordinary export again, with a lease of its own
+        await gpu.run(ops.fill(z, 0.0))
+        held = cupy.from_dlpack(z)
+        assert gpu.statistics().leases_held == 1
+        del held
+        await gpu.run(ops.fill(z, 1.0))  # ordered after CuPy's (no) work on it, once released
+        np.testing.assert_array_equal(await gpu.to_host(z), np.ones(2 * n, np.float32))
+
+
+async def test_torch_wraps_the_arrays_of_an_external_directly():
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    async with trio_cuda.open_scope(device="cuda", streams=2) as gpu:
+        dev = torch.device("cuda", gpu.device.ordinal)
+        a = await gpu.to_device(np.arange(N, dtype=np.float32))
+        out = gpu.zeros(N, np.float32)
+        seen = {}
+
+        def torch_mul(stream):
+            s = torch.cuda.ExternalStream(stream.__cuda_stream__()[1], device=dev)
+            with torch.cuda.stream(s):
+                before = gpu.statistics().leases_held
+                out_t = torch.as_tensor(out, device=dev)  # CUDA Array Interface, writable (writes=)
+                try:
+                    a_t = torch.from_dlpack(a)  # DLPack 1.x, read-only flag (reads=)
+                except BufferError as exc:  # a PyTorch that imports without max_version
+                    seen["legacy"] = str(exc)
+                    return None
+                seen["ptrs"] = (a_t.data_ptr(), out_t.data_ptr())
+                torch.mul(a_t, 2.0, out=out_t)
+                seen["leases"] = gpu.statistics().leases_held - before
+            return out
+
+        got = await gpu.run(ops.external(torch_mul, reads=[a], writes=[out]), stream=gpu.streams[1])
+        if "legacy" in seen:
+            assert "covered only by this external's reads=" in seen["legacy"]
+            pytest.skip("this PyTorch imports DLPack without max_version (read-only arrays refused)")
+        assert got is out
+        assert seen["ptrs"] == (a.ptr, out.ptr)
+        assert seen["leases"] == 0
+        np.testing.assert_array_equal(await gpu.to_host(out), 2 * np.arange(N, dtype=np.float32))
+        assert gpu.statistics().leases_held == 0

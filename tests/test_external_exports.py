@@ -502,3 +502,25 @@ async def test_exports_in_chained_externals_under_conflicts_error(sim):
         assert flags == [False, True]  # fn ran once each, at the real enqueue
         np.testing.assert_array_equal(await gpu.to_host(y), np.full(4, 2.0, F4))
         assert new_exports() == 0
+
+
+async def test_borrow_inside_fn_is_refused_naming_the_external(sim):
+    async with trio_cuda.open_scope(device=sim) as a, trio_cuda.open_scope(device=sim) as b:
+        x = a.zeros(4, F4)
+        bx = b.zeros(4, F4)
+        errors = []
+
+        def foreign(stream):
+            try:
+                trio_cuda.borrow(bx, scope=a)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
+        await a.run(ops.external(foreign, writes=[x]))
+        assert len(errors) == 1
+        assert errors[0].startswith(
+            "borrow: cannot borrow from inside a then/map closure or an ops.external fn"
+        )
+        assert "pass the borrowed array in the external's reads= or writes=" in errors[0]
+        assert new_exports() == 0  # refused before bx was asked for a capsule
+        await b.run(ops.fill(bx, 1.0))

@@ -5,6 +5,8 @@
 * **Export**: every :class:`~trio_cuda.DeviceArray` has ``__dlpack__`` /
   ``__dlpack_device__`` and (on the cuda backend) ``__cuda_array_interface__``;
   see the "Interoperability" chapter of the docs for the lease each export holds.
+  Inside an ``ops.external`` fn, exports of the arrays its ``reads``/``writes``
+  cover hold no lease of their own (``_export``).
 
 Invariants:
 
@@ -268,7 +270,11 @@ def borrow(
         raise TypeError(f"borrow: scope: expected a ResourceScope, got {type(scope).__name__}")
     scope._check_open("borrow")
     if scope._enqueuing:
-        raise RuntimeError("borrow: cannot borrow from inside a then/map closure of a submission")
+        raise RuntimeError(
+            "borrow: cannot borrow from inside a then/map closure or an ops.external fn of a submission "
+            "of this scope (its leases are being taken); borrow before submitting, and pass the "
+            "borrowed array in the external's reads= or writes="
+        )
     s = scope._pick(_BORROW_OP, stream)
     has_dlpack = callable(getattr(obj, "__dlpack__", None)) and callable(
         getattr(obj, "__dlpack_device__", None)

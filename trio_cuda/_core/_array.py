@@ -608,7 +608,10 @@ class DeviceArray(metaclass=NoPublicConstructor):
         garbage-collected (consumers keep a reference to it); at scope exit an
         export still held is abandoned and its memory quarantined. ``stream``
         names a stream the consumer must synchronise with, or is None when no
-        work on the memory is in flight. Only on the
+        work on the memory is in flight. Inside an :func:`~trio_cuda.ops.external`
+        fn whose ``reads``/``writes`` cover this view, it takes no lease and
+        ``stream`` is None: the external's leases cover the consumer's work on
+        the external's stream. Only on the
         ``cuda`` backend: on the simulator this raises ``AttributeError``, so
         ``hasattr`` is False. See :doc:`interop`."""
         from ._export import cuda_array_interface
@@ -627,7 +630,11 @@ class DeviceArray(metaclass=NoPublicConstructor):
         stream: it is made to wait, device-side, for in-flight work on the
         memory. The export holds a read (read-only handle) or write lease until
         the consumer deletes the tensor; at scope exit an export still held is
-        abandoned and its memory quarantined. See :doc:`interop`."""
+        abandoned and its memory quarantined. Inside an
+        :func:`~trio_cuda.ops.external` fn whose ``reads``/``writes`` cover this
+        view, it takes no lease: ``stream`` must be the external's (or -1),
+        and a capsule not consumed when fn returns is expired. See
+        :doc:`interop`."""
         from ._export import dlpack_export
 
         return dlpack_export(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)

@@ -114,8 +114,10 @@ def external(
     Interface) and ``torch.from_dlpack(x)`` (DLPack) export them under the
     external's leases, with no lease or wait of their own. A view is covered
     when its bytes lie inside the declared arrays' (of one allocation); one
-    covered only by ``reads`` is exported read-only (a versioned DLPack
-    consumer is told; a legacy one is refused with ``BufferError``); an
+    covered only by ``reads`` is exported read-only (the CUDA Array
+    Interface's flag, which ``torch.as_tensor`` refuses: use
+    ``torch.from_dlpack`` there; a versioned DLPack consumer is told; a legacy
+    one is refused with ``BufferError``); an
     uncovered array of this scope raises
     :class:`~trio_cuda.AccessConflictError` naming ``reads=`` and ``writes=``.
     The consumer must enqueue on ``stream`` (DLPack refuses another consumer
