@@ -503,10 +503,14 @@ def test_open_device_pool_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match=r"^devices: expected at least one device, got none$"):
         trio_cuda.open_device_pool([])
     with pytest.raises(
-        TypeError, match=r"^devices: expected 'cuda', a SimHost or a sequence of devices, got int$"
+        TypeError, match=r"^devices: expected 'auto', 'cuda', a SimHost or a sequence of devices, got int$"
     ):
         trio_cuda.open_device_pool(3)
-    with pytest.raises(ValueError, match=r"^devices: expected 'cuda' \(every CUDA device\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^devices: expected 'auto' \(every CUDA device when one answers, else one simulated "
+        r"device\), 'cuda' \(every CUDA device\), a SimHost or a sequence of devices, got 'gpu'$",
+    ):
         trio_cuda.open_device_pool("gpu")
     with pytest.raises(
         TypeError, match=r"^policy: expected a DevicePolicy \(with a choose\(\) method\), got 1$"
@@ -515,8 +519,22 @@ def test_open_device_pool_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match=r"^streams: expected an int >= 1, got 0$"):
         trio_cuda.open_device_pool(["sim"], streams=0)
     if not probe_cuda().available:
-        with pytest.raises(RuntimeError, match=r"^devices: 'cuda' was asked for, but "):
+        with pytest.raises(trio_cuda.DeviceUnavailableError, match=r"^devices: 'cuda' was asked for, but "):
             trio_cuda.open_device_pool("cuda")
+
+
+def test_the_default_pool_opens_wherever_open_scope_does() -> None:
+    """devices="auto": every GPU where one answers, else one simulated device."""
+
+    async def main() -> None:
+        async with trio_cuda.open_device_pool() as pool, trio_cuda.open_scope() as gpu:
+            assert {s.backend for s in pool.scopes} == {gpu.backend}
+            probe = probe_cuda()
+            assert len(pool.scopes) == (probe.device_count if gpu.backend == "cuda" else 1)
+            x = await pool.to_device(arange())
+            np.testing.assert_array_equal(await x.scope.to_host(x), arange())
+
+    trio.run(main)
 
 
 def test_device_pool_opens_nothing_when_one_device_fails() -> None:

@@ -7,7 +7,12 @@ Invariants:
   or a ``SimHost``) into backend driver contexts here and nowhere else; the core
   only ever sees a :class:`~trio_cuda._core._driver.DeviceContext`.
 * Every option is checked when the manager is made, before any device is
-  touched; the device itself is opened when the manager is entered.
+  touched; the device itself is opened when the manager is entered. A pool's
+  ``"auto"`` and ``"cuda"`` ask the driver then, when the manager is made,
+  since they decide how many scopes it opens.
+* A CUDA device asked for by name that is not there ("cuda", "cuda:N", a
+  pool's "cuda") is :class:`~trio_cuda.DeviceUnavailableError`; only
+  "auto" falls back to the simulator.
 * The simulator that ``"sim"`` and the ``"auto"`` fallback make takes its
   timing from the environment (:data:`SIM_ENVIRONMENT`), read and checked
   when the manager is made; an explicit ``SimDevice`` is used as it is.
@@ -22,7 +27,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
-from ._backends import open_device, probe_cuda
+from ._backends import auto_devices, check_cuda, open_device
 from ._backends.sim import SimDevice
 from ._core._manager import ScopeManager, scope_manager
 from ._core._multi import DevicePolicy, DevicePool, LeastLoadedDevice, PoolManager
@@ -128,21 +133,22 @@ def _scope_manager(
     )
 
 
+_DEVICES = "'auto', 'cuda', a SimHost or a sequence of devices"
+
+
 def _resolve_devices(devices: object) -> list[object]:
     if isinstance(devices, str):
+        if devices == "auto":
+            return [*auto_devices()]
         if devices not in ("cuda", "all"):
             raise ValueError(
-                f"devices: expected 'cuda' (every CUDA device), a SimHost or a sequence of devices, "
-                f"got {devices!r}"
+                f"devices: expected 'auto' (every CUDA device when one answers, else one simulated "
+                f"device), 'cuda' (every CUDA device), a SimHost or a sequence of devices, got {devices!r}"
             )
-        probe = probe_cuda()
-        if not probe.available:
-            raise RuntimeError(f"devices: {devices!r} was asked for, but {probe.reason}")
+        probe = check_cuda(devices, None, argument="devices")
         return [f"cuda:{i}" for i in range(probe.device_count)]
     if not isinstance(devices, Iterable):
-        raise TypeError(
-            f"devices: expected 'cuda', a SimHost or a sequence of devices, got {type(devices).__name__}"
-        )
+        raise TypeError(f"devices: expected {_DEVICES}, got {type(devices).__name__}")
     out = list(devices)
     if not out:
         raise ValueError("devices: expected at least one device, got none")
@@ -150,7 +156,7 @@ def _resolve_devices(devices: object) -> list[object]:
 
 
 def open_device_pool(
-    devices: object = "cuda",
+    devices: object = "auto",
     streams: int = 4,
     conflicts: Literal["order", "error"] = "order",
     drain_timeout: float | None = None,
@@ -161,9 +167,14 @@ def open_device_pool(
     """Open a :class:`~trio_cuda.DevicePool`: ``async with open_device_pool(["cuda:0",
     "cuda:1"]) as pool:``.
 
-    ``devices`` is ``"cuda"`` (every CUDA device of the host), a
+    ``devices`` is ``"auto"`` (the default: every CUDA device of the host
+    when the driver answers with at least one device, else one simulated
+    device, as ``open_scope()`` falls back to one; the choice is logged),
+    ``"cuda"`` (every CUDA device of the host, and
+    :class:`~trio_cuda.DeviceUnavailableError` when none answers), a
     :class:`~trio_cuda.testing.SimHost` (its simulated devices), or a sequence
-    of what ``open_scope(device=...)`` accepts. One scope is opened per entry,
+    of what ``open_scope(device=...)`` accepts. ``"auto"`` and ``"cuda"`` ask
+    the driver when the pool's manager is made. One scope is opened per entry,
     in order, each with ``streams``, ``conflicts`` and ``drain_timeout``, and a
     fresh ``stream_policy()`` (a :class:`~trio_cuda.SchedulingPolicy` class;
     :class:`~trio_cuda.FollowWriter` by default, as for ``open_scope``).

@@ -16,8 +16,11 @@ Invariants:
   (PTX: no driver, no machine code), and keeps the outcome, success or error;
   it only reads the kernel entries of the result. PTX images are checked for
   their entries without compiling; cubins are not checked. When NVRTC cannot
-  be loaded, the check is skipped (once logged at debug level), and
-  ``TRIO_CUDA_SIM_COMPILE=0`` turns it off.
+  be loaded, the check is skipped: the first source kernel that the
+  simulator runs unchecked in a process logs one WARNING naming the
+  ``compiler`` extra (``pip install 'trio_cuda[compiler]'``), never more.
+  ``TRIO_CUDA_SIM_COMPILE=0`` turns the check off, without a warning.
+  :func:`check_status` says which of these holds (``python -m trio_cuda info``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ __all__ = [
     "check_enabled",
     "check_kernel",
     "check_statistics",
+    "check_status",
     "compile_program",
     "load_nvrtc",
     "nvrtc_available",
@@ -63,6 +67,12 @@ _nvrtc_version: tuple[int, int] | None = None
 _supported_archs: tuple[int, ...] | None = None
 #: whether NVRTC could be loaded in this process (None: not tried yet)
 _available: bool | None = None
+#: why NVRTC could not be loaded ("" while it could, or was not tried)
+_unavailable: str = ""
+#: whether the one warning about an unchecked kernel was logged in this process
+_warned = False
+#: how to get NVRTC
+INSTALL_HINT = "pip install 'trio_cuda[compiler]'"
 #: (source, options, arch) -> the kernel entries it defines, or its compile error
 _checked: dict[tuple[str, tuple[str, ...], str], tuple[str, ...] | _Failed] = {}
 _CHECKED_MAX = 4096
@@ -206,16 +216,57 @@ def ptx_entries(ptx: bytes | str) -> tuple[str, ...]:
 def nvrtc_available() -> bool:
     """Whether NVRTC can be loaded in this process (tried once; a failure is
     logged at debug level)."""
-    global _available
+    global _available, _unavailable
     if _available is None:
         try:
             nvrtc_version()
         except Exception as exc:
             logger.debug("the simulator does not compile kernels: NVRTC cannot be loaded (%r)", exc)
+            _unavailable = _short(exc)
             _available = False
         else:
             _available = True
     return _available
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if len(text) > 100:
+        text = text[:97] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def check_status() -> tuple[bool, str]:
+    """Whether the simulator's compile check is on in this process, and why
+    (or why not, with what to do about it). Loads NVRTC if it was not tried."""
+    if not check_enabled():
+        return False, f"turned off by {SIM_COMPILE_ENV}={os.environ.get(SIM_COMPILE_ENV, '')}"
+    if not nvrtc_available():
+        return False, (
+            f"NVRTC cannot be loaded ({_unavailable}): kernel sources are not compiled, and a "
+            f"kernel runs its reference= even if its source does not compile or does not define "
+            f"it; {INSTALL_HINT} installs NVRTC"
+        )
+    major, minor = nvrtc_version()
+    return True, f"NVRTC {major}.{minor} compiles each kernel's source once and checks its name"
+
+
+def _warn_unchecked(kernel: Kernel) -> None:
+    """Log, once per process, that a kernel runs on the simulator unchecked."""
+    global _warned
+    with _lock:
+        if _warned:
+            return
+        _warned = True
+    logger.warning(
+        "the simulator runs kernel %r without checking its source: NVRTC is not available (%s), "
+        "so a source that does not compile or does not define the kernel goes unnoticed until it "
+        "runs on a GPU; %s installs NVRTC (%s=0 turns the check off); this is said once per process",
+        kernel.name,
+        _unavailable or "not installed",
+        INSTALL_HINT,
+        SIM_COMPILE_ENV,
+    )
 
 
 def check_enabled() -> bool:
@@ -248,6 +299,7 @@ def check_kernel(kernel: Kernel, cc: tuple[int, int]) -> None:
     if not nvrtc_available():
         with _lock:
             _stats["skipped"] += 1
+        _warn_unchecked(kernel)
         return
     options = tuple(kernel.options)
     arch = arch_option(options)

@@ -76,4 +76,20 @@ class DeviceUnavailableError(TrioCudaError, RuntimeError):
     cuda backend is not installed, or the ordinal is out of range. The message
     names what was asked for, why it cannot be used, and what to do instead
     (``device="auto"`` falls back to the simulator, ``device="sim"`` forces it).
+    ``device`` is what was asked for (``"cuda:1"``) and ``reason`` why it is not
+    there, in a few words (``"no CUDA driver: libcuda.so.1 not found"``).
     Nothing was opened."""
+
+    def __init__(self, message: str, *, device: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.device = device
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_unavailable, (type(self), str(self), self.device, self.reason))
+
+
+def _rebuild_unavailable(
+    cls: type[DeviceUnavailableError], message: str, device: str, reason: str
+) -> DeviceUnavailableError:
+    return cls(message, device=device, reason=reason)

@@ -103,7 +103,7 @@ class CompletionMixin(StreamsMixin):
             (err,) = cu.cuStreamQuery(s.cu)
             if err and int(err) != NOT_READY:
                 self._sticky = cuda_error(err, f"cuStreamQuery(stream {s.index})")
-                log.error("trio_cuda: cuda:%d failed: %s", self.ordinal, self._sticky)
+                log.error("cuda:%d failed: %s", self.ordinal, self._sticky)
                 return True
         return False
 
@@ -141,7 +141,7 @@ class CompletionMixin(StreamsMixin):
             # broken; pending markers now poll UNKNOWN (never raise into the core)
             if self._sticky is None:
                 self._sticky = exc
-                log.error("trio_cuda: cuda:%d failed: %s", self.ordinal, exc)  # noqa: TRY400
+                log.error("cuda:%d failed: %s", self.ordinal, exc)  # noqa: TRY400
             failed = True
         finally:
             for s in streams:
@@ -313,7 +313,7 @@ class CompletionMixin(StreamsMixin):
             result = job.result
             if result is not None and int(result) not in (0, NOT_READY) and self._sticky is None:
                 self._sticky = cuda_error(result, "cuEventSynchronize")
-                log.error("trio_cuda: cuda:%d failed: %s", self.ordinal, self._sticky)
+                log.error("cuda:%d failed: %s", self.ordinal, self._sticky)
             if job.recycle and not self._closed:
                 self._free_events.append(job.event)
         ev.set()

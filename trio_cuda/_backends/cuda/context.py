@@ -346,7 +346,7 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
         self._staging.close()
         if self._sticky is not None:
             log.warning(
-                "trio_cuda: cuda:%d closed after a sticky error (%s); its driver state is leaked",
+                "cuda:%d closed after a sticky error (%s); its driver state is leaked",
                 self.ordinal,
                 self._sticky,
             )
