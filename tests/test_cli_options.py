@@ -5,6 +5,10 @@ error line (naming the option, what was expected and what was given) with exit
 status 2, no traceback, and the program never started. Where the trace cannot
 be written after all (its folder went away while the program ran), that is one
 error line too, and the program's own status or 1.
+
+``-o`` goes before the script or ends the command line (the form the README
+shows); when trace's ``-o`` comes before the script, or ``--`` ends trace's
+options, a trailing ``-o`` is the program's own.
 """
 
 from __future__ import annotations
@@ -142,3 +146,125 @@ def test_an_output_that_cannot_be_written_after_the_run_is_one_error_line(tmp_pa
     assert "Traceback" not in proc.stderr, proc.stderr
     [line] = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert line.startswith(f"trio-cuda trace: error: -o: could not write {str(out)!r}: "), line
+
+
+# --------------------------------------------------------------------------- where -o goes
+
+
+def _ran(tmp_path: Path) -> list[str]:
+    args: list[str] = json.loads((tmp_path / "ran.json").read_text())
+    return args
+
+
+def _written(proc: subprocess.CompletedProcess[str], out: Path) -> None:
+    assert proc.returncode == 0, proc.stderr
+    assert f"written to {out.name}" in proc.stderr or f"written to {out}" in proc.stderr, proc.stderr
+    text = out.read_text(encoding="utf-8")
+    if out.suffix.lower() == ".json":
+        assert json.loads(text)["traceEvents"]
+    else:
+        assert text.lower().startswith("<!doctype html")
+
+
+@pytest.mark.parametrize(
+    ("args", "theirs", "out"),
+    [
+        (["PROG", "-o", "run.html"], [], "run.html"),  # the README's form
+        (["PROG", "--its-args", "-o", "run.html"], ["--its-args"], "run.html"),  # docs/traces.rst's
+        (["-o", "run.html", "PROG", "--its-args"], ["--its-args"], "run.html"),
+        (["PROG", "a", "--output", "run.json"], ["a"], "run.json"),
+        (["PROG", "a", "--output=run.json"], ["a"], "run.json"),
+        (["--limit", "50", "PROG", "x", "-o", "run.json"], ["x"], "run.json"),
+        (["-o", "run.json", "--", "PROG", "--", "-o", "x"], ["--", "-o", "x"], "run.json"),
+        (["--output=run.json", "PROG", "-o", "its.json"], ["-o", "its.json"], "run.json"),
+        (["--out", "run.json", "PROG"], [], "run.json"),  # argparse's prefix of --output
+        (["PROG", "-o", "RUN.HTML"], [], "RUN.HTML"),  # any case, as Trace.write takes
+        (["PROG", "-o", "run.Json"], [], "run.Json"),
+        (["PROG", "-o", "run.htm"], [], "run.htm"),
+    ],
+)
+def test_o_goes_before_the_script_or_ends_the_command_line(
+    tmp_path: Path, program: str, args: list[str], theirs: list[str], out: str
+) -> None:
+    proc = _trace(tmp_path, *[program if a == "PROG" else a for a in args])
+    _written(proc, tmp_path / out)
+    assert _ran(tmp_path) == theirs
+    others = {p.name for p in tmp_path.iterdir()} - {"prog.py", "ran.json", out}
+    assert others == set(), others  # the program's own -o was not written by trace
+
+
+def test_a_trailing_o_is_the_programs_when_trace_has_its_own(tmp_path: Path, program: str) -> None:
+    proc = _trace(tmp_path, "-o", "run.json", program, "-o", "its.html")
+    _written(proc, tmp_path / "run.json")
+    assert _ran(tmp_path) == ["-o", "its.html"]
+    assert not (tmp_path / "its.html").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["PROG"], "before SCRIPT or as the last two arguments ('-o OUT'), got none"),
+        (["PROG", "-o"], "before SCRIPT or as the last two arguments ('-o OUT'), got none"),
+        (["PROG", "-o", "run.html", "--more"], "before SCRIPT or as the last two arguments"),
+        (["--", "PROG", "-o", "run.html"], "before '--' (what follows '--' is SCRIPT and its arguments)"),
+    ],
+)
+def test_without_a_trace_o_the_command_is_refused(
+    tmp_path: Path, program: str, args: list[str], expected: str
+) -> None:
+    proc = _trace(tmp_path, *[program if a == "PROG" else a for a in args])
+    line = _refused(proc, tmp_path, "argument -o/--output: expected OUT.html or OUT.json", expected)
+    assert not (tmp_path / "run.html").exists(), line
+
+
+def test_a_trailing_o_with_a_bad_name_is_checked_as_the_traces_own(tmp_path: Path, program: str) -> None:
+    proc = _trace(tmp_path, program, "-o", "run.txt")
+    _refused(proc, tmp_path, "-o/--output", "ending in .html or .json", "'run.txt'")
+    (tmp_path / "out.json").mkdir()
+    proc = _trace(tmp_path, program, "--output", "out.json")
+    _refused(proc, tmp_path, "-o/--output", "a file name, not a folder", "'out.json'")
+
+
+def test_the_rule_is_in_the_help(tmp_path: Path) -> None:
+    proc = _trace(tmp_path, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: trio-cuda trace [-h] [-o OUT] [--limit N] [--] SCRIPT [ARGS ...] [-o OUT]" in proc.stdout
+    help_text = " ".join(proc.stdout.split())
+    assert "a final '-o OUT' (or '--output OUT', '--output=OUT') that ends the command line is trace's" in (
+        help_text
+    )
+    assert "trio-cuda trace -o run.html my_job.py -o its.json # my_job.py gets '-o its.json'" in help_text
+
+
+@pytest.mark.parametrize(
+    ("argv", "parser_argv", "theirs"),
+    [
+        (["info"], ["info"], None),
+        (["--version"], ["--version"], None),
+        (["trace"], ["trace"], []),
+        (["trace", "-o", "a.json"], ["trace", "-o", "a.json"], []),
+        (["trace", "s.py", "-o", "a.json"], ["trace", "-o", "a.json", "--", "s.py"], []),
+        (
+            ["trace", "-oa.json", "s.py", "-o", "b.json"],
+            ["trace", "-oa.json", "--", "s.py"],
+            ["-o", "b.json"],
+        ),
+        (["trace", "--limit", "-3", "s.py"], ["trace", "--limit", "-3", "--", "s.py"], []),
+        (["trace", "--limit=3", "s.py", "-v"], ["trace", "--limit=3", "--", "s.py"], ["-v"]),
+        (["trace", "-h", "s.py"], ["trace", "-h", "--", "s.py"], []),
+        (["trace", "s.py", "-h"], ["trace", "--", "s.py"], ["-h"]),
+        (["trace", "--", "-s.py", "-o", "a.json"], ["trace", "--", "-s.py"], ["-o", "a.json"]),
+        (
+            ["trace", "s.py", "-o", "a.json", "-o", "b.json"],
+            ["trace", "-o", "b.json", "--", "s.py"],
+            ["-o", "a.json"],
+        ),
+    ],
+)
+def test_how_the_command_line_is_split(
+    argv: list[str], parser_argv: list[str], theirs: list[str] | None
+) -> None:
+    from trio_cuda.__main__ import split_trace_argv
+
+    got_argv, got_theirs, _ = split_trace_argv(argv)
+    assert (got_argv, got_theirs) == (parser_argv, theirs)

@@ -1,16 +1,26 @@
 """The ``trio-cuda`` command (also ``python -m trio_cuda``).
 
 * ``info``: the backend ``open_scope(device="auto")`` would pick and why, the
-  CUDA devices, and the versions of trio_cuda and its dependencies. It never
-  crashes on a machine without a GPU or without libcuda.
+  CUDA devices, whether the simulator checks kernel sources (NVRTC), and the
+  versions of trio_cuda and its dependencies. It never crashes on a machine
+  without a GPU or without libcuda.
 * ``demo [options]``: the cancellation-safe batch job (see ``demo --help``).
-* ``trace -o OUT.html|OUT.json SCRIPT [ARGS]``: run a Python program with
-  lifetime tracing on for all its scopes, and write the trace. Every option
-  (the output's name and folder, ``--limit``, the script) is checked before
-  the program runs; a bad one is an argparse error (one line naming the
-  option, what was expected and what was given; exit status 2). A trace that
-  cannot be written after the run is one error line too, and exit status 1
-  unless the program's own status is not 0.
+* ``trace SCRIPT [ARGS] -o OUT.html|OUT.json`` or
+  ``trace -o OUT.html|OUT.json SCRIPT [ARGS]``: run a Python program with
+  lifetime tracing on for all its scopes, and write the trace.
+
+Which arguments are trace's (:data:`TRACE_RULE`, also in ``trace --help``):
+trace's options (``-o``, ``--limit``) come before SCRIPT, and ``--`` may end
+them; everything after SCRIPT is the program's, except that when ``-o`` was
+not given before SCRIPT (nor ``--``), a final ``-o OUT`` (or ``--output OUT``,
+``--output=OUT``) ending the command line is trace's. A program whose own
+arguments end in ``-o X`` is run with trace's ``-o`` before SCRIPT.
+
+Every option (the output's name and folder, ``--limit``, the script) is
+checked before the program runs; a bad one is an argparse error (one line
+naming the option, what was expected and what was given; exit status 2). A
+trace that cannot be written after the run is one error line too, and exit
+status 1 unless the program's own status is not 0.
 """
 
 from __future__ import annotations
@@ -106,6 +116,17 @@ def _versions() -> list[tuple[str, str]]:
     return out
 
 
+def compile_check_line() -> str:
+    """``info``'s line on the simulator's compile check (NVRTC). Never raises."""
+    try:
+        from ._backends import _nvrtc
+
+        on, why = _nvrtc.check_status()
+    except Exception as exc:  # pragma: no cover - a broken install
+        on, why = False, f"{type(exc).__name__}: {exc}"
+    return f"sim compile check: {'on' if on else 'off'} ({why})"
+
+
 def info_lines() -> list[str]:
     """What ``trio-cuda info`` prints."""
     from ._backends import _cuda_backend_available, probe_cuda
@@ -124,12 +145,15 @@ def info_lines() -> list[str]:
         )
     else:
         lines.append(f"backend: sim ({probe.reason}; open_scope(device='auto') uses the simulator)")
+        if probe.detail:
+            lines.append(f"  the CUDA probe: {probe.detail}")
     lines.append("devices:")
     if probe.available:
         lines.extend(f"  {line}" for line in cuda_devices(probe.device_count))
     else:
         lines.append("  (no CUDA device)")
     lines.append("  sim: the simulated device (device='sim'), always available")
+    lines.append(compile_check_line())
     lines.append("versions:")
     width = max(len(name) for name, _ in _versions())
     lines.extend(f"  {name:<{width}}  {version}" for name, version in _versions())
@@ -146,25 +170,6 @@ def _demo(args: argparse.Namespace) -> int:
     from ._demo_cli import run_from_args
 
     return run_from_args(args)
-
-
-def _trace_output(text: str) -> str:
-    """``-o``: a .html or .json file that can be written, checked before the program runs."""
-    if not text.endswith((".json", ".html", ".htm")):
-        raise argparse.ArgumentTypeError(f"expected a file name ending in .html or .json, got {text!r}")
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"expected a file name, not a folder, got {text!r}")
-    folder = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(folder):
-        why = "is not a folder" if os.path.exists(folder) else "does not exist"
-        raise argparse.ArgumentTypeError(
-            f"expected a file in an existing folder, got {text!r} ({folder} {why})"
-        )
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"expected a file in a folder it can write to, got {text!r}")
-    if os.path.exists(text) and not os.access(text, os.W_OK):
-        raise argparse.ArgumentTypeError(f"expected a file it can write, got {text!r} (read-only)")
-    return text
 
 
 def _trace_limit(text: str) -> int:
@@ -186,6 +191,7 @@ def _trace_script(text: str) -> str:
 
 
 def _trace(args: argparse.Namespace) -> int:
+    """Run the program traced (its options already checked), write the trace."""
     import runpy
 
     from . import trace
@@ -218,6 +224,7 @@ def _trace(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from ._demo_cli import build_parser as demo_parser
+    from ._demo_cli import trace_file
 
     parser = argparse.ArgumentParser(
         prog="trio-cuda",
@@ -237,27 +244,121 @@ def build_parser() -> argparse.ArgumentParser:
     tr = commands.add_parser(
         "trace",
         help="run a program with lifetime tracing on, and write its trace",
-        description="Run SCRIPT with lifetime tracing on for all its scopes; write the trace to OUTPUT "
-        "(.html: a self-contained timeline page; .json: Chrome trace-event JSON for ui.perfetto.dev).",
+        usage="%(prog)s [-h] [-o OUT] [--limit N] [--] SCRIPT [ARGS ...] [-o OUT]",
+        description="Run SCRIPT with lifetime tracing on for all its scopes; write the trace to OUT\n"
+        "(.html: a self-contained timeline page; .json: Chrome trace-event JSON for\nui.perfetto.dev).",
+        epilog=TRACE_RULE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    tr.add_argument("-o", "--output", required=True, type=_trace_output, help="OUT.html or OUT.json")
     tr.add_argument(
-        "--limit", type=_trace_limit, default=1_000_000, help="events kept (oldest dropped first)"
+        "-o", "--output", metavar="OUT", type=trace_file, help="OUT.html or OUT.json (before or after SCRIPT)"
+    )
+    tr.add_argument(
+        "--limit",
+        metavar="N",
+        type=_trace_limit,
+        default=1_000_000,
+        help="events kept, the oldest dropped first (default 1,000,000; each takes about 0.5 KB)",
     )
     tr.add_argument("script", metavar="SCRIPT", type=_trace_script, help="the Python program to run")
-    tr.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
-    tr.set_defaults(handler=_trace, trace_prog=tr.prog)
+    tr.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="its arguments")
+    tr.set_defaults(handler=_trace, trace_prog=tr.prog, trace_parser=tr)
     return parser
+
+
+TRACE_RULE = """\
+which arguments are trace's:
+  trace's options (-o, --limit) come before SCRIPT; '--' may end them (then
+  SCRIPT may start with '-'). Everything after SCRIPT is its own, except that
+  when -o was not given before SCRIPT (nor '--'), a final '-o OUT' (or
+  '--output OUT', '--output=OUT') that ends the command line is trace's:
+
+    trio-cuda trace my_job.py --its-args -o run.html    # trace writes run.html
+    trio-cuda trace -o run.html my_job.py --its-args    # the same
+    trio-cuda trace -o run.html my_job.py -o its.json   # my_job.py gets '-o its.json'
+"""
+
+#: trace's options that take a value, by their spellings (long ones may be abbreviated)
+_VALUED = ("--output", "--limit")
+_FLAGS = ("--help",)
+
+
+def _option_takes_value(token: str) -> bool:
+    """Whether ``token``, one of trace's options before SCRIPT, takes the next
+    argument as its value (argparse's rules: ``-o X``, ``-oX``, ``--output X``,
+    ``--output=X``, unambiguous prefixes of the long options)."""
+    if token.startswith("--"):
+        if "=" in token:
+            return False
+        matches = [o for o in (*_VALUED, *_FLAGS) if o.startswith(token)]
+        return len(matches) == 1 and matches[0] in _VALUED
+    return token == "-o"
+
+
+def _is_output_option(token: str) -> bool:
+    if token.startswith("--"):
+        name = token.split("=", 1)[0]
+        return len(name) > 2 and "--output".startswith(name)
+    return token.startswith("-o")
+
+
+def split_trace_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None, bool]:
+    """``argv`` for the parser, the arguments of ``trace``'s SCRIPT (None when
+    the command is not ``trace``), and whether ``--`` ended trace's options, by
+    :data:`TRACE_RULE`: the parser sees trace's options, a trailing ``-o OUT``
+    moved before SCRIPT, then ``--`` and SCRIPT; the program's arguments never
+    go through the parser."""
+    argv = list(argv)
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        i += 1  # the top level's options (--version, --help) take no value
+    if i >= len(argv) or argv[i] != "trace":
+        return argv, None, False
+    head, rest = argv[: i + 1], argv[i + 1 :]
+    options: list[str] = []
+    given = separator = False
+    j = 0
+    while j < len(rest):
+        token = rest[j]
+        if token == "--":
+            separator = True
+            j += 1
+            break
+        if not token.startswith("-") or token == "-":
+            break  # SCRIPT
+        given = given or _is_output_option(token)
+        step = 2 if _option_takes_value(token) else 1
+        options.extend(rest[j : j + step])
+        j += step
+    if j >= len(rest):  # no SCRIPT: the parser says so
+        return head + options, [], separator
+    script, args = rest[j], rest[j + 1 :]
+    if not given and not separator:
+        if len(args) >= 2 and args[-2] in ("-o", "--output"):
+            options, args = [*options, *args[-2:]], args[:-2]
+        elif args and args[-1].startswith("--output="):
+            options, args = [*options, args[-1]], args[:-1]
+    return [*head, *options, "--", script], args, separator
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``trio-cuda`` and ``python -m trio_cuda``; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    parser_argv, script_args, separator = split_trace_argv(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(parser_argv)
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()
         return 2
+    if script_args is not None:
+        args.args = script_args
+        if args.output is None:
+            where = (
+                "before '--' (what follows '--' is SCRIPT and its arguments)"
+                if separator
+                else "before SCRIPT or as the last two arguments ('-o OUT')"
+            )
+            args.trace_parser.error(f"argument -o/--output: expected OUT.html or OUT.json {where}, got none")
     status: int = handler(args)
     return status
 
