@@ -2,7 +2,9 @@
 
 Each lesson is run in-process through its ``main(argv)`` (a fresh SimDevice
 each), on the simulator; the test checks the exit status, the lines of output
-that show the rule held, and the page. One lesson also runs as a program. On a
+that show the rule held, and the page. One lesson also runs as a program,
+leaving nothing in the folder it ran in (its page goes to a new temporary
+folder); a GPU that is not there is one error line and exit status 2. On a
 real GPU (marked ``gpu``, skipped cleanly without one) the lessons that support
 it run with ``--device cuda``.
 """
@@ -10,6 +12,7 @@ it run with ``--device cuda``.
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -169,14 +172,101 @@ def test_sim_only_lesson_falls_back_from_cuda(tmp_path: Path, capsys: pytest.Cap
     assert "backend: sim" in out
 
 
-def test_a_lesson_runs_as_a_program(tmp_path: Path) -> None:
+def test_a_lesson_runs_as_a_program_and_leaves_the_current_folder_alone(tmp_path: Path) -> None:
     script = LESSONS_DIR / "03_cancel_while_running.py"
+    here, temp = tmp_path / "here", tmp_path / "temp"
+    here.mkdir()
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}  # where tempfile makes the page's folder
     done = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, str(script)],
+        cwd=here,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "the rule held" in done.stdout
-    assert (tmp_path / "03_cancel_while_running.html").exists()
+    assert list(here.iterdir()) == []  # nothing written where it ran
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("timeline: ")]
+    page = Path(line.removeprefix("timeline: ").rsplit(" (", 1)[0])
+    assert page.parent.parent == temp, page
+    assert page.name == "03_cancel_while_running.html"
+    assert page.read_text(encoding="utf-8").lower().startswith("<!doctype html")
+
+
+def test_without_options_each_run_gets_its_own_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    pages = []
+    for _ in range(2):
+        rc, out = run("06_partial_error", [], capsys)
+        assert rc == 0, out
+        [line] = [line for line in out.splitlines() if line.startswith("timeline: ")]
+        pages.append(Path(line.removeprefix("timeline: ").rsplit(" (", 1)[0]))
+    assert pages[0] != pages[1]
+    assert all(p.exists() and p.parent.parent == tmp_path for p in pages)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.parent.name for p in pages)
+
+
+def _no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trio_cuda._backends as backends
+
+    reason = "no CUDA driver: libcuda.so.1 not found"
+    monkeypatch.setattr(backends, "probe_cuda", lambda: backends.CudaProbe(False, reason=reason))
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_a_gpu_that_is_not_there_is_one_line_and_exit_status_2(
+    device: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _no_gpu(monkeypatch)
+    rc = load("03_cancel_while_running").main(["--device", device, "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert captured.out == ""  # nothing ran
+    assert captured.err.splitlines() == [
+        f"03_cancel_while_running.py: error: --device {device}: no CUDA driver: libcuda.so.1 not found; "
+        "--device sim runs the lesson on the simulator"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_gpu_that_is_not_there_as_a_program(tmp_path: Path) -> None:
+    if probe_cuda().available:
+        pytest.skip("a CUDA device answers here")
+    done = subprocess.run(
+        [sys.executable, str(LESSONS_DIR / "01_retention.py"), "--device", "cuda:0"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    assert "Traceback" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"01_retention.py: error: --device cuda:0: {probe_cuda().reason}; "), line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_as_the_page_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "page.html"
+    folder.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        run("06_partial_error", ["--trace", str(folder)], capsys)
+    assert exc.value.code == 2
+    assert f"--trace: expected a file name, not a folder, got {str(folder)!r}" in capsys.readouterr().err
+    rc, _ = run("06_partial_error", ["--trace", str(tmp_path / "PAGE.HTML")], capsys)
+    assert rc == 0
+    assert (tmp_path / "PAGE.HTML").read_text(encoding="utf-8").lower().startswith("<!doctype html")
 
 
 _PROBE = probe_cuda()

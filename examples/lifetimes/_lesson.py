@@ -2,17 +2,26 @@
 
 Every lesson's ``main(argv) -> int`` calls :func:`run_lesson`, which parses the
 options below, runs the lesson's ``lesson(L)`` coroutine with a :class:`Lesson`
-``L``, writes the trace page and returns 0 if every check held, 1 if not.
+``L``, writes the trace page and returns 0 if every check held, 1 if not, and 2
+if it could not run (a bad option, or a GPU asked for that is not there: one
+error line, before anything runs).
 
     --device sim | cuda | cuda:N   where to run (default: the simulator)
     --trace FILE                   where to write the timeline page (.html; .json for Perfetto)
-    --out DIR                      or the folder for <lesson>.html (default: .)
+    --out DIR                      or the folder for <lesson>.html (default: a new
+                                   folder in the system's temporary folder)
     --no-trace                     write no page
+
+The page's path is printed (``timeline: PATH``); without ``--trace`` or
+``--out`` nothing is written to the current folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -135,6 +144,16 @@ class Lesson:
         return [e for e in self.trace.events if e.cat == cat]
 
 
+async def _unavailable(device: str) -> str:
+    """Why ``device`` cannot be used ("" if it can): open a scope on it and close it."""
+    try:
+        async with trio_cuda.open_scope(device=device):
+            pass
+    except trio_cuda.DeviceUnavailableError as exc:
+        return f"{exc.reason}; --device sim runs the lesson on the simulator"
+    return ""
+
+
 def run_lesson(
     lesson: Callable[[Lesson], Awaitable[None]],
     argv: list[str] | None,
@@ -155,20 +174,36 @@ def run_lesson(
     ap.add_argument(
         "--trace", metavar="FILE", help="write the timeline page here (default: DIR/<lesson>.html)"
     )
-    ap.add_argument("--out", metavar="DIR", default=".", help="folder for the timeline page (default: .)")
+    ap.add_argument(
+        "--out",
+        metavar="DIR",
+        help="folder for the timeline page (default: a new folder in the system's temporary folder)",
+    )
     ap.add_argument("--no-trace", action="store_true", help="do not write the timeline page")
     args = ap.parse_args(argv)
     if args.device != "sim" and not (args.device == "cuda" or args.device.startswith("cuda:")):
         ap.error(f"--device: expected sim, cuda or cuda:N, got {args.device!r}")
-    if args.trace and not args.trace.endswith((".html", ".json")):
+    if args.trace and os.path.isdir(args.trace):
+        ap.error(f"--trace: expected a file name, not a folder, got {args.trace!r}")
+    if args.trace and not args.trace.lower().endswith((".html", ".htm", ".json")):
         ap.error(f"--trace: expected a file name ending in .html (or .json), got {args.trace!r}")
+    if args.device != "sim" and not sim_only:
+        problem = trio.run(_unavailable, args.device)
+        if problem:  # like the demo: one line, nothing run
+            print(f"{ap.prog}: error: --device {args.device}: {problem}", file=sys.stderr)
+            return 2
     print(f"{name}: {(doc or '').strip().splitlines()[0]}")
     L = Lesson(args.device, kernel_time, sim_only, sim_options or {})
     trio.run(lesson, L)
     if L.sim is not None:
         L.check(L.sim.violations == [], "the simulator's memcheck saw no use of freed memory")
     if not args.no_trace:
-        path = Path(args.trace) if args.trace else Path(args.out) / f"{name}.html"
+        if args.trace:
+            path = Path(args.trace)
+        elif args.out:
+            path = Path(args.out) / f"{name}.html"
+        else:
+            path = Path(tempfile.mkdtemp(prefix=f"{name}-")) / f"{name}.html"
         path.parent.mkdir(parents=True, exist_ok=True)
         L.trace.write(path)
         print(f"timeline: {path} ({len(L.trace.events)} events)")
