@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'trio_cuda[ray]' (Python < 3.14)")
 
 import trio_cuda  # noqa: E402
 import trio_cuda.ray as tray  # noqa: E402

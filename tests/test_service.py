@@ -7,7 +7,9 @@ cancels their GPU work. Every answer is checked against NumPy, the scope must
 settle (nothing in flight, no leases, only the model's allocations left,
 memcheck clean), bad input gets a 400 naming the field (numbers float32
 cannot hold in every spelling, JSON nested too deeply included), a result that
-overflows a 422, every answer is strict JSON, and SIGINT stops it cleanly. A
+overflows a 422, a known path asked with another method a 405 with ``Allow``,
+every answer is strict JSON, a port in use is one line and status 2, and
+SIGINT stops it cleanly. A
 ``gpu`` variant does the same on a real GPU (skipped cleanly without one).
 """
 
@@ -31,8 +33,8 @@ import trio
 
 from trio_cuda._backends import probe_cuda
 
-pytest.importorskip("hypercorn")
-httpx = pytest.importorskip("httpx")
+pytest.importorskip("hypercorn", reason="hypercorn is not installed: pip install 'trio_cuda[service]'")
+httpx = pytest.importorskip("httpx", reason="httpx is not installed: pip install 'trio_cuda[service]'")
 
 # httpx's request body is an async generator; a request cancelled while sending it leaves the
 # generator to Trio's finalizer, which warns. That is the client's business, not the server's.
@@ -72,10 +74,10 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, device: str, log: Path, matmul: str = "auto") -> None:
+    def __init__(self, device: str, log: Path, matmul: str = "auto", port: int | None = None) -> None:
         self.device = device
         self.matmul = matmul
-        self.port = _free_port()
+        self.port = _free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = dict(os.environ)
@@ -179,6 +181,76 @@ async def test_score_and_bad_input(server: Server) -> None:
         assert r.status_code == 404
 
 
+async def test_a_known_path_with_another_method_is_a_405_with_allow(server: Server) -> None:
+    async with httpx.AsyncClient(base_url=server.url, timeout=10.0) as client:
+        for method, path, allowed in [
+            ("GET", "/score", "POST"),
+            ("PUT", "/score", "POST"),
+            ("POST", "/health", "GET"),
+            ("DELETE", "/stats", "GET"),
+        ]:
+            r = await client.request(method, path, json={"x": [0.5] * serve.D})
+            assert r.status_code == 405, (method, path, r.status_code, r.text)
+            assert r.headers["allow"] == allowed, (method, path, r.headers)
+            doc = _strict_json(r.text)
+            assert doc["field"] == "method", doc
+            assert doc["got"] == method, doc
+            assert doc["error"] == f"method: expected {allowed} for {path}, got {method}", doc
+        for path in ("/nowhere", "/score/", "/SCORE"):  # an unknown path is a 404, for any method
+            for method in ("GET", "POST"):
+                r = await client.request(method, path)
+                assert r.status_code == 404, (method, path, r.status_code)
+                assert "allow" not in r.headers
+                assert "/score" in _strict_json(r.text)["error"]
+        r = await client.post("/score", json={"x": [0.5] * serve.D})  # the right method still works
+        assert r.status_code == 200, r.text
+
+
+def test_a_port_in_use_is_one_line_and_status_2() -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, str(SERVE), "--port", str(port), "--device", "sim"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env=env,
+            check=False,
+        )
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert out.stdout == "", out.stdout  # nothing served, the device never opened
+    assert out.stderr.splitlines() == [f"serve.py: cannot listen on 127.0.0.1:{port}: the port is in use"]
+    # a port number that is none is refused by the command line
+    out = subprocess.run(
+        [sys.executable, str(SERVE), "--port", "65536"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 2, out
+    assert "--port: expected a port number from 0 to 65535, got '65536'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_port_0_serves_on_a_free_port_and_says_which(tmp_path: Path) -> None:
+    srv = Server("sim", tmp_path / "server.log", port=0)
+    try:
+        deadline = time.monotonic() + 30
+        while "serving on" not in srv.output():
+            assert srv.proc.poll() is None, srv.output()
+            assert time.monotonic() < deadline, srv.output()
+            time.sleep(0.05)
+        line = next(ln for ln in srv.output().splitlines() if ln.startswith("serving on "))
+        url = line.split()[2]
+        port = int(url.rsplit(":", 1)[1])
+        assert port > 0, line
+        assert httpx.get(f"{url}/health", timeout=10.0).json() == {"dim": serve.D}
+    finally:
+        srv.stop()
+
+
 def _strict_json(text: str) -> Any:
     """``text`` parsed as JSON proper: NaN and the infinities are not JSON."""
 
@@ -218,7 +290,15 @@ async def test_bad_numbers_and_documents_get_a_400_naming_them(server: Server) -
         (b"[1, 2, 3]", "body", "an array"),
         (b"1e999", "body", "1e999"),
         (b"0.5", "body", "0.5"),
-        (b'{"y": [1.0]}', '"x"', 'an object without "x"'),
+        (b'{"y": [1.0]}', '"x"', 'nothing: the field is missing (the object has "y")'),
+        (b'{"y": 1}', '"x"', 'nothing: the field is missing (the object has "y")'),
+        (b"{}", '"x"', "nothing: the field is missing (the object is empty)"),
+        (b'{"a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "f": 6}', '"x"', '"a", "b", "c", "d", "e" and 1 more'),
+        # a field that is there, of the wrong type, is told by its type
+        (b'{"x": null}', '"x"', "null"),
+        (b'{"x": 5}', '"x"', "5"),
+        (b'{"x": "abc"}', '"x"', "a string 'abc'"),
+        (b'{"x": true}', '"x"', "true"),
         (b'{"x": {"0": 1.0}}', '"x"', "an object"),
     ]
     async with httpx.AsyncClient(base_url=server.url, timeout=20.0) as client:

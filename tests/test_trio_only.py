@@ -54,7 +54,9 @@ def test_asyncio_gets_a_clear_error(use: Callable[[SimDevice], Awaitable[object]
 
 
 def test_anyio_on_asyncio_is_refused_and_on_trio_works() -> None:
-    anyio = pytest.importorskip("anyio")
+    anyio = pytest.importorskip(
+        "anyio", reason="anyio is not installed (pip install anyio; the test extra brings it)"
+    )
     sim = SimDevice()
     with pytest.raises(RuntimeError, match=ASYNCIO):
         anyio.run(use_scope, sim, backend="asyncio")

@@ -2,7 +2,9 @@
 
 Invariants:
 
-* Importing this module imports Ray; ``import trio_cuda`` never does.
+* Importing this module imports Ray; ``import trio_cuda`` never does. Without
+  Ray, the import raises ``ModuleNotFoundError`` (an ``ImportError``) naming
+  the ``ray`` extra, chained from Ray's own.
 * Every call of a job runs ``trio.run`` in the Ray worker and opens ONE
   scope for it: on the GPU that Ray assigned to the task (Ray sets
   ``CUDA_VISIBLE_DEVICES``, so it is ``cuda:0`` there), or on the simulator
@@ -40,6 +42,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -47,8 +50,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal, TypeVar, final
 
 import attrs
-import ray
 import trio
+
+try:
+    import ray
+except ModuleNotFoundError as exc:
+    note = "" if sys.version_info < (3, 14) else " (the extra installs Ray on Python before 3.14 only)"
+    raise ModuleNotFoundError(
+        f"trio_cuda.ray needs Ray ({exc}): pip install 'trio_cuda[ray]'{note}", name=exc.name, path=exc.path
+    ) from exc
 
 from ._core._errors import TrioCudaError
 from ._core._final import NoPublicConstructor

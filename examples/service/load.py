@@ -9,7 +9,9 @@ flight and no leases. Prints throughput and p50/p99 latency.
 
     python examples/service/load.py --url http://127.0.0.1:8000 [--clients 240] [--requests 10]
 
-Exit status 0 when every completed answer was right and the scope settled.
+Exit status 0 when every completed answer was right and the scope settled;
+2, with one line saying why, without the ``service`` extra (``pip install
+'trio_cuda[service]'``: httpx) or when the server does not answer.
 """
 
 from __future__ import annotations
@@ -19,9 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import trio
+
+try:
+    import httpx
+except ModuleNotFoundError as exc:  # told by main(), which needs it
+    httpx = None
+    _MISSING = f"load.py needs httpx ({exc}): pip install 'trio_cuda[service]'"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve  # the model's reference lives beside this file
@@ -33,7 +40,11 @@ async def drive(url: str, clients: int, requests: int, cancel_share: float, seed
     gave_up = 0
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as client:
-        health = (await client.get("/health")).json()
+        try:
+            health = (await client.get("/health", timeout=10.0)).json()
+        except (httpx.TransportError, ValueError) as exc:
+            print(f"error: no service answers at {url}/health: {exc}", file=sys.stderr)
+            return 2
         if health != {"dim": serve.D}:
             print(f"error: /health answered {health}, expected {{'dim': {serve.D}}}", file=sys.stderr)
             return 2
@@ -107,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--tolerance", type=float, default=1e-4, help="rtol and atol against NumPy")
     args = ap.parse_args(argv)
+    if httpx is None:
+        print(_MISSING, file=sys.stderr)
+        return 2
     if args.clients < 1 or args.requests < 1:
         ap.error("--clients and --requests: expected at least 1")
     if not 0.0 <= args.cancel_share <= 1.0:

@@ -19,11 +19,18 @@ it completes, and nothing it uses is freed early (that is trio_cuda's job).
     POST /score   {"x": [64 floats]} -> {"y": [64 floats]}
     GET  /stats   -> the scope's statistics (and memcheck violations on the simulator)
 
+Needs the ``service`` extra (``pip install 'trio_cuda[service]'``: hypercorn);
+without it, or when it cannot listen on ``--host``/``--port`` (the port is
+in use, say), it says so in one line and exits with status 2, before it
+opens the device.
+
 Invariants: every answer is JSON proper (no NaN, no infinities), also an
 error. Input that float32 cannot hold (NaN, an infinity, a magnitude past
 float32's largest, in any spelling) and any other bad input is refused with
 a 400 before it reaches the GPU, a body over ``MAX_BODY`` bytes with a 413;
-an error's body names the field, what was expected and what was given. A
+an error's body names the field, what was expected and what was given (a
+missing ``"x"`` is said to be missing). A known path asked with another
+method is a 405 with an ``Allow`` header, an unknown path a 404. A
 result that is not finite (the computation overflowed float32) is a 422 of
 the same form, and an unexpected failure a 500 with a JSON body.
 
@@ -33,6 +40,7 @@ Ctrl-C (SIGINT) or SIGTERM shuts it down gracefully: the scope drains first.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import signal
@@ -185,9 +193,17 @@ def stats(gpu: trio_cuda.ResourceScope, sim: Any) -> dict[str, Any]:
 class RequestError(ValueError):
     """A request the service refuses: which field, what was expected, what was given."""
 
-    def __init__(self, field: str, expected: str, got: str, status: int = 400) -> None:
+    def __init__(
+        self,
+        field: str,
+        expected: str,
+        got: str,
+        status: int = 400,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
         super().__init__(f"{field}: expected {expected}, got {got}")
         self.field, self.expected, self.got, self.status = field, expected, got, status
+        self.headers = headers  # added to the answer's (405: Allow)
 
     def doc(self) -> dict[str, str]:
         return {"error": str(self), "field": self.field, "expected": self.expected, "got": self.got}
@@ -240,6 +256,15 @@ def _describe(value: object) -> str:
     return "an object"
 
 
+def _fields(doc: dict[str, Any]) -> str:
+    """The fields an object has, in a few words."""
+    if not doc:
+        return "the object is empty"
+    names = [json.dumps(k if len(k) <= 20 else k[:20] + "...") for k in list(doc)[:5]]
+    more = f" and {len(doc) - 5} more" if len(doc) > 5 else ""
+    return f"the object has {', '.join(names)}{more}"
+
+
 def parse_x(body: bytes) -> np.ndarray:
     """The request's ``x`` as float32; RequestError naming what is wrong."""
     try:
@@ -253,7 +278,7 @@ def parse_x(body: bytes) -> np.ndarray:
     if not isinstance(doc, dict):
         raise RequestError("body", DOCUMENT, _describe(doc))
     if "x" not in doc:
-        raise RequestError('"x"', f"a list of {D} numbers", 'an object without "x"')
+        raise RequestError('"x"', f"a list of {D} numbers", f"nothing: the field is missing ({_fields(doc)})")
     x = doc["x"]
     if not isinstance(x, list):
         raise RequestError('"x"', f"a list of {D} numbers", _describe(x))
@@ -287,6 +312,10 @@ def _describe_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+#: each path the service answers, and its method
+ROUTES = {"/health": "GET", "/stats": "GET", "/score": "POST"}
+
+
 def make_app(scorer: Scorer, sim: Any) -> Any:
     """A small ASGI app over ``scorer``."""
 
@@ -298,10 +327,11 @@ def make_app(scorer: Scorer, sim: Any) -> Any:
             return
         started = False
 
-        async def reply(status: int, doc: object) -> None:
+        async def reply(status: int, doc: object, extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
             nonlocal started
             body = json.dumps(doc, allow_nan=False).encode()  # JSON proper, or a ValueError
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            headers += extra
             started = True
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
@@ -311,7 +341,7 @@ def make_app(scorer: Scorer, sim: Any) -> Any:
         except RequestError as exc:
             if started:
                 raise
-            await reply(exc.status, exc.doc())
+            await reply(exc.status, exc.doc(), exc.headers)
         except Exception as exc:
             traceback.print_exc()  # the operator's copy; the client gets one line
             if started:
@@ -319,7 +349,12 @@ def make_app(scorer: Scorer, sim: Any) -> Any:
             await reply(500, {"error": f"internal error: {_describe_failure(exc)}"})
 
     async def route(scope: dict[str, Any], receive: Any, reply: Any) -> None:
-        where = (scope["method"], scope["path"])
+        method, path = scope["method"], scope["path"]
+        allowed = ROUTES.get(path)
+        if allowed is not None and method != allowed:
+            allow = ((b"allow", allowed.encode()),)
+            raise RequestError("method", f"{allowed} for {path}", method, status=405, headers=allow)
+        where = (method, path)
         if where == ("GET", "/health"):
             await reply(200, {"dim": D})
         elif where == ("GET", "/stats"):
@@ -350,13 +385,45 @@ def make_app(scorer: Scorer, sim: Any) -> Any:
             if y is not None:  # else the client went away
                 await reply(200, {"y": check_y(y).tolist()})
         else:
-            await reply(404, {"error": f"no route {scope['method']} {scope['path']}"})
+            await reply(404, {"error": f"no route {method} {path}: the paths are {', '.join(ROUTES)}"})
 
     return app
 
 
+def _netloc(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class CannotStart(Exception):
+    """The service cannot start (an extra is missing, or it cannot listen): one line says why."""
+
+
+def _config(host: str, port: int) -> tuple[Any, int]:
+    """hypercorn's configuration, listening on a socket bound here (so that a
+    port in use is told before anything starts), and the port it got."""
+    try:
+        from hypercorn.config import Config
+    except ModuleNotFoundError as exc:
+        raise CannotStart(f"serve.py needs hypercorn ({exc}): pip install 'trio_cuda[service]'") from None
+    config = Config()
+    config.bind = [_netloc(host, port)]
+    try:
+        sockets = config.create_sockets().insecure_sockets
+    except OSError as exc:
+        why = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise CannotStart(f"serve.py: cannot listen on {_netloc(host, port)}: {why}") from None
+    bound = sockets[0].getsockname()[1]
+    config.bind = [f"fd://{sock.detach()}" for sock in sockets]  # hypercorn owns the sockets now
+    config.graceful_timeout = 5.0
+    config.backlog = 1024  # many clients connect at once
+    config.errorlog = None  # type: ignore[assignment]
+    return config, bound
+
+
 async def serve(host: str, port: int, device: str, matmul: str = "auto") -> None:
-    from hypercorn.config import Config
+    """Serve until SIGINT or SIGTERM; CannotStart, before the device is opened,
+    where hypercorn is missing or ``host:port`` cannot be listened on."""
+    config, port = _config(host, port)
     from hypercorn.trio import serve as hypercorn_serve
 
     sim: Any = None
@@ -366,11 +433,6 @@ async def serve(host: str, port: int, device: str, matmul: str = "auto") -> None
         w_host, b_host = model()
         w, b = await gpu.to_device(w_host), await gpu.to_device(b_host)
         scorer = Scorer(gpu, w, b, matmul)
-        config = Config()
-        config.bind = [f"{host}:{port}"]
-        config.graceful_timeout = 5.0
-        config.backlog = 1024  # many clients connect at once
-        config.errorlog = None  # type: ignore[assignment]
 
         async def shutdown_trigger() -> None:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -384,14 +446,16 @@ async def serve(host: str, port: int, device: str, matmul: str = "auto") -> None
                 )
             )
             how = f"{gpu.device.name}, {'cuBLAS via CuPy' if scorer.cupy is not None else 'kernels'}"
-            print(f"serving on http://{host}:{port} (backend: {gpu.device.backend}, {how})", flush=True)
+            print(
+                f"serving on http://{_netloc(host, port)} (backend: {gpu.device.backend}, {how})", flush=True
+            )
     print("stopped: the scope drained", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=_port, default=8000, help="0: any free port")
     ap.add_argument("--device", default="auto", help="auto, sim or cuda:N")
     ap.add_argument(
         "--matmul",
@@ -402,9 +466,22 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         trio.run(serve, args.host, args.port, args.device, args.matmul)
+    except CannotStart as exc:
+        print(exc, file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {text!r}")
+    return port
 
 
 if __name__ == "__main__":
