@@ -3,11 +3,29 @@
 Invariants:
 
 * A :class:`ScopeManager` is single-use: entering it again raises
-  ``RuntimeError``.
+  ``RuntimeError``, and so does exiting it again.
 * Options are checked when the manager is made, before any device is opened.
+* Entry and exit may happen in different tasks of one Trio run, and in
+  different contexts of one task (``python -m trio`` runs each input in a
+  fresh context of the REPL's task, so a scope entered with an
+  ``AsyncExitStack`` on one input exits on a later one). A scope's
+  completion-handoff task therefore never runs in a nursery of the entering
+  task, which may end while the scope is open: it runs in the nursery of the
+  run's scope host (``_ScopeHost``), one system task per Trio run, started by
+  the run's first scope. The current-scope ContextVar is reset with its token
+  only in the context that set it; an exit elsewhere stops the exiting context
+  from naming the scope and touches no other context. An exit from another
+  thread or Trio run, or a second exit, is refused before anything changes.
 * Exit drains the scope (shielded) whatever the reason, then releases what it
   owns; errors nobody observed come out as one ``BaseExceptionGroup``, with the
-  body's own exception first. ``Cancelled`` is never wrapped.
+  body's own exception first. ``Cancelled`` is never wrapped. The exit returns
+  only once the handoff task and its host have ended.
+* A scope still open when its Trio run ends (a program that never closed its
+  ``AsyncExitStack``, ``python -m trio`` left with a scope open) is drained
+  and closed by the scope host as the run ends, innermost first, as an exit
+  would (shielded, within ``drain_timeout``), with a warning logged and a
+  ``ResourceWarning``; errors nobody observed are logged, since no task is
+  left to raise them to. It never ends in ``TrioInternalError``.
 * Entry and exit are KI-protected, and a Ctrl-C that Trio delivers at one of
   the drain's waits (it does, even inside the shield) does not end the drain:
   the exit keeps waiting, then re-raises it once the scope is settled. A
@@ -20,16 +38,19 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import logging
 import math
 import numbers
+import warnings
+from _thread import get_ident
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, final
 
+import attrs
 import trio
-from trio.lowlevel import enable_ki_protection
+from trio.lowlevel import RunVar, current_task, enable_ki_protection
 
 from ._asynclib import require_trio
 from ._policy import FollowWriter, SchedulingPolicy
@@ -41,12 +62,103 @@ if TYPE_CHECKING:
 
     from ._driver import DeviceContext
 
-__all__ = ["ScopeManager", "scope_manager"]
+__all__ = ["ScopeManager", "entered_elsewhere", "scope_manager"]
 
 log = logging.getLogger("trio_cuda")
 
 
 _CONFLICTS = ("order", "error")
+
+
+@final
+@attrs.define(eq=False)
+class _ScopeHost:
+    """The system task of one Trio run whose nursery hosts the handoff
+    tasks of the run's scopes, so that a scope may outlive the task that
+    entered it. It sleeps until the run ends; Trio then cancels it, and it
+    closes the scopes still open (``ScopeManager._close_at_run_end``) before
+    its nursery waits for their handoff tasks."""
+
+    #: managers whose scope is open (or exiting), in entry order
+    open: list[ScopeManager] = attrs.Factory(list)
+    nursery: trio.Nursery | None = None
+    #: handoffs to start once the host runs, each in its entering context
+    pending: list[tuple[ScopeManager, ResourceScope, contextvars.Context]] = attrs.Factory(list)
+    #: the run is ending: no scope opens any more
+    ending: bool = False
+
+    def start(self, manager: ScopeManager, scope: ResourceScope) -> None:
+        self.open.append(manager)
+        if self.nursery is not None:  # the handoff sees the entering context, copied now
+            self.nursery.start_soon(manager._run_handoff, scope, name=_HANDOFF_NAME)
+        else:
+            self.pending.append((manager, scope, contextvars.copy_context()))
+
+    @enable_ki_protection
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            for manager, scope, context in self.pending:  # each sees the context it entered in
+                context.run(partial(nursery.start_soon, manager._run_handoff, scope, name=_HANDOFF_NAME))
+            self.pending.clear()
+            try:
+                await trio.sleep_forever()
+            except trio.Cancelled:  # the run is ending (the handoffs never raise)
+                self.ending = True
+                with trio.CancelScope(shield=True):
+                    while True:  # innermost first; exits under way end on their own
+                        left = [m for m in self.open if m._scope is not None and not m._scope._closing]
+                        if not left:
+                            break
+                        await left[-1]._close_at_run_end()
+                raise
+
+
+_HANDOFF_NAME = "trio_cuda completion handoff"
+
+#: the scope host of this Trio run, once a scope opened in it
+_HOST: RunVar[_ScopeHost | None] = RunVar("trio_cuda_scope_host", default=None)
+
+
+def _scope_host() -> _ScopeHost:
+    """The run's scope host, started by the first scope of the run."""
+    host = _HOST.get()
+    if host is None:
+        host = _ScopeHost()
+        try:
+            trio.lowlevel.spawn_system_task(host.run, name="trio_cuda scope host")
+        except RuntimeError as exc:  # the run's system nursery is closed: the run is ending
+            raise RuntimeError("open_scope(): the Trio run is ending, so no scope can open in it") from exc
+        _HOST.set(host)
+    elif host.ending:
+        raise RuntimeError("open_scope(): the Trio run is ending, so no scope can open in it")
+    return host
+
+
+def entered_elsewhere() -> ResourceScope | None:
+    """The innermost open scope that the calling task, or a task that
+    started it, entered in a context it no longer runs in (``current_scope``
+    when the calling context names none): the scope of an ``AsyncExitStack``
+    entered on an earlier input of ``python -m trio``. None if there is none."""
+    try:
+        host = _HOST.get()
+        task: trio.lowlevel.Task | None = current_task()
+    except RuntimeError:  # outside a Trio run
+        return None
+    if host is None or not host.open:
+        return None
+    chain = []
+    while task is not None:
+        chain.append(task)
+        parent = task.parent_nursery
+        task = None if parent is None else parent.parent_task
+    for m in reversed(host.open):
+        scope = m._scope
+        if scope is None or scope._closing:
+            continue
+        if m._task in chain and m._task.context is not m._context:
+            return scope
+    return None
 
 
 @final
@@ -57,19 +169,34 @@ class ScopeManager:
 
     __slots__ = (
         "_conflicts",
+        "_context",
         "_drain_timeout",
         "_entered",
-        "_nursery_cm",
+        "_exited",
+        "_handoff_ended",
+        "_handoff_error",
+        "_host",
         "_opener",
+        "_outer",
         "_policy",
         "_scope",
         "_streams",
+        "_task",
         "_token",
         "_trace",
     )
 
-    _nursery_cm: contextlib.AbstractAsyncContextManager[trio.Nursery]
-    _token: contextvars.Token[ResourceScope]
+    _token: contextvars.Token[ResourceScope | None]
+    #: the entering task, the context it ran in then, and the scope that
+    #: context named before (restored where an exit finds this one named)
+    _task: trio.lowlevel.Task
+    _context: contextvars.Context
+    _outer: ResourceScope | None
+    _host: _ScopeHost
+    #: set once the scope's handoff task has ended
+    _handoff_ended: trio.Event
+    #: what the handoff task raised (it never should), for the exit
+    _handoff_error: BaseException | None
 
     def __init__(
         self,
@@ -88,12 +215,14 @@ class ScopeManager:
         self._policy = policy
         self._scope: ResourceScope | None = None
         self._entered = False
+        self._exited = False
+        self._handoff_error = None
 
     @enable_ki_protection
     async def __aenter__(self) -> ResourceScope:
-        # KI-protected, like the exit: a Ctrl-C between opening the nursery
-        # and returning the scope would leave the handoff task running in a
-        # nursery nobody closes; it is delivered at the body's first checkpoint.
+        # KI-protected, like the exit: a Ctrl-C between starting the handoff
+        # task and returning the scope would leave a scope nobody can exit;
+        # it is delivered at the body's first checkpoint.
         require_trio("open_scope()")
         await trio.lowlevel.checkpoint()
         if self._entered:
@@ -102,16 +231,21 @@ class ScopeManager:
                 "(call open_scope() again for another scope)"
             )
         self._entered = True
+        host = _scope_host()
         driver = self._opener()
         try:
             scope = ResourceScope._create(driver, self._streams, self._conflicts, self._policy)
         except BaseException:
             driver.close()
             raise
-        self._nursery_cm = trio.open_nursery()
-        nursery = await self._nursery_cm.__aenter__()
-        nursery.start_soon(scope._handoff)
+        self._host = host
+        self._handoff_ended = trio.Event()
+        host.start(self, scope)
         self._scope = scope
+        task = current_task()
+        self._task = task
+        self._context = task.context
+        self._outer = _current.get()
         self._token = _current.set(scope)
         tracer = process_tracer() if self._trace is None or self._trace is True else self._trace
         if isinstance(tracer, Tracer):
@@ -128,6 +262,51 @@ class ScopeManager:
                 log.exception("tracing %r failed when it opened; the scope runs untraced", scope)
         log.debug("opened %r", scope)
         return scope
+
+    @enable_ki_protection
+    async def _run_handoff(self, scope: ResourceScope) -> None:
+        """The scope's handoff task, in the scope host's nursery. What it
+        raises (it never should) is kept for the exit, not raised into the
+        host, whose nursery serves every scope of the run."""
+        try:
+            await scope._handoff()
+        except trio.Cancelled:  # pragma: no cover - it is shielded; never swallowed anyway
+            raise
+        except BaseException as exc:  # pragma: no cover - the handoff never dies
+            self._handoff_error = exc
+        finally:
+            self._handoff_ended.set()
+
+    async def _close_at_run_end(self) -> None:
+        """Exit the scope for nobody: its Trio run ends with the scope open.
+        It drains and closes as an exit would; what an exit would raise is
+        logged instead, for no task is left to raise it to."""
+        scope = self._scope
+        assert scope is not None
+        log.warning(
+            "%r was still open when its Trio run ended (an AsyncExitStack never closed, or "
+            "python -m trio left with the scope open): draining and closing it now",
+            scope,
+        )
+        self._exited = True
+        try:
+            errors, _ = await self._close(scope)
+        except BaseException as exc:  # the host must not raise: report and go on
+            log.exception("closing %r at the end of its Trio run failed", scope, exc_info=exc)
+            return
+        for error in errors:
+            log.error("an error from %r that nobody observed", scope, exc_info=error)
+        try:
+            warnings.warn(
+                ResourceWarning(
+                    f"trio_cuda scope {scope!r} was still open when its Trio run ended; it was "
+                    "drained and closed then (exit it with 'async with', or 'await stack.aclose()' "
+                    "for an AsyncExitStack)"
+                ),
+                stacklevel=1,
+            )
+        except Exception:  # a warning filter that raises: there is nobody to raise it to
+            log.exception("warning that %r was left open", scope)
 
     @staticmethod
     async def _drain(scope: ResourceScope, timeout: float | None) -> tuple[KeyboardInterrupt | None, str]:
@@ -156,23 +335,16 @@ class ScopeManager:
                 continue
             return interrupt, f"after drain_timeout={timeout} s"
 
-    @enable_ki_protection
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool:
-        scope = self._scope
-        assert scope is not None
-        _current.reset(self._token)
+    async def _close(self, scope: ResourceScope) -> tuple[list[BaseException], KeyboardInterrupt | None]:
+        """The exit's work: drain ``scope`` (shielded), release what it owns,
+        close it, then wait (shielded) until its handoff task ended. Returns
+        the errors nobody observed, the handoff's own error last, and a Ctrl-C
+        kept while draining; raises what releasing raised."""
         scope._closing = True
-        timeout = self._drain_timeout
-        internal: list[BaseException] = []
         interrupt: KeyboardInterrupt | None = None
         try:
             with trio.CancelScope(shield=True):
-                interrupt, after = await self._drain(scope, timeout)
+                interrupt, after = await self._drain(scope, self._drain_timeout)
                 for ext in list(scope._extensions.values()):
                     ext.abandon(after)  # still held when the drain gave up
                 if scope._work_remains():
@@ -195,18 +367,58 @@ class ScopeManager:
             scope._closed = True
             if scope._handoff_cs is not None:
                 scope._handoff_cs.cancel()
-            try:
-                await self._nursery_cm.__aexit__(None, None, None)
-            except trio.Cancelled:
-                if exc is None:
-                    raise
-            except BaseException as nursery_exc:  # the handoff task crashed
-                internal.append(nursery_exc)
+            with trio.CancelScope(shield=True):  # it ends at once: it was cancelled, or sees closed
+                await self._handoff_ended.wait()
+            if self in self._host.open:
+                self._host.open.remove(self)
         errors: list[BaseException] = [s.error for s in scope._unobserved if s.error is not None]
         errors.extend(scope._orphan_errors)
-        errors.extend(internal)
         scope._unobserved.clear()
         scope._orphan_errors.clear()
+        if self._handoff_error is not None:  # the handoff task crashed
+            errors.append(self._handoff_error)
+            self._handoff_error = None
+        return errors, interrupt
+
+    def _check_exit(self) -> ResourceScope:
+        """The scope to exit, once this call may exit it: refused (before
+        anything changes) from another thread or Trio run, or a second time."""
+        scope = self._scope
+        if scope is None:
+            raise RuntimeError("open_scope(): exit without an entry: this manager opened no scope")
+        if get_ident() != scope._thread or trio.lowlevel.current_trio_token() is not scope._token:
+            raise RuntimeError(
+                f"open_scope(): expected the exit of {scope!r} in the Trio run that entered it, got "
+                "one from another thread or Trio run; exit it in its own run (from a worker "
+                "thread: trio.from_thread.run(stack.aclose))"
+            )
+        if self._exited:
+            state = "was already exited" if scope._closed else "is exiting"
+            raise RuntimeError(f"open_scope(): {scope!r} {state}; a scope exits once")
+        return scope
+
+    def _forget_current(self, scope: ResourceScope) -> None:
+        """Stop the exiting context from naming ``scope``: with the token in
+        the context that set it, else (an exit in another task, or on a later
+        input of ``python -m trio``) only where this context still names it."""
+        task = current_task()
+        if task is self._task and task.context is self._context:
+            _current.reset(self._token)
+        elif _current.get() is scope:
+            _current.set(self._outer)
+
+    @enable_ki_protection
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        require_trio("open_scope() exit")
+        scope = self._check_exit()
+        self._exited = True
+        self._forget_current(scope)
+        errors, interrupt = await self._close(scope)
         if interrupt is not None:
             if not errors and exc is None:
                 raise interrupt  # as if the body had been interrupted: the scope is settled

@@ -6,7 +6,9 @@ Invariants:
 * Exactly one completion-handoff task per scope, in the scope's nursery and
   shielded from outside cancellation, polls markers, runs host closures and
   retires submissions, per stream in completion (FIFO) order. It never blocks
-  the loop; it sleeps in the driver's ``wait_for_progress``.
+  the loop; it sleeps in the driver's ``wait_for_progress``. The nursery is
+  hosted by a system task of the Trio run, not by the entering task, so a
+  scope may be entered and exited by different tasks (``_manager``).
 * Awaiting a future never changes what is retained: cancelling, dropping or
   forgetting it leaves the submission to the handoff task.
 * Scope exit, whatever the reason, first waits (shielded) for every submission;
@@ -61,17 +63,30 @@ T = TypeVar("T")
 U = TypeVar("U")
 E = TypeVar("E", bound=ScopeExtension)
 
-_current: contextvars.ContextVar[ResourceScope] = contextvars.ContextVar("trio_cuda_scope")
+#: the innermost scope entered in this context (None: none, or reset by an exit)
+_current: contextvars.ContextVar[ResourceScope | None] = contextvars.ContextVar(
+    "trio_cuda_scope", default=None
+)
 
 
 def current_scope() -> ResourceScope:
-    """The innermost open scope of the calling task (``await op`` uses it)."""
-    try:
-        return _current.get()
-    except LookupError:
-        raise RuntimeError(
-            "no trio_cuda scope is open in this task: use 'async with trio_cuda.open_scope() as gpu'"
-        ) from None
+    """The innermost open scope of the calling task (``await op`` uses it).
+
+    That is the scope the task's context entered last; failing that, a scope
+    the task (or a task that started it) entered in a context it has since
+    left and did not exit: each input of ``python -m trio`` runs in a fresh
+    context of the REPL's task, so a scope entered with an ``AsyncExitStack``
+    on one input is current on the later ones."""
+    scope = _current.get()
+    if scope is None:
+        from ._manager import entered_elsewhere
+
+        scope = entered_elsewhere()
+        if scope is None:
+            raise RuntimeError(
+                "no trio_cuda scope is open in this task: use 'async with trio_cuda.open_scope() as gpu'"
+            )
+    return scope
 
 
 # --------------------------------------------------------------------------- statistics
