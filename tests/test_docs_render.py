@@ -26,7 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 MAIN_PAGES = (
-    "index", "tutorial", "lifetimes", "api", "interop", "traces", "launch", "graphs", "multigpu", "testing",
+    "index", "install", "tutorial", "lifetimes", "api", "interop", "traces", "launch", "graphs", "multigpu", "testing",
     "deployment",
 )  # fmt: skip
 WINDOW = (1280, 900)
