@@ -84,8 +84,10 @@ async def launches(gpu: ResourceScope) -> None:
     one = scale.launch(y, 2.0, 8, grid=1, block=32)
     assert_type(one, KernelLaunch)
     op: DeviceOp[LaunchOutput] = one  # a KernelLaunch is that DeviceOp
-    assert_type(await gpu.run(one), DeviceArray | tuple[DeviceArray, ...] | None)
-    assert await gpu.run(op) is y
+    ops_of_anything: list[DeviceOp[object]] = [one, ops.value(1)]  # (DeviceOp is covariant)
+    assert await gpu.run(trio_cuda.zip(*ops_of_anything)) == (y, 1)  # y: 2
+    assert_type(await gpu.run(one), DeviceArray | tuple[DeviceArray, ...] | None)  # y: 4
+    assert await gpu.run(op) is y  # y: 8
     assert await gpu.run(split.launch(x, lo, hi, 8, grid=1, block=32)) == (lo, hi)
     assert await gpu.run(total.launch(x, 8, grid=1, block=32)) is None
     built = scale.builder().grid(1).block(32).arg(y).arg(np.float32(2)).arg(np.int32(8)).finalize_unchecked()
@@ -95,16 +97,16 @@ async def launches(gpu: ResourceScope) -> None:
     assert_type(typed, DeviceOp[DeviceArray])
     out = await gpu.run(typed)
     assert_type(out, DeviceArray)
-    assert (await gpu.to_host(out)).tolist() == [1.0] * 8
-    assert_type(await one, DeviceArray | tuple[DeviceArray, ...] | None)  # y: 2
+    assert (await gpu.to_host(out)).tolist() == [2.0] * 8
+    assert_type(await one, DeviceArray | tuple[DeviceArray, ...] | None)  # y: 4
     s0 = gpu.streams[0]
-    assert_type(unsafe.async_on(one, s0), DeviceArray | tuple[DeviceArray, ...] | None)  # y: 4
+    assert_type(unsafe.async_on(one, s0), DeviceArray | tuple[DeviceArray, ...] | None)  # y: 8
     assert_type(unsafe.async_on(ops.value(1.5), s0), float)
     assert unsafe.async_on(ops.value(1.5), s0) == 1.5
     chained = one.then(lambda _: scale.launch(y, 8.0, 8, grid=1, block=32))
     assert_type(chained, DeviceOp[DeviceArray | tuple[DeviceArray, ...] | None])
-    assert await gpu.run(chained, stream=s0) is y  # y: 64
-    assert (await gpu.to_host(y)).tolist() == [64.0] * 8
+    assert await gpu.run(chained, stream=s0) is y  # y: 128
+    assert (await gpu.to_host(y)).tolist() == [128.0] * 8
 
 
 async def combinators(gpu: ResourceScope) -> None:
@@ -169,6 +171,8 @@ async def futures_and_graphs(gpu: ResourceScope) -> None:
     assert_type(await fut.wait(), bytes)
     assert_type(fut.wait_nowait(), bytes)
     assert fut.wait_nowait() == b"raw"
+    pending: list[DeviceFuture[object]] = [fut, gpu.submit(ops.value(2))]  # (covariant too)
+    assert [await f.wait() for f in pending] == [b"raw", 2]
     closure = gpu.submit(ops.host_closure(float, "1.5"))
     assert_type(await closure.wait(), float)
     assert_type(closure.wait_nowait(), float)

@@ -53,7 +53,9 @@ async def results(gpu: ResourceScope) -> None:
     i: str = await gpu.run(to_device)  # E: arg-type
     to_host = ops.copy(np.ones(4), x)
     j: DeviceArray = await gpu.run(to_host)  # E: arg-type
-    print(n, a, a2, b, b2, c, d2, e, e2, e3, f, g, h, i, j)
+    anything = ops.value(object())
+    narrower: trio_cuda.DeviceOp[int] = anything  # E: assignment
+    print(n, a, a2, b, b2, c, d2, e, e2, e3, f, g, h, i, j, narrower)
 
 
 async def launches(gpu: ResourceScope, y: DeviceArray) -> None:

@@ -198,12 +198,15 @@ def cached_config(
         # bools for the modes) may hit the cache
         return make_config(grid, block, shared_mem, cluster, cooperative, pdl)
     key = (grid, block, shared_mem, cluster, cooperative, pdl)  # (exact ints: hashable)
-    config = _CONFIG_CACHE.get(key)
-    if config is None:
-        config = make_config(grid, block, shared_mem, cluster, cooperative, pdl)
-        if len(_CONFIG_CACHE) >= 4096:
-            _CONFIG_CACHE.clear()
-        _CONFIG_CACHE[key] = config
+    try:
+        return _CONFIG_CACHE[key]
+    except KeyError:
+        pass
+    # (outside the ``except``: a refusal carries no lookup error as its context)
+    config = make_config(grid, block, shared_mem, cluster, cooperative, pdl)
+    if len(_CONFIG_CACHE) >= 4096:
+        _CONFIG_CACHE.clear()
+    _CONFIG_CACHE[key] = config
     return config
 
 

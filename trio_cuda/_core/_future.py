@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DeviceFuture", "FutureStatistics", "check_reader", "wrong_caller"]
 
-T = TypeVar("T")
 U = TypeVar("U")
+#: a future's output type (covariant, as a DeviceOp's)
+T_co = TypeVar("T_co", covariant=True)
 
 
 @attrs.frozen
@@ -100,7 +101,7 @@ def check_reader(what: str, scope: ResourceScope, how: str) -> None:
 
 
 @final
-class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
+class DeviceFuture(Generic[T_co], metaclass=NoPublicConstructor):
     """The pending result of ``scope.submit(op)``.
 
     ``await fut.wait()`` returns the op's output once the GPU completed the
@@ -116,7 +117,7 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
     _sub: Submission
 
     @classmethod
-    def _create(cls, sub: Submission) -> DeviceFuture[T]:
+    def _create(cls, sub: Submission) -> DeviceFuture[Any]:
         self = object.__new__(cls)
         self._sub = sub
         return self
@@ -138,7 +139,7 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
     @overload
     async def wait(self: DeviceFuture[HostResult[U]]) -> U: ...  # a host closure's value
     @overload
-    async def wait(self) -> T: ...
+    async def wait(self) -> T_co: ...
     async def wait(self) -> Any:
         """Wait, without blocking the loop, for the work to complete; return
         its output or raise its error. Cancelling this wait does not cancel
@@ -166,7 +167,7 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
     @overload
     def wait_nowait(self: DeviceFuture[HostResult[U]]) -> U: ...
     @overload
-    def wait_nowait(self) -> T: ...
+    def wait_nowait(self) -> T_co: ...
     def wait_nowait(self) -> Any:
         """The output if the work completed; raises ``trio.WouldBlock`` if not.
         A completion nobody observed yet is observed (and retired) here."""
@@ -179,7 +180,7 @@ class DeviceFuture(Generic[T], metaclass=NoPublicConstructor):
                 raise trio.WouldBlock
         return self._outcome()
 
-    def _outcome(self) -> T:
+    def _outcome(self) -> T_co:
         sub = self._sub
         if sub.error is not None:
             sub.observed = True

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 U = TypeVar("U")
+#: an op's output type: an op of a subtype's output is an op of the type's
+T_co = TypeVar("T_co", covariant=True)
 A = TypeVar("A")
 B = TypeVar("B")
 C = TypeVar("C")
@@ -48,8 +50,9 @@ class Access(enum.Enum):
     WRITE = "write"
 
 
-class DeviceOp(Generic[T]):
-    """Lazy GPU work with an output of type ``T``.
+class DeviceOp(Generic[T_co]):
+    """Lazy GPU work with an output of type ``T`` (covariant: an op whose
+    output is a ``bool`` is also an op whose output is an ``int``).
 
     Submit it with ``await scope.run(op)`` or ``scope.submit(op)``; inside a
     scope, ``await op`` means ``await current_scope.run(op)``.
@@ -57,10 +60,10 @@ class DeviceOp(Generic[T]):
 
     __slots__ = ()
 
-    def _enqueue(self, ctx: EnqueueContext) -> T:
+    def _enqueue(self, ctx: EnqueueContext) -> T_co:
         raise not_an_op("op", self)
 
-    def then(self, fn: Callable[[T], DeviceOp[U]]) -> DeviceOp[U]:
+    def then(self, fn: Callable[[T_co], DeviceOp[U]]) -> DeviceOp[U]:
         """Chain dependent work on the same stream: ``fn(output)`` runs at
         submission and returns the next DeviceOp."""
         check_op("then: self", self)
@@ -68,14 +71,14 @@ class DeviceOp(Generic[T]):
             raise TypeError(f"then: expected a callable returning a DeviceOp, got {fn!r}")
         return _Then(self, fn)
 
-    def map(self, fn: Callable[[T], U]) -> DeviceOp[U]:
+    def map(self, fn: Callable[[T_co], U]) -> DeviceOp[U]:
         """Change the output with no GPU work (``fn`` runs at submission)."""
         check_op("map: self", self)
         if not callable(fn):
             raise TypeError(f"map: expected a callable, got {fn!r}")
         return _Map(self, fn)
 
-    def shared(self) -> DeviceOp[T]:
+    def shared(self) -> DeviceOp[T_co]:
         """An op that may be used several times but executes once."""
         if isinstance(self, _Shared):
             return self
@@ -85,7 +88,7 @@ class DeviceOp(Generic[T]):
     @overload
     def __await__(self: DeviceOp[HostResult[U]]) -> Generator[Any, None, U]: ...
     @overload
-    def __await__(self) -> Generator[Any, None, T]: ...
+    def __await__(self) -> Generator[Any, None, T_co]: ...
     def __await__(self) -> Generator[Any, None, Any]:
         from ._scope import current_scope
 
