@@ -1,10 +1,15 @@
-"""The simulator never runs a kernel that it silently does nothing for.
+"""The simulator never runs a kernel that it silently does nothing for, nor
+hides what its reference did wrong.
 
 A kernel without ``reference=`` is refused at submission, on every path, with
 nothing enqueued or retained; ``reference=NO_REFERENCE`` runs it as a no-op on
 purpose. Where NVRTC can be loaded (no driver needed), a kernel's source is
 compiled once per process, so a compile error or a missing kernel name
-surfaces on a machine without a GPU as it would on one.
+surfaces on a machine without a GPU as it would on one. A reference that
+raises fails its launch as a faulting kernel does (CUDA_ERROR_LAUNCH_FAILED),
+with a message that names the kernel and what the reference raised (the
+expected arguments for a wrong arity, the argument for a write to a read-only
+one) and the exception as its cause.
 """
 
 from __future__ import annotations
@@ -20,7 +25,20 @@ from _kernels import ADD, add, stub_source
 from _sanitizer import skip_under_sanitizer
 
 import trio_cuda
-from trio_cuda import NO_REFERENCE, CudaError, InOut, Kernel, MissingReferenceError, Scalar, ops, unsafe
+from trio_cuda import (
+    NO_REFERENCE,
+    CudaError,
+    In,
+    InOut,
+    Kernel,
+    LaunchError,
+    MissingReferenceError,
+    Out,
+    Scalar,
+    Slice,
+    ops,
+    unsafe,
+)
 from trio_cuda._backends import _nvrtc
 from trio_cuda._backends.sim import SimAllocation, Violation
 from trio_cuda.testing import SimDevice
@@ -579,3 +597,134 @@ async def test_a_gpu_raises_what_the_simulator_raises() -> None:
         x = await gpu.to_device(host())
         await gpu.run(scale(SCALE, x))
         np.testing.assert_array_equal(await gpu.to_host(x), host() * 2)
+
+
+# --------------------------------------------------------------------------- a reference that raises
+
+RAISING_SRC = r"""
+extern "C" __global__ void axpy(float a, const float* x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += a * x[i];
+}
+"""
+RAISING_PARAMS = [Scalar("f4", name="a"), In("f4", name="x"), InOut("f4", name="y"), Scalar("i4")]
+
+
+def _divides(a: Any, x: Any, y: Any, n: Any) -> None:
+    y[0] = 1 / (int(n) - int(n))
+
+
+def _two_args(a: Any, x: Any) -> None:
+    pass  # pragma: no cover - never called: the call itself fails
+
+
+def _writes_x(a: Any, x: Any, y: Any, n: Any) -> None:
+    x[:n] = a
+
+
+def _adds_to_x(a: Any, x: Any, y: Any, n: Any) -> None:
+    x += a
+
+
+def _copies_into_x(a: Any, x: Any, y: Any, n: Any) -> None:
+    np.copyto(x, y)  # NumPy's own read-only error
+
+
+def _type_error_inside(a: Any, x: Any, y: Any, n: Any) -> None:
+    len(a)  # a TypeError of the body, not of the call
+
+
+#: reference -> (what the message says, the type of its __cause__)
+RAISES: dict[str, tuple[Any, list[str], type[BaseException]]] = {
+    "zero_division": (
+        _divides,
+        ["kernel axpy: its reference raised ZeroDivisionError: division by zero"],
+        ZeroDivisionError,
+    ),
+    "arity": (
+        _two_args,
+        [
+            "kernel axpy: its reference raised TypeError: _two_args() takes 2 positional arguments "
+            "but 4 were given",
+            "a reference takes one argument per kernel parameter, here 4: argument 0 (a: Scalar(float32)) "
+            "as a NumPy scalar; argument 1 (x: In(float32)) as a view; argument 2 (y: InOut(float32)) as "
+            "a view; argument 3 (Scalar(int32)) as a NumPy scalar",
+        ],
+        TypeError,
+    ),
+    "write_to_in": (
+        _writes_x,
+        [
+            "kernel axpy: its reference raised ValueError: argument 1 (x: In(float32)) is read-only (In): "
+            "the kernel only reads it; declare it InOut or Out to write to it"
+        ],
+        ValueError,
+    ),
+    "in_place_to_in": (_adds_to_x, ["argument 1 (x: In(float32)) is read-only (In)"], ValueError),
+    "numpy_read_only": (
+        _copies_into_x,
+        [
+            "its reference raised ValueError: assignment destination is read-only; the kernel only "
+            "reads argument 1 (x: In(float32)), In"
+        ],
+        ValueError,
+    ),
+    "type_error_inside": (_type_error_inside, ["its reference raised TypeError: "], TypeError),
+}
+
+
+@pytest.mark.parametrize("path", ["run", "submit", "async_on"])
+@pytest.mark.parametrize("case", list(RAISES))
+async def test_a_reference_that_raises_says_so(sim: SimDevice, case: str, path: str) -> None:
+    reference, texts, cause = RAISES[case]
+    k = Kernel.from_source(RAISING_SRC, "axpy", params=RAISING_PARAMS, reference=reference)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = await gpu.to_device(host())
+        y = await gpu.to_device(host())
+        launch = k.launch(F4(2), x, y, N, grid=1, block=N)
+        with pytest.raises(LaunchError) as info:
+            if path == "run":
+                await gpu.run(launch)
+            elif path == "submit":
+                await gpu.submit(launch).wait()
+            else:
+                unsafe.async_on(launch, gpu.streams[0])  # enqueued: the stream's next marker fails
+                await gpu.to_host(y, stream=gpu.streams[0])
+        err = info.value
+        assert (err.code, err.name) == (719, "CUDA_ERROR_LAUNCH_FAILED")  # as a faulting kernel on a GPU
+        for text in texts:
+            assert text in str(err)
+        assert type(err.__cause__) is cause
+        if case != "arity":
+            assert "a reference takes one argument per kernel parameter" not in str(err)
+        # the device goes on: a good launch after it runs
+        await gpu.run(add(y, 1))
+        np.testing.assert_array_equal(await gpu.to_host(x), host())  # never written
+    assert sim.violations == []
+
+
+async def test_a_wrong_arity_names_a_slice_as_a_view_then_its_length(sim: SimDevice) -> None:
+    params = [Slice("f4", access="read", name="src"), Out("f4", name="dst")]
+    k = Kernel.from_source(stub_source("sums"), "sums", params=params, reference=lambda src, dst: None)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = await gpu.to_device(host())
+        with pytest.raises(LaunchError) as info:
+            await gpu.run(k.launch(x, gpu.zeros(1, F4), grid=1, block=1))
+    assert (
+        "here 3: argument 0 (src: Slice(float32)) as a view, then its length (uint64); "
+        "argument 1 (dst: Out(float32)) as a view" in str(info.value)
+    )
+
+
+async def test_a_read_only_slice_names_its_access(sim: SimDevice) -> None:
+    def ref(src: Any, n: Any, dst: Any) -> None:
+        src[0] = 1
+
+    params = [Slice("f4", access="read"), Out("f4")]
+    k = Kernel.from_source(stub_source("ro"), "ro", params=params, reference=ref)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = await gpu.to_device(host())
+        with pytest.raises(
+            LaunchError, match=r'argument 0 \(Slice\(float32\)\) is read-only \(Slice, access="read"\)'
+        ):
+            await gpu.run(k.launch(x, gpu.zeros(1, F4), grid=1, block=1))

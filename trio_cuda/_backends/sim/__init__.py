@@ -5,7 +5,8 @@ Invariants:
 * Importing this package never imports ``cuda``.
 * Modules, one concept each, importing only downward in this order:
   ``clock`` (the device time: Trio's clock inside a run, ``perf_counter``
-  outside), ``records`` (what the device records and reports), ``handles`` (streams,
+  outside), ``records`` (what the device records and reports), ``views``
+  (the bounds-checked views a reference gets), ``handles`` (streams,
   markers, gates, loaded kernels, graphs), ``engine`` (memory, memcheck,
   faults and the command queue), ``context`` (:class:`SimContext`, the
   DeviceContext of one scope), ``device`` (:class:`SimDevice`: settings and

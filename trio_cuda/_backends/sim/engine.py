@@ -12,6 +12,12 @@ Invariants:
   reference kernel does not run). It still counts as executed and is not an
   error on the stream. A zero-byte access touches nothing; it is a violation
   only when its address lies in a freed allocation.
+* A reference gets its arrays as bounds-checked views (``views``): its first
+  access past an argument's extent (or a derived view's) is an
+  ``out_of_bounds`` violation, recorded as the ones above are, at the first
+  element past the extent. It stops the reference and fails the launch with
+  CUDA_ERROR_ILLEGAL_ADDRESS (700), as a GPU faults on one. Unlike the ranges
+  above, it is found while the reference runs, after what it already wrote.
 * Streams are FIFO. Bookkeeping commands (markers, satisfied waits, opened
   gates) at a stream head execute at once, even while held (``_settle``). Work
   commands (launches, copies, fills, graph replays, peer copies) execute on
@@ -24,8 +30,11 @@ Invariants:
   ``MockClock`` timed work takes virtual time, never wall-clock time.
 * On a capturing stream, work commands are recorded instead of enqueued; any
   other command raises ``GraphCaptureError`` (``_common.not_capturable``).
-* Errors (an injected ``kernel_fault``, a reference that raises) attach to the
-  stream's next marker, which then polls ``FAILED``; they are not sticky. An
+* Errors (an injected ``kernel_fault``, a reference that raises or accesses
+  out of bounds) attach to the stream's next marker, which then polls
+  ``FAILED``; they are not sticky. A reference's exception is the error's
+  ``__cause__``, and its message names the kernel and what was raised (the
+  expected arguments of a wrong arity, the read-only argument written). An
   injected ``completion_unknown`` skips its launch and makes the stream's next
   marker poll ``UNKNOWN`` forever. The engine never raises into whoever pumps
   it.
@@ -35,6 +44,7 @@ Invariants:
 
 from __future__ import annotations
 
+import inspect
 import math
 from bisect import bisect_left, bisect_right
 from collections import deque
@@ -47,8 +57,10 @@ import trio
 from ..._core._driver import MarkerState, Poll
 from ..._core._errors import CompletionUnknownError, LaunchError, OutOfMemoryError
 from ..._core._ops import Access
+from ..._core._params import In, InOut, Out, Param, Scalar, Slice
 from .. import _common
 from .records import SimCommandRecord, Violation, ViolationKind
+from .views import LaunchCheck, OutOfBounds, bounded
 
 if TYPE_CHECKING:
     from ..._core._kernel import Kernel
@@ -547,24 +559,38 @@ class SimEngine:
         if cmd.fault == "kernel_fault":
             s._add_error(_launch_failed(f"injected kernel_fault in kernel {kernel.name}", "cuLaunchKernel"))
             return
-        args = self._kernel_args(s, kernel, launch.arg_views())
+        views = launch.arg_views()
+        check = LaunchCheck(kernel.name, s.index, self._violations)
+        args = self._kernel_args(s, kernel, views, check)
         reference = kernel.reference
         if args is None or not callable(reference):
             return  # NO_REFERENCE: a no-op on purpose (SimContext.load_kernel refuses None)
+        error: BaseException | None = None
         try:
             reference(*args)
+        except OutOfBounds:
+            pass  # recorded in check
         except Exception as exc:
-            error = _launch_failed(f"reference of kernel {kernel.name} raised {exc!r}", "")
-            error.__cause__ = exc
-            s._add_error(error)
+            error = reference_failed(kernel, reference, views, args, exc)
         except BaseException as exc:
             # KeyboardInterrupt, SystemExit...: the device never raises into
             # whoever happens to pump it; the work fails with the exception
             # itself, so it reaches the waiter (or the scope's exit) as it is.
-            s._add_error(exc)
+            error = exc
+        finally:
+            check.active = False
+        if check.first is not None and (error is None or isinstance(error, Exception)):
+            # an out-of-bounds access is the kernel's fault, whatever the
+            # reference did next (it may have caught OutOfBounds)
+            error = illegal_address(check)
+        if error is not None:
+            s._add_error(error)
 
-    def _kernel_args(self, s: SimStream, kernel: Kernel, views: Sequence[ArgView]) -> list[object] | None:
-        """The reference's arguments, or None if memcheck rejected one."""
+    def _kernel_args(
+        self, s: SimStream, kernel: Kernel, views: Sequence[ArgView], check: LaunchCheck
+    ) -> list[object] | None:
+        """The reference's arguments (arrays as bounds-checked views of
+        ``check``'s launch), or None if memcheck rejected one."""
         out: list[object] = []
         ok = True
         for i, av in enumerate(views):
@@ -586,10 +612,124 @@ class SimEngine:
                     )
                 else:
                     view = np.empty(av.shape, dtype=dtype, order=av.order)
+                mode = None
                 if av.access is Access.READ:
                     view.setflags(write=False)
-                out.append(view)
+                    mode = read_only_mode(kernel, i, av, len(views))
+                out.append(bounded(view, check, arg_label(kernel, i, av, len(views)), mode, av.ptr))
                 if kind == "slice":
                     len_dtype = av.len_dtype if av.len_dtype is not None else np.dtype(np.uint64)
                     out.append(len_dtype.type(av.length))
         return out if ok else None
+
+
+# --------------------------------------------------------------------------- reference errors
+
+
+def _param_of(kernel: Kernel, i: int, av: ArgView, count: int) -> Param | None:
+    """The declared parameter behind argument ``i``, where the launch's
+    arguments follow the declaration (a typed launch, or a builder's that
+    matches it)."""
+    params = kernel.params
+    if len(params) != count:
+        return None
+    p = params[i]
+    expected = {"scalar": Scalar, "slice": Slice}.get(av.kind, (In, Out, InOut))
+    return p if isinstance(p, expected) else None
+
+
+def arg_label(kernel: Kernel, i: int, av: ArgView, count: int) -> str:
+    """``argument 2 (y: InOut(float32))``: argument ``i`` as errors name it."""
+    p = _param_of(kernel, i, av, count)
+    if p is not None:
+        dt = p.dtype
+        kind = f"struct of {dt.itemsize} B" if dt.fields else dt.name
+        name = f"{p.name}: " if p.name else ""
+        return f"argument {i} ({name}{type(p).__name__}({kind}))"
+    if av.kind == "raw":
+        return f"argument {i} (raw bytes)"
+    dtype = av.dtype.name if av.dtype is not None else "?"
+    what = "scalar" if av.kind == "scalar" else "array"
+    return f"argument {i} ({dtype} {what})"
+
+
+def read_only_mode(kernel: Kernel, i: int, av: ArgView, count: int) -> str:
+    """How argument ``i``, read-only, was declared so: ``In``, ``Slice, access="read"``..."""
+    p = _param_of(kernel, i, av, count)
+    if isinstance(p, In):
+        return "In"
+    if isinstance(p, Slice):
+        return 'Slice, access="read"'
+    return 'access="read"'
+
+
+def _expected_args(kernel: Kernel, views: Sequence[ArgView]) -> str:
+    """What a reference of this launch receives, one item per argument."""
+    items = []
+    for i, av in enumerate(views):
+        label = arg_label(kernel, i, av, len(views))
+        if av.kind == "scalar":
+            items.append(f"{label} as a NumPy scalar")
+        elif av.kind == "raw":
+            items.append(f"{label} as bytes")
+        elif av.kind == "slice":
+            len_dtype = av.len_dtype.name if av.len_dtype is not None else "uint64"
+            items.append(f"{label} as a view, then its length ({len_dtype})")
+        else:
+            items.append(f"{label} as a view")
+    return "; ".join(items)
+
+
+def _binds(fn: Any, args: Sequence[object]) -> bool | None:
+    """Whether ``fn`` accepts ``args`` (None: it has no signature to ask)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*args)
+    except TypeError:
+        return False
+    return True
+
+
+def reference_failed(
+    kernel: Kernel, reference: Any, views: Sequence[ArgView], args: Sequence[object], exc: Exception
+) -> LaunchError:
+    """The error of a launch whose reference raised ``exc`` (its ``__cause__``),
+    as a GPU reports a faulting kernel: CUDA_ERROR_LAUNCH_FAILED."""
+    what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    text = f"kernel {kernel.name}: its reference raised {what}"
+    if isinstance(exc, TypeError) and _binds(reference, args) is False:
+        text += (
+            f"; a reference takes one argument per kernel parameter, here {len(args)}: "
+            f"{_expected_args(kernel, views)}"
+        )
+    elif isinstance(exc, ValueError) and "read-only" in str(exc) and "is read-only (" not in str(exc):
+        # NumPy's own message: name the read-only arguments
+        labels = [
+            f"{arg_label(kernel, i, av, len(views))}, {read_only_mode(kernel, i, av, len(views))}"
+            for i, av in enumerate(views)
+            if av.kind in ("array", "slice") and av.access is Access.READ
+        ]
+        if labels:
+            text += f"; the kernel only reads {'; '.join(labels)}"
+    error = _launch_failed(text, "")
+    error.__cause__ = exc
+    return error
+
+
+def illegal_address(check: LaunchCheck) -> LaunchError:
+    """The error of a launch whose reference accessed an argument out of bounds,
+    as a GPU reports an illegal address (not sticky here)."""
+    more = f" ({check.more} more out-of-bounds access(es) after it)" if check.more else ""
+    text = (
+        f"kernel {check.kernel}: its reference accessed memory out of bounds: {check.first}{more}; "
+        f"the simulator stopped the reference there and recorded an out_of_bounds violation "
+        f"(SimDevice.violations)"
+    )
+    error = LaunchError(700, "CUDA_ERROR_ILLEGAL_ADDRESS", text, call="")
+    raised = check.error
+    if raised is not None:  # where the reference made the access
+        error.__cause__ = IndexError(str(check.first)).with_traceback(raised.__traceback__)
+    return error

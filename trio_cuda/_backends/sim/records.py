@@ -28,8 +28,15 @@ class SimAllocation:
 
 @attrs.frozen
 class Violation:
-    """One memcheck record. ``op`` says which command (and which operand) touched
-    the bytes; ``stream`` is the stream index, or None for ``free``."""
+    """One memcheck record. ``kind`` is ``"use_after_free"`` (freed memory, an
+    unloaded module or a destroyed graph), ``"unallocated"`` (no allocation
+    there), ``"out_of_bounds"`` (a range that runs past the end of its
+    allocation, or a ``reference=`` that indexed an argument past its extent),
+    ``"double_free"`` or ``"invalid_free"``. ``address`` and ``size`` are the
+    bytes touched (for a reference, the first element past the extent). ``op``
+    says which command (and which operand) touched them: for a reference, the
+    kernel, the argument, the index and the extent. ``stream`` is the stream
+    index, or None for ``free``."""
 
     kind: ViolationKind
     address: int = attrs.field(repr=hex)
