@@ -215,7 +215,8 @@ class ScopeManager:
         self._policy = policy
         self._scope: ResourceScope | None = None
         self._entered = False
-        self._exited = False
+        #: why the scope may not exit any more (None: it may)
+        self._exited: str | None = None
         self._handoff_error = None
 
     @enable_ki_protection
@@ -288,7 +289,7 @@ class ScopeManager:
             "python -m trio left with the scope open): draining and closing it now",
             scope,
         )
-        self._exited = True
+        self._exited = "was closed when its Trio run ended"
         try:
             errors, _ = await self._close(scope)
         except BaseException as exc:  # the host must not raise: report and go on
@@ -386,15 +387,15 @@ class ScopeManager:
         scope = self._scope
         if scope is None:
             raise RuntimeError("open_scope(): exit without an entry: this manager opened no scope")
+        if self._exited is not None:
+            state = self._exited if scope._closed else "is exiting"
+            raise RuntimeError(f"open_scope(): {scope!r} {state}; a scope exits once")
         if get_ident() != scope._thread or trio.lowlevel.current_trio_token() is not scope._token:
             raise RuntimeError(
                 f"open_scope(): expected the exit of {scope!r} in the Trio run that entered it, got "
                 "one from another thread or Trio run; exit it in its own run (from a worker "
                 "thread: trio.from_thread.run(stack.aclose))"
             )
-        if self._exited:
-            state = "was already exited" if scope._closed else "is exiting"
-            raise RuntimeError(f"open_scope(): {scope!r} {state}; a scope exits once")
         return scope
 
     def _forget_current(self, scope: ResourceScope) -> None:
@@ -416,7 +417,7 @@ class ScopeManager:
     ) -> bool:
         require_trio("open_scope() exit")
         scope = self._check_exit()
-        self._exited = True
+        self._exited = "was already exited"
         self._forget_current(scope)
         errors, interrupt = await self._close(scope)
         if interrupt is not None:
