@@ -426,6 +426,15 @@ def test_the_built_in_bar_writes_lines_above_itself_and_closes_once() -> None:
     bar.write("after", file=out)  # a closed bar writes plain lines
     assert out.getvalue() == "a line\nafter\n"
 
+    gone = io.StringIO()
+    bar = _demo_output.PlainBar(2, gone)
+    gone.close()  # the terminal went away: the bar stops drawing, the job goes on
+    bar.update(2)
+    bar.set_postfix_str("x")
+    bar.write("still printed", file=out)
+    bar.close()
+    assert out.getvalue().endswith("after\nstill printed\n")
+
 
 @pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
 def test_without_tqdm_the_terminal_gets_the_built_in_bar() -> None:

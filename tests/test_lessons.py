@@ -145,7 +145,12 @@ def test_trace_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert rc == 0
     assert "timeline:" not in out
     assert not (tmp_path / "none").exists()
-    for argv in (["--device", "gpu0"], ["--trace", "x.txt"]):
+    for argv in (
+        ["--device", "gpu0"],
+        ["--device", "cuda:abc"],
+        ["--device", "cuda:-1"],
+        ["--trace", "x.txt"],
+    ):
         with pytest.raises(SystemExit) as exc:
             run("06_partial_error", argv, capsys)
         assert exc.value.code == 2

@@ -96,6 +96,7 @@ class PlainBar:
         self._drawn = 0.0
         self._width = 0  # of the line on screen, to blank it out
         self._closed = False
+        self._gone = False  # writing to ``file`` failed: the bar is drawn no more
         self._draw()
 
     def _line(self) -> str:
@@ -107,17 +108,24 @@ class PlainBar:
         )
         return f"{line}, {self.postfix}" if self.postfix else line
 
+    def _put(self, text: str) -> None:
+        if self._gone:
+            return
+        try:
+            self.file.write(text)
+            self.file.flush()
+        except (OSError, ValueError):  # the terminal went away, or the stream was closed
+            self._gone = True
+
     def _draw(self) -> None:
         self._drawn = time.perf_counter()
         line = self._line()
-        self.file.write("\r" + line + " " * max(0, self._width - len(line)))
-        self.file.flush()
+        self._put("\r" + line + " " * max(0, self._width - len(line)))
         self._width = len(line)
 
     def _clear(self) -> None:
         if self._width:
-            self.file.write("\r" + " " * self._width + "\r")
-            self.file.flush()
+            self._put("\r" + " " * self._width + "\r")
             self._width = 0
 
     def update(self, n: int = 1) -> None:
@@ -147,8 +155,7 @@ class PlainBar:
             return
         self._closed = True
         self._draw()
-        self.file.write("\n")
-        self.file.flush()
+        self._put("\n")
 
 
 class Output:

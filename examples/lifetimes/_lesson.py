@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -181,7 +182,7 @@ def run_lesson(
     )
     ap.add_argument("--no-trace", action="store_true", help="do not write the timeline page")
     args = ap.parse_args(argv)
-    if args.device != "sim" and not (args.device == "cuda" or args.device.startswith("cuda:")):
+    if args.device != "sim" and re.fullmatch(r"cuda(:\d+)?", args.device) is None:
         ap.error(f"--device: expected sim, cuda or cuda:N, got {args.device!r}")
     if args.trace and os.path.isdir(args.trace):
         ap.error(f"--trace: expected a file name, not a folder, got {args.trace!r}")
