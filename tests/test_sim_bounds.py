@@ -10,9 +10,11 @@ reference and fails the launch with CUDA_ERROR_ILLEGAL_ADDRESS, on every path.
 from __future__ import annotations
 
 import copy as copy_module
+import gc
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -237,8 +239,8 @@ def checked(shape: tuple[int, ...], *, readonly: bool = False) -> tuple[Any, vie
     plain = np.arange(int(np.prod(shape)), dtype=F4).reshape(shape)
     if readonly:
         plain.setflags(write=False)
-    mode = "In" if readonly else None
-    return views.bounded(plain, check, "argument 0 (In(float32))", mode, PTR), check, recorded
+    describe = lambda: ("argument 0 (In(float32))", "In")  # noqa: E731
+    return views.bounded(plain, check, PTR, readonly, describe), check, recorded
 
 
 def plain_result(shape: tuple[int, ...], key: Any) -> Any:
@@ -355,7 +357,8 @@ def test_take_put_and_ufunc_at_are_checked_in_raise_mode_only() -> None:
 def test_a_check_ends_with_its_launch() -> None:
     a, check, recorded = checked((16,))
     kept = a[2:]
-    check.active = False
+    assert check.close() is None
+    assert check.args == []
     np.testing.assert_array_equal(a[:1000], np.arange(16, dtype=F4))  # plain NumPy again
     assert kept[:1000].shape == (14,)
     assert recorded == []
@@ -605,3 +608,48 @@ async def test_a_use_after_free_is_still_recorded_before_the_reference_runs(sim:
     assert v.kind == "use_after_free"
     assert ran == []
     sim.clear_violations()
+
+
+async def test_a_launch_leaves_no_reference_cycle_behind(sim: SimDevice) -> None:
+    """The views of a launch that ran go as soon as the reference lets go of
+    them, without waiting for the cyclic garbage collector (they hold the
+    device's buffers); those of a launch that faulted live as long as its
+    error (its traceback holds the reference's frame), and its check lets go
+    of them."""
+    refs: list[Any] = []
+    checks: list[views.LaunchCheck] = []
+
+    def keeps_refs(x: Any, y: Any) -> None:
+        refs.extend(weakref.ref(v) for v in (x, y, y[2:]))
+        checks.append(y._sim_arg.check)
+
+    def faults(x: Any, y: Any) -> None:
+        keeps_refs(x, y)
+        try:
+            y[N]
+        except BaseException:
+            pass  # caught: the launch still fails
+
+    def alive() -> list[bool]:
+        return [r() is not None for r in refs]
+
+    gc.collect()
+    gc.disable()
+    try:
+        async with trio_cuda.open_scope(device=sim) as gpu:
+            x = gpu.zeros(N, F4)
+            y = gpu.zeros(N, F4)
+            await gpu.run(kernel([In("f4"), InOut("f4")], keeps_refs, "ran").launch(x, y, grid=1, block=1))
+            assert alive() == [False] * 3
+            refs.clear()
+            with pytest.raises(LaunchError):
+                await gpu.run(kernel([In("f4"), InOut("f4")], faults, "faults").launch(x, y, grid=1, block=1))
+    finally:
+        gc.enable()
+    gc.collect()
+    assert alive() == [False] * 3
+    for check in checks:
+        assert not check.active
+        assert check.args == []
+        assert check.error is None
+    oob(sim)

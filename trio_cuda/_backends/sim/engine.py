@@ -60,7 +60,7 @@ from ..._core._ops import Access
 from ..._core._params import In, InOut, Out, Param, Scalar, Slice
 from .. import _common
 from .records import SimCommandRecord, Violation, ViolationKind
-from .views import LaunchCheck, OutOfBounds, bounded
+from .views import Describe, LaunchCheck, OutOfBounds, bounded
 
 if TYPE_CHECKING:
     from ..._core._kernel import Kernel
@@ -564,6 +564,7 @@ class SimEngine:
         args = self._kernel_args(s, kernel, views, check)
         reference = kernel.reference
         if args is None or not callable(reference):
+            check.close()
             return  # NO_REFERENCE: a no-op on purpose (SimContext.load_kernel refuses None)
         error: BaseException | None = None
         try:
@@ -578,13 +579,16 @@ class SimEngine:
             # itself, so it reaches the waiter (or the scope's exit) as it is.
             error = exc
         finally:
-            check.active = False
+            fault = check.close()
         if check.first is not None and (error is None or isinstance(error, Exception)):
             # an out-of-bounds access is the kernel's fault, whatever the
             # reference did next (it may have caught OutOfBounds)
-            error = illegal_address(check)
+            error = illegal_address(check, fault)
         if error is not None:
             s._add_error(error)
+        # The error's traceback holds this frame: drop what would make cycles
+        # through it (the views hold the device's buffers).
+        del args, error, fault
 
     def _kernel_args(
         self, s: SimStream, kernel: Kernel, views: Sequence[ArgView], check: LaunchCheck
@@ -612,11 +616,10 @@ class SimEngine:
                     )
                 else:
                     view = np.empty(av.shape, dtype=dtype, order=av.order)
-                mode = None
-                if av.access is Access.READ:
+                readonly = av.access is Access.READ
+                if readonly:
                     view.setflags(write=False)
-                    mode = read_only_mode(kernel, i, av, len(views))
-                out.append(bounded(view, check, arg_label(kernel, i, av, len(views)), mode, av.ptr))
+                out.append(bounded(view, check, av.ptr, readonly, _describer(kernel, i, av, len(views))))
                 if kind == "slice":
                     len_dtype = av.len_dtype if av.len_dtype is not None else np.dtype(np.uint64)
                     out.append(len_dtype.type(av.length))
@@ -661,6 +664,10 @@ def read_only_mode(kernel: Kernel, i: int, av: ArgView, count: int) -> str:
     if isinstance(p, Slice):
         return 'Slice, access="read"'
     return 'access="read"'
+
+
+def _describer(kernel: Kernel, i: int, av: ArgView, count: int) -> Describe:
+    return lambda: (arg_label(kernel, i, av, count), read_only_mode(kernel, i, av, count))
 
 
 def _expected_args(kernel: Kernel, views: Sequence[ArgView]) -> str:
@@ -719,7 +726,7 @@ def reference_failed(
     return error
 
 
-def illegal_address(check: LaunchCheck) -> LaunchError:
+def illegal_address(check: LaunchCheck, fault: OutOfBounds | None) -> LaunchError:
     """The error of a launch whose reference accessed an argument out of bounds,
     as a GPU reports an illegal address (not sticky here)."""
     more = f" ({check.more} more out-of-bounds access(es) after it)" if check.more else ""
@@ -729,7 +736,6 @@ def illegal_address(check: LaunchCheck) -> LaunchError:
         f"(SimDevice.violations)"
     )
     error = LaunchError(700, "CUDA_ERROR_ILLEGAL_ADDRESS", text, call="")
-    raised = check.error
-    if raised is not None:  # where the reference made the access
-        error.__cause__ = IndexError(str(check.first)).with_traceback(raised.__traceback__)
+    if fault is not None:  # where the reference made the access
+        error.__cause__ = IndexError(str(check.first)).with_traceback(fault.__traceback__)
     return error

@@ -42,13 +42,14 @@ Invariants:
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any, final
 
 import numpy as np
 
 from .records import Violation
 
-__all__ = ["BoundedView", "LaunchCheck", "OutOfBounds", "bounded"]
+__all__ = ["BoundedView", "Describe", "LaunchCheck", "OutOfBounds", "bounded"]
 
 #: (dimension, element index past the extent, what is wrong) of a bad index
 _Bad = tuple[int, int, str]
@@ -62,52 +63,69 @@ class OutOfBounds(BaseException):
 
 @final
 class LaunchCheck:
-    """The memcheck of one launch's reference: active while it runs. The first
-    out-of-bounds access goes to ``violations`` (the device's list)."""
+    """The memcheck of one launch's reference: active until :meth:`close`. The
+    first out-of-bounds access goes to ``violations`` (the device's list)."""
 
-    __slots__ = ("active", "error", "first", "kernel", "more", "stream", "violations")
+    __slots__ = ("active", "args", "error", "first", "kernel", "more", "stream", "violations")
 
     def __init__(self, kernel: str, stream: int, violations: list[Violation]) -> None:
         self.kernel = kernel
         self.stream = stream
         self.violations = violations
         self.active = True
+        self.args: list[_Arg] = []
         #: the first out-of-bounds access: its description, and the exception it raised
         self.first: str | None = None
         self.error: OutOfBounds | None = None
         #: out-of-bounds accesses after the first (the reference caught the first)
         self.more = 0
 
+    def close(self) -> OutOfBounds | None:
+        """End the check (views become plain arrays) and drop what would keep
+        views alive in reference cycles. Returns the first fault raised."""
+        self.active = False
+        for arg in self.args:
+            arg.root = arg.owner = None
+        self.args.clear()
+        error, self.error = self.error, None
+        return error
+
+
+#: the text naming an argument, and the declaration that makes it read-only
+Describe = Callable[[], tuple[str, str]]
+
 
 @final
 class _Arg:
     """One array argument of a checked launch."""
 
-    __slots__ = ("check", "label", "mode", "owner", "ptr", "root", "shape")
+    __slots__ = ("check", "describe", "owner", "ptr", "readonly", "root", "shape")
 
-    def __init__(self, check: LaunchCheck, label: str, mode: str | None, ptr: int, root: BoundedView) -> None:
+    def __init__(
+        self, check: LaunchCheck, describe: Describe, readonly: bool, ptr: int, root: BoundedView
+    ) -> None:
         self.check = check
-        self.label = label
-        #: how the parameter is declared read-only (``"In"``...), or None if writable
-        self.mode = mode
+        self.describe = describe
+        self.readonly = readonly
         self.ptr = ptr
-        self.root = root
+        self.root: BoundedView | None = root
         self.shape = root.shape
         #: the ``base`` of every view of this argument: NumPy collapses a view's
         #: base to the first array of another type, the root (``root.base`` is a
         #: plain ndarray)
-        self.owner = root
+        self.owner: BoundedView | None = root
 
     def out_of_bounds(self, view: np.ndarray[Any, Any], key: object, bad: _Bad, action: str) -> None:
         """Record (the first of a launch) and raise :class:`OutOfBounds`."""
         check = self.check
         dim, element, why = bad
         of = "" if view.shape == self.shape else f" (a view of shape {view.shape} of it)"
-        text = f"{self.label}{of} {action} [{key_text(key)}]: {why}"
-        if check.first is not None:
+        text = f"{self.describe()[0]}{of} {action} [{key_text(key)}]: {why}"
+        root = self.root
+        if check.first is not None or root is None:
             check.more += 1
             raise OutOfBounds(text)
-        origin = self.ptr + (_data(view) - _data(self.root))
+        origin = self.ptr + (_data(view) - _data(root))
         stride = view.strides[dim] if dim < view.ndim else view.itemsize
         address = origin + element * stride
         check.first = text
@@ -118,9 +136,9 @@ class _Arg:
         raise check.error
 
     def read_only(self) -> ValueError:
+        label, mode = self.describe()
         return ValueError(
-            f"{self.label} is read-only ({self.mode}): the kernel only reads it; declare it "
-            f"InOut or Out to write to it"
+            f"{label} is read-only ({mode}): the kernel only reads it; declare it InOut or Out to write to it"
         )
 
 
@@ -140,11 +158,16 @@ def _plain(a: Any) -> Any:
     return a.view(np.ndarray) if isinstance(a, BoundedView) else a
 
 
+_getitem = np.ndarray.__getitem__
+_setitem = np.ndarray.__setitem__
+
+
 class BoundedView(np.ndarray[Any, np.dtype[Any]]):
     """A NumPy view of a kernel argument that records out-of-bounds indexing
     (see the module docstring). Otherwise an ordinary ndarray."""
 
-    __slots__ = ("_sim_arg",)
+    #: the argument this is a view of (set on the root and inherited by views)
+    _sim_arg: _Arg | None = None
 
     def __array_finalize__(self, obj: object) -> None:
         arg: _Arg | None = getattr(obj, "_sim_arg", None)
@@ -152,25 +175,25 @@ class BoundedView(np.ndarray[Any, np.dtype[Any]]):
             self._sim_arg = arg
 
     def __getitem__(self, key: Any) -> Any:
-        arg = _arg_of(self)
-        if arg is not None:
+        arg = self._sim_arg
+        if arg is not None and arg.check.active:
             bad = _out_of_bounds(self.shape, key)
             if bad is not None:
                 arg.out_of_bounds(self, key, bad, "indexed")
-        result = super().__getitem__(key)
-        if type(result) is BoundedView and getattr(result, "_sim_arg", None) is None:
+        result = _getitem(self, key)
+        if type(result) is BoundedView and result._sim_arg is None:
             return result.view(np.ndarray)  # a copy (fancy indexing): host memory
         return result
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        arg = _arg_of(self)
-        if arg is not None:
+        arg = self._sim_arg
+        if arg is not None and arg.check.active:
             bad = _out_of_bounds(self.shape, key)
             if bad is not None:
                 arg.out_of_bounds(self, key, bad, "assigned to")
-            if arg.mode is not None:
+            if arg.readonly:
                 raise arg.read_only()
-        super().__setitem__(key, value)
+        _setitem(self, key, value)
 
     def take(self, indices: Any, axis: Any = None, out: Any = None, mode: Any = "raise") -> Any:
         arg = _arg_of(self)
@@ -179,7 +202,7 @@ class BoundedView(np.ndarray[Any, np.dtype[Any]]):
             if bad is not None:
                 arg.out_of_bounds(self, _TakeKey(indices, axis), bad, "took")
         out_arg = _arg_of(out)
-        if out_arg is not None and out_arg.mode is not None:
+        if out_arg is not None and out_arg.readonly:
             raise out_arg.read_only()
         result = self.view(np.ndarray).take(indices, axis=axis, out=_plain(out), mode=mode)
         return out if out is not None else result
@@ -191,7 +214,7 @@ class BoundedView(np.ndarray[Any, np.dtype[Any]]):
                 bad = _take_out_of_bounds(self, indices, None)
                 if bad is not None:
                     arg.out_of_bounds(self, _TakeKey(indices, None), bad, "put to")
-            if arg.mode is not None:
+            if arg.readonly:
                 raise arg.read_only()
         self.view(np.ndarray).put(indices, values, mode=mode)
 
@@ -204,19 +227,18 @@ class BoundedView(np.ndarray[Any, np.dtype[Any]]):
                 bad = _out_of_bounds(target.shape, key)
                 if bad is not None:
                     arg.out_of_bounds(target, key, bad, f"{ufunc.__name__}.at")
-                if arg.mode is not None:
+                if arg.readonly:
                     raise arg.read_only()
-        args = tuple(_plain(a) for a in inputs)
+        args = [a.view(np.ndarray) if isinstance(a, BoundedView) else a for a in inputs]
         out = kwargs.get("out")
         if out is not None:
             for o in out:
                 arg = _arg_of(o)
-                if arg is not None and arg.mode is not None:
+                if arg is not None and arg.readonly:
                     raise arg.read_only()
             kwargs["out"] = tuple(_plain(o) for o in out)
-        where = kwargs.get("where")
-        if isinstance(where, BoundedView):
-            kwargs["where"] = where.view(np.ndarray)
+        if "where" in kwargs:
+            kwargs["where"] = _plain(kwargs["where"])
         result = getattr(ufunc, method)(*args, **kwargs)
         if out is None or method == "at":
             return result
@@ -246,12 +268,15 @@ class BoundedView(np.ndarray[Any, np.dtype[Any]]):
 
 
 def bounded(
-    view: np.ndarray[Any, Any], check: LaunchCheck, label: str, mode: str | None, ptr: int
+    view: np.ndarray[Any, Any], check: LaunchCheck, ptr: int, readonly: bool, describe: Describe
 ) -> BoundedView:
     """``view`` (of the argument at device address ``ptr``) as a checked view of
-    ``check``'s launch; ``mode`` names the declaration that makes it read-only."""
+    ``check``'s launch. ``describe()`` names it, and how it is declared
+    read-only, for messages (only called for one)."""
     out = view.view(BoundedView)
-    out._sim_arg = _Arg(check, label, mode, ptr, out)
+    arg = _Arg(check, describe, readonly, ptr, out)
+    out._sim_arg = arg
+    check.args.append(arg)
     return out
 
 
