@@ -557,3 +557,36 @@ def test_a_scope_entry_while_the_run_ends_is_refused(monkeypatch):
     trio.run(first_scope_of_a_run)
     assert sim.live_allocations == []
     assert sim.violations == []
+
+
+async def test_a_ctrl_c_while_the_exit_waits_for_the_handoff_is_kept(sim):
+    """Trio delivers Ctrl-C at the exit's waits even inside its shield; one
+    delivered while the exit waits for the handoff task to end is re-raised
+    once the scope is closed, as one delivered in the drain is."""
+    manager = trio_cuda.open_scope(device=sim)
+    gpu = await manager.__aenter__()
+    await gpu.to_device(_host_values())  # freed at the exit
+    real = manager._handoff_ended
+
+    class InterruptedOnce:
+        waits = 0
+
+        def is_set(self):
+            return real.is_set()
+
+        def set(self):
+            real.set()
+
+        async def wait(self):
+            self.waits += 1
+            if self.waits == 1:
+                raise KeyboardInterrupt
+            await real.wait()
+
+    manager._handoff_ended = ended = InterruptedOnce()
+    with pytest.raises(KeyboardInterrupt):
+        await manager.__aexit__(None, None, None)
+    assert ended.waits == 2  # it went on waiting after the interrupt
+    assert real.is_set()
+    assert gpu.closed
+    assert sim.live_allocations == []

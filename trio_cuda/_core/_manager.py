@@ -368,8 +368,15 @@ class ScopeManager:
             scope._closed = True
             if scope._handoff_cs is not None:
                 scope._handoff_cs.cancel()
-            with trio.CancelScope(shield=True):  # it ends at once: it was cancelled, or sees closed
-                await self._handoff_ended.wait()
+            # it ends at once (cancelled, or it sees the scope closed); a Ctrl-C
+            # delivered at this wait is kept, as the drain keeps one
+            with trio.CancelScope(shield=True):
+                while not self._handoff_ended.is_set():
+                    try:
+                        await self._handoff_ended.wait()
+                    except KeyboardInterrupt as ki:
+                        if interrupt is None:
+                            interrupt = ki
             if self in self._host.open:
                 self._host.open.remove(self)
         errors: list[BaseException] = [s.error for s in scope._unobserved if s.error is not None]

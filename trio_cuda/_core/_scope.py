@@ -6,9 +6,10 @@ Invariants:
 * Exactly one completion-handoff task per scope, in the scope's nursery and
   shielded from outside cancellation, polls markers, runs host closures and
   retires submissions, per stream in completion (FIFO) order. It never blocks
-  the loop; it sleeps in the driver's ``wait_for_progress``. The nursery is
-  hosted by a system task of the Trio run, not by the entering task, so a
-  scope may be entered and exited by different tasks (``_manager``).
+  the loop; it sleeps in the driver's ``wait_for_progress``. That nursery
+  belongs to the Trio run's scope host, a system task, not to the entering
+  task, so a scope may be entered and exited by different tasks
+  (``_manager``); the exit waits until the handoff task ended.
 * Awaiting a future never changes what is retained: cancelling, dropping or
   forgetting it leaves the submission to the handoff task.
 * Scope exit, whatever the reason, first waits (shielded) for every submission;
