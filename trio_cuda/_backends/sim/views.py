@@ -232,11 +232,15 @@ class BoundedView(np.ndarray[Any, np.dtype[Any]]):
         args = [a.view(np.ndarray) if isinstance(a, BoundedView) else a for a in inputs]
         out = kwargs.get("out")
         if out is not None:
+            plain_out = []
             for o in out:
-                arg = _arg_of(o)
-                if arg is not None and arg.readonly:
-                    raise arg.read_only()
-            kwargs["out"] = tuple(_plain(o) for o in out)
+                if isinstance(o, BoundedView):
+                    arg = o._sim_arg
+                    if arg is not None and arg.readonly and arg.check.active:
+                        raise arg.read_only()
+                    o = o.view(np.ndarray)
+                plain_out.append(o)
+            kwargs["out"] = tuple(plain_out)
         if "where" in kwargs:
             kwargs["where"] = _plain(kwargs["where"])
         result = getattr(ufunc, method)(*args, **kwargs)
@@ -387,6 +391,13 @@ def _int_bad(dim: int, i: int, n: int) -> _Bad:
 
 
 def _slice_bad(dim: int, s: slice, n: int) -> _Bad | None:
+    start, stop = s.start, s.stop
+    if (
+        s.step is None  # the common case, checked first
+        and (start is None or (type(start) is int and -n <= start <= n))
+        and (stop is None or (type(stop) is int and -n <= stop <= n))
+    ):
+        return None
     try:
         step = 1 if s.step is None else operator.index(s.step)
         start = None if s.start is None else operator.index(s.start)
