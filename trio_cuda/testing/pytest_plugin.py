@@ -40,8 +40,8 @@ Invariants:
 * Nothing here touches CUDA until ``trio_cuda_gpu_scope`` is used: the probe
   runs then, once per session.
 * Nothing here imports pytest-trio: whether it is loaded is read from the
-  plugin manager (under its entry-point name or its module's), and checked
-  before either scope fixture, or the GPU probe, runs.
+  plugin manager (its module, under whatever name it was registered), and
+  checked before either scope fixture, or the GPU probe, runs.
 * A marker's bad argument fails the test with an error that names the
   marker and the argument, what was expected and what was given: unknown
   names before anything is made, bad values as the device or scope refuses
