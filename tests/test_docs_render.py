@@ -26,8 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 MAIN_PAGES = (
-    "index", "install", "tutorial", "lifetimes", "api", "interop", "traces", "launch", "graphs", "multigpu", "testing",
-    "deployment",
+    "index", "install", "tutorial", "lifetimes", "api", "interop", "traces", "launch", "graphs", "multigpu",
+    "testing", "deployment",
 )  # fmt: skip
 WINDOW = (1280, 900)
 
