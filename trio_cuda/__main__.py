@@ -38,7 +38,7 @@ from ._version import __version__
 
 __all__ = ["main"]
 
-_DISTRIBUTIONS = ("trio", "attrs", "numpy", "cuda-bindings", "cuda-python", "cuda-pathfinder")
+_DISTRIBUTIONS = ("trio", "attrs", "numpy", "cuda-bindings", "cuda-pathfinder")
 
 
 def _driver_version(version: int) -> str:
