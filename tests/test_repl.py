@@ -500,6 +500,7 @@ def test_a_scope_open_when_the_run_ends_is_drained_and_closed(caplog):
     assert outer.closed
     assert inner.closed
     assert sim.live_allocations == []
+    assert sim.violations == []
     assert sim.statistics().launches == 1
     closing = [r.args[0] for r in caplog.records if "was still open when its Trio run ended" in r.msg]
     assert closing == [inner, outer]  # innermost first
