@@ -406,6 +406,72 @@ def test_arithmetic_gives_plain_arrays_and_views_keep_working_as_arrays() -> Non
     assert recorded == []
 
 
+def test_iterating_and_unpacking_stay_in_bounds() -> None:
+    a, _, recorded = checked((4, 5))
+    rows = list(a)
+    assert len(rows) == 4
+    assert all(type(r) is views.BoundedView for r in rows)
+    assert [float(v) for v in a[1]] == [5, 6, 7, 8, 9]
+    first, second = a[0, :2]
+    assert (first, second) == (0, 1)
+    assert [int(u) + int(v) for u, v in zip(a[0], a[1], strict=True)] == [5, 7, 9, 11, 13]
+    assert sorted(a[3], reverse=True)[0] == 19
+    assert list(reversed(a[0])) == [4, 3, 2, 1, 0]
+    assert 7 in a
+    with pytest.raises(TypeError, match="iteration over a 0-d array"):
+        iter(a[0, 0, ...])
+    assert recorded == []
+
+
+#: NumPy functions whose own indexing of their argument must not trip the check
+NUMPY_FUNCTIONS: dict[str, Callable[[Any, Any], object]] = {
+    "diff": lambda x, a: (np.diff(x), np.diff(a, axis=1, n=2)),
+    "gradient": lambda x, a: (np.gradient(x), np.gradient(a)),
+    "convolve": lambda x, a: (np.convolve(x, x[:5]), np.correlate(x, x[:3], "full")),
+    "roll": lambda x, a: (np.roll(x, 5), np.roll(a, 2, axis=1)),
+    "sort": lambda x, a: (np.sort(x), np.argsort(a, axis=0), np.partition(x, 5), np.lexsort((x, x))),
+    "statistics": lambda x, a: (
+        np.median(a, axis=1),
+        np.percentile(x, [10, 90]),
+        np.quantile(a, 0.3, axis=0),
+    ),
+    "histogram": lambda x, a: (np.histogram(x, bins=5), np.bincount(x.astype(int)), np.digitize(x, [5, 10])),
+    "sets": lambda x, a: (np.unique(a), np.isin(x, [1, 2]), np.setdiff1d(x, x[:3])),
+    "pad": lambda x, a: (np.pad(x, 3), np.pad(a, 2, mode="reflect"), np.resize(x, 50)),
+    "split": lambda x, a: (np.array_split(x, 5), np.split(a, 3), np.trim_zeros(x)),
+    "edit": lambda x, a: (np.delete(x, [0, 36]), np.insert(x, 3, 9), np.append(x, 1)),
+    "windows": lambda x, a: np.lib.stride_tricks.sliding_window_view(x, 4).sum(),
+    "along_axis": lambda x, a: (
+        np.take_along_axis(a, np.argsort(a, axis=1), axis=1),
+        np.apply_along_axis(np.sum, 1, a),
+    ),
+    "linear_algebra": lambda x, a: (np.linalg.norm(a), a @ a.T, np.einsum("ij->j", a), np.kron(x[:3], x[:3])),
+    "ufunc_methods": lambda x, a: (
+        np.add.accumulate(a, axis=1),
+        np.add.reduceat(x, [0, 5, 36]),
+        np.add.reduce(a, where=a > 3),
+        np.multiply.outer(x[:3], x[:3]),
+    ),
+    "shapes": lambda x, a: (
+        np.rot90(a),
+        np.moveaxis(a, 0, 1)[6, 5],
+        np.triu(a),
+        np.diag(a),
+        np.stack([x, x]),
+    ),
+    "text": lambda x, a: (str(a), repr(a), np.array2string(a), a.tolist(), f"{x}"),
+    "fft": lambda x, a: np.fft.fft(x),
+}
+
+
+@pytest.mark.parametrize("name", list(NUMPY_FUNCTIONS))
+def test_numpy_functions_do_not_trip_the_check(name: str) -> None:
+    x, _, recorded = checked((37,))
+    a, _, recorded_2d = checked((6, 7))
+    NUMPY_FUNCTIONS[name](x, a)
+    assert recorded == recorded_2d == []
+
+
 def test_a_write_to_a_read_only_argument_names_it() -> None:
     a, _, _ = checked((16,), readonly=True)
     message = r"argument 0 \(In\(float32\)\) is read-only \(In\): the kernel only reads it"

@@ -195,6 +195,14 @@ class BoundedView(np.ndarray[Any, np.dtype[Any]]):
                 raise arg.read_only()
         _setitem(self, key, value)
 
+    def __iter__(self) -> Any:
+        # without this, iteration goes through __getitem__ until an IndexError,
+        # and the index past the end would be an access out of bounds
+        if not self.ndim:
+            raise TypeError("iteration over a 0-d array")
+        getitem = self.__getitem__
+        return (getitem(i) for i in range(self.shape[0]))
+
     def take(self, indices: Any, axis: Any = None, out: Any = None, mode: Any = "raise") -> Any:
         arg = _arg_of(self)
         if arg is not None and mode == "raise":
