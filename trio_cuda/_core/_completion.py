@@ -5,11 +5,14 @@ Invariants:
 * Completion markers follow the work they mark on its stream: one per
   submission, or one per burst when the driver batches them. A marker that
   cannot be recorded makes its submissions' completion unknown.
-* Exactly one completion-handoff task per scope, in the scope's nursery and
-  shielded from outside cancellation, polls markers, runs host closures and
+* Exactly one completion-handoff task per scope, shielded from outside
+  cancellation, polls markers, runs host closures and
   retires submissions, per stream in completion (FIFO) order. It never blocks
   the loop (it sleeps in the driver's ``wait_for_progress``) and it never dies:
   what user code or the driver raises there is kept for the waiter or the exit.
+  It runs in the nursery of the Trio run's scope host (``_manager``), not in
+  the entering task's, so a scope may exit in another task than it entered;
+  the scope's exit waits until it has ended.
 * Retiring releases leases and owners; memory whose last lease retired is freed
   (``MemoryTable``). Work whose completion is unknown is quarantined instead:
   its owners and leases are leaked on purpose, never released.
