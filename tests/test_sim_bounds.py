@@ -293,14 +293,19 @@ def test_an_index_out_of_bounds_is_recorded_and_stops_the_reference(
 
 
 def test_derived_views_are_checked_against_their_own_extent() -> None:
-    a, _, recorded = checked((16,))
+    a, check, recorded = checked((16,))
     tail = a[2:]
     assert tail[:14].shape == (14,)
     with pytest.raises(views.OutOfBounds, match=r"\(a view of shape \(14,\) of it\) indexed \[:15\]"):
         tail[:15]
     (v,) = recorded
     assert v.address == PTR + 16 * 4  # past the whole argument, through the view
-    b, check, recorded = checked((4, 5))
+    check.first = None
+    recorded.clear()
+    with pytest.raises(views.OutOfBounds, match=r"\(a view of shape \(16,\) of it\) indexed \[:20\]"):
+        a[::-1][:20]  # a view of the same shape, reversed
+    assert recorded[0].address == PTR - 4  # element 16 of the reversed view: just before the argument
+    b, check, recorded = checked((4, 5))  # another launch
     for access, address in (
         (lambda: b.T[0, 4], PTR + 4 * 20),  # shape (5, 4): row 4 of the argument
         (lambda: b.reshape(20)[20], PTR + 20 * 4),

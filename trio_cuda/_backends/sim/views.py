@@ -99,7 +99,7 @@ Describe = Callable[[], tuple[str, str]]
 class _Arg:
     """One array argument of a checked launch."""
 
-    __slots__ = ("check", "describe", "owner", "ptr", "readonly", "root", "shape")
+    __slots__ = ("check", "describe", "owner", "ptr", "readonly", "root")
 
     def __init__(
         self, check: LaunchCheck, describe: Describe, readonly: bool, ptr: int, root: BoundedView
@@ -109,7 +109,6 @@ class _Arg:
         self.readonly = readonly
         self.ptr = ptr
         self.root: BoundedView | None = root
-        self.shape = root.shape
         #: the ``base`` of every view of this argument: NumPy collapses a view's
         #: base to the first array of another type, the root (``root.base`` is a
         #: plain ndarray)
@@ -119,9 +118,9 @@ class _Arg:
         """Record (the first of a launch) and raise :class:`OutOfBounds`."""
         check = self.check
         dim, element, why = bad
-        of = "" if view.shape == self.shape else f" (a view of shape {view.shape} of it)"
-        text = f"{self.describe()[0]}{of} {action} [{key_text(key)}]: {why}"
         root = self.root
+        of = "" if view is root else f" (a view of shape {view.shape} of it)"
+        text = f"{self.describe()[0]}{of} {action} [{key_text(key)}]: {why}"
         if check.first is not None or root is None:
             check.more += 1
             raise OutOfBounds(text)
