@@ -4,6 +4,7 @@ line, logging, and that a trace never changes what the scope does."""
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -294,6 +295,83 @@ def test_the_trace_command_runs_a_program_and_writes_its_trace(tmp_path):
     )
     assert proc.returncode == 3, proc.stderr
     assert json.loads((tmp_path / "f.json").read_text())["otherData"]["events"] > 0
+
+
+MY_JOB = """\
+import sys
+
+import numpy as np
+import trio
+
+import trio_cuda
+
+
+async def main():
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x = await gpu.to_device(np.arange(1024, dtype=np.float32))
+        print(sys.argv[1:], await gpu.to_host(x[:4]))
+
+
+trio.run(main)
+"""
+
+
+def _docs_commands(page: Path) -> list[tuple[str, list[str]]]:
+    """Each ``$ python -m trio_cuda ...`` command of the page's console blocks,
+    and the lines of output shown after it."""
+    out: list[tuple[str, list[str]]] = []
+    for line in page.read_text().splitlines():
+        text = line.strip()
+        if text.startswith("$ python -m trio_cuda "):
+            out.append((text[2:], []))
+        elif text.startswith("$ "):
+            raise AssertionError(f"a command this test does not know how to run: {text}")
+        elif out and text.startswith("trace: "):
+            out[-1][1].append(text)
+    return out
+
+
+def test_the_commands_of_the_traces_page_work_as_written(tmp_path):
+    """docs/traces.rst's commands, run as written (with ``my_job.py`` a small
+    traced program), in both -o orders: each writes its trace where it says,
+    prints what the page shows, and the program gets its own arguments."""
+    (tmp_path / "my_job.py").write_text(MY_JOB)
+    commands = _docs_commands(ROOT / "docs" / "traces.rst")
+    assert any(c.startswith("python -m trio_cuda trace my_job.py") and " -o " in c for c, _ in commands)
+    assert any(c.startswith("python -m trio_cuda trace -o ") for c, _ in commands)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    for command, shown in commands:
+        argv = command.split()
+        out_name = argv[argv.index("-o" if "-o" in argv else "--trace") + 1]
+        proc = subprocess.run(
+            [sys.executable, *argv[1:]], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+        )
+        assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
+        out = tmp_path / out_name
+        if out_name.endswith(".json"):
+            assert json.loads(out.read_text())["otherData"]["events"] > 0, command
+        else:
+            assert "<!DOCTYPE html>" in out.read_text()[:100], command
+        for line in shown:  # the lines the page shows, as printed (the counts are the program's)
+            pattern = re.sub(r"\d+", r"\\d+", re.escape(line))
+            assert re.search(f"^{pattern}$", proc.stdout + proc.stderr, re.M), (command, line, proc.stderr)
+        if "my_job.py" in argv:
+            after = argv[argv.index("my_job.py") + 1 :]
+            own = [a for i, a in enumerate(after) if a != "-o" and (i == 0 or after[i - 1] != "-o")]
+            assert f"{own} [0. 1. 2. 3.]" in proc.stdout, (command, proc.stdout)
+    # the program whose own arguments end in -o: with trace's -o first, they are the program's
+    proc = subprocess.run(
+        [sys.executable, "-m", "trio_cuda", "trace", "-o", "run.html", "my_job.py", "-o", "its.json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "['-o', 'its.json'] [0. 1. 2. 3.]" in proc.stdout
+    assert not (tmp_path / "its.json").exists()
 
 
 def test_the_demo_writes_its_trace(tmp_path):

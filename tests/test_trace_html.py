@@ -8,6 +8,7 @@ the page's script ran, the console, the interactions and a screenshot.
 from __future__ import annotations
 
 import html
+import importlib.util
 import json
 import math
 import re
@@ -25,6 +26,7 @@ import pytest
 from trio_cuda._trace_html import render_html
 
 FIXTURE = Path(__file__).with_name("trace_fixture.json")
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 EVIL = "</script><img src=x onerror=alert(1)>"
 
 
@@ -507,3 +509,49 @@ def test_screenshot(tmp_path: Path) -> None:
     # The solid fills of drawn bars and markers are there, pixel-exact.
     for rgb in ("6366f1", "dcfce7", "fdba74", "7dd3fc", "dc2626"):  # kernel, alive, write, read, cancel
         assert colours[bytes.fromhex(rgb)] > 50, rgb
+
+
+def _make_pictures() -> Any:
+    """docs/make_pictures.py, imported."""
+    spec = importlib.util.spec_from_file_location("make_pictures", DOCS / "make_pictures.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_docs_pictures_are_sharp_and_small() -> None:
+    mp = _make_pictures()
+    pictures = sorted((DOCS / "_static").glob("*/*.png"))
+    assert {p.parent.name for p in pictures} == {"traces", "lessons"}, pictures
+    for png in pictures:
+        data = png.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n", png
+        width, height = struct.unpack(">II", data[16:24])
+        assert width == mp.WIDTH * mp.PIXEL_RATIO, (png.name, width)  # made as make_pictures makes them
+        assert height % mp.PIXEL_RATIO == 0, (png.name, height)
+        assert len(data) < 1_000_000, (png.name, len(data))
+
+
+@needs_chromium
+def test_a_docs_picture_is_the_whole_page_and_nothing_more(tmp_path: Path) -> None:
+    mp = _make_pictures()
+    mp.WIDTH = 700  # a smaller picture, decoded faster
+    page = tmp_path / "fixture.html"
+    page.write_text(render_html(load_fixture()), encoding="utf-8")
+    chromium = str(find_chromium())
+    css_height = mp.page_height(page, chromium)
+    assert 300 < css_height < 2000, css_height
+    shot = tmp_path / "shot.png"
+    mp.screenshot(page, shot, chromium)
+    width, height, rows = png_pixels(shot.read_bytes())
+    assert (width, height) == (700 * mp.PIXEL_RATIO, css_height * mp.PIXEL_RATIO)
+    # the last lane is in the picture (its bars), and no empty band below it
+    bottom = rows[-12 * mp.PIXEL_RATIO :]
+    colours = Counter(row[i : i + 3] for row in bottom for i in range(0, len(row), 3))
+    assert len(colours) > 20, colours.most_common(5)
+    lane_bottom = rows[-40 * mp.PIXEL_RATIO :]
+    assert any(bytes.fromhex(c) in row for row in lane_bottom for c in ("fdba74", "7dd3fc", "dcfce7")), (
+        "the last lane's bars are not in the picture"
+    )

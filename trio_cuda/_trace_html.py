@@ -387,8 +387,8 @@ h1 { font-size: 18px; margin: 0 0 4px; font-weight: 650; }
 #toolbar button { font: inherit; min-width: 30px; padding: 2px 9px; border: 1px solid #cbd5e1;
   border-radius: 5px; background: #fff; cursor: pointer; }
 #toolbar button:hover { background: #e2e8f0; }
-#view { font-variant-numeric: tabular-nums; color: #334155; margin: 0 10px 0 6px; }
-.help { color: #64748b; }
+#view { font-variant-numeric: tabular-nums; color: #334155; margin: 0 10px 0 6px; white-space: nowrap; }
+.help { color: #64748b; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; min-width: 0; }
 #axis-wrap { position: sticky; top: 36px; z-index: 2; background: #fff; border-bottom: 1px solid #cbd5e1; }
 svg { display: block; }
 #chart { cursor: grab; user-select: none; touch-action: none; }
