@@ -9,12 +9,15 @@ a reference, so that such an access is an ``out_of_bounds`` violation.
 Invariants:
 
 * A view is checked while its launch's reference runs (:class:`LaunchCheck`
-  ``active``); before and after, it behaves exactly as a plain ndarray.
+  ``active``); once the engine closes the check, it behaves as a plain
+  ndarray, and the check holds none of the launch's views (no reference
+  cycle keeps the device's buffers alive).
 * Checked: ``[]`` reads and writes (``__getitem__``/``__setitem__``), and
   ``take``/``put`` and ``ufunc.at`` with their default ``mode="raise"``, of
   the argument and of every view derived from it (slices, reshapes,
-  transposes, ``.view``: whatever shares the argument's buffer, found by
-  NumPy's ``base``), each against its own shape. Per dimension: an integer
+  transposes, fields, ``.view``: every array whose NumPy ``base`` is the
+  argument's root view, to which NumPy collapses a view's base), each
+  against its own shape; iteration stays in bounds. Per dimension: an integer
   outside ``[-n, n)`` (negative indices count from the end, as in Python), a
   slice whose start or stop lies beyond the dimension (``[-n, n]`` for a
   positive step; for a negative one, a start in ``[-n, n)`` and a stop in
@@ -27,8 +30,8 @@ Invariants:
   reference does not catch; the launch then fails (``engine``). Later ones
   are counted, not recorded.
 * A write to a read-only argument (``In``, or ``Slice(access="read")``) by
-  ``[]=``, ``take``/``put`` or a ufunc's ``out=`` raises ``ValueError``
-  naming the argument.
+  ``[]=``, ``put``, ``ufunc.at`` or an ``out=`` (a ufunc's, ``take``'s)
+  raises ``ValueError`` naming the argument.
 * Arithmetic comes back as plain ndarrays: ufuncs (and the reductions and
   methods built on them) take and return plain arrays, except an ``out=``
   given by the caller, returned as it was given. Copies (``copy()``,
