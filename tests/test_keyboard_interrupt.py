@@ -346,7 +346,7 @@ def test_ctrl_c_reaches_the_children_of_a_process_that_ignores_it() -> None:
     assert report["delivered"] == 1, report
 
 
-def test_the_sigint_helpers_restore_and_ignore(tmp_path: Path) -> None:
+def test_python_restores_sigint_that_ignoring_sigint_ignores(tmp_path: Path) -> None:
     """``python()`` restores SIGINT's default in its child, for ``-c`` and
     ``-m`` alike, under a parent that ignores SIGINT; without it, such a
     parent's child ignores SIGINT (so the test above can fail)."""
