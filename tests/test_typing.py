@@ -3,7 +3,8 @@
 The package is built as it is installed (setuptools' build_py, which copies the package
 data pyproject.toml declares) into a site directory outside the repository, and mypy runs
 from another directory with only that site directory added to the path, as in a user's
-project. Without the py.typed marker the same run reports the import as untyped, so the
+project (for an interpreter that sees the test environment's packages but none of its
+``.pth`` files, so an editable install of the repository stays out of the way). Without the py.typed marker the same run reports the import as untyped, so the
 marker is what makes it work.
 """
 
@@ -13,9 +14,11 @@ import importlib.metadata
 import os
 import re
 import shutil
+import site as site_module
 import subprocess
 import sys
 import tomllib
+import venv
 from pathlib import Path
 
 import pytest
@@ -66,7 +69,26 @@ def _build(tmp: Path) -> Path:
     return site
 
 
-def _mypy(site: Path, work: Path, cache: Path, *files: str) -> subprocess.CompletedProcess[str]:
+def _isolated_python(where: Path) -> Path:
+    """An interpreter that sees this one's installed packages (NumPy's and Trio's
+    annotations) but none of its ``.pth`` files: an editable install of this
+    repository in the test environment would otherwise put the repository's own
+    (typed) ``trio_cuda`` on mypy's search path, behind the one under test."""
+    venv.EnvBuilder(with_pip=False, symlinks=os.name != "nt").create(where)
+    python = where / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
+    dirs = [*site_module.getsitepackages(), site_module.getusersitepackages()]
+    Path(purelib, "test_environment.pth").write_text("".join(f"{d}\n" for d in dirs if Path(d).is_dir()))
+    return python
+
+
+def _mypy(python: Path, site: Path, work: Path, cache: Path, *files: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MYPYPATH", "PYTHONPATH", "PYTHONSTARTUP")}
     env["PYTHONPATH"] = str(site)
     config = work / "mypy.ini"
@@ -77,6 +99,8 @@ def _mypy(site: Path, work: Path, cache: Path, *files: str) -> subprocess.Comple
             "-m",
             "mypy",
             "--strict",
+            "--python-executable",
+            str(python),
             "--config-file",
             str(config),
             "--cache-dir",
@@ -93,6 +117,12 @@ def _mypy(site: Path, work: Path, cache: Path, *files: str) -> subprocess.Comple
         text=True,
         timeout=300,
     )
+
+
+@pytest.fixture(scope="module")
+def python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The interpreter mypy resolves imports for (see :func:`_isolated_python`)."""
+    return _isolated_python(tmp_path_factory.mktemp("python"))
 
 
 @pytest.fixture(scope="module")
@@ -122,13 +152,13 @@ def _expected(path: Path) -> set[tuple[int, str]]:
 
 
 def test_typed_programs_check_clean_and_wrong_uses_are_reported(
-    site: Path, cache: Path, tmp_path: Path
+    python: Path, site: Path, cache: Path, tmp_path: Path
 ) -> None:
     work = tmp_path / "project"
     work.mkdir()
     for name in (*PROGRAMS, WRONG):
         shutil.copy2(TYPING / name, work / name)
-    result = _mypy(site, work, cache, *PROGRAMS, WRONG)
+    result = _mypy(python, site, work, cache, *PROGRAMS, WRONG)
     report = result.stdout + result.stderr
     # the typed programs check clean (trio_cuda came from the installed copy: a
     # library mypy cannot find is reported on their import lines)
@@ -144,20 +174,22 @@ def test_typed_programs_check_clean_and_wrong_uses_are_reported(
     assert result.returncode == 1
 
 
-def test_without_py_typed_users_get_untyped_imports(site: Path, cache: Path, tmp_path: Path) -> None:
+def test_without_py_typed_users_get_untyped_imports(
+    python: Path, site: Path, cache: Path, tmp_path: Path
+) -> None:
     untyped = tmp_path / "site"
     shutil.copytree(site, untyped)
     (untyped / "trio_cuda" / "py.typed").unlink()
     work = tmp_path / "project"
     work.mkdir()
     (work / "program.py").write_text("import trio_cuda\n\nscope: int = trio_cuda.open_scope()\n")
-    result = _mypy(untyped, work, tmp_path / "cache", "program.py")
+    result = _mypy(python, untyped, work, tmp_path / "cache", "program.py")
     report = result.stdout + result.stderr
     assert re.search(
         r"^program\.py:1: error: .*py\.typed marker.*\[import-untyped\]$", report, re.MULTILINE
     ), report
     # with the marker, the same line is a type error: the annotations are read
-    typed = _mypy(site, work, cache, "program.py")
+    typed = _mypy(python, site, work, cache, "program.py")
     assert re.search(
         r"^program\.py:3: error: Incompatible types in assignment "
         r".*AbstractAsyncContextManager\[ResourceScope",
