@@ -4,8 +4,9 @@ The package is built as it is installed (setuptools' build_py, which copies the 
 data pyproject.toml declares) into a site directory outside the repository, and mypy runs
 from another directory with only that site directory added to the path, as in a user's
 project (for an interpreter that sees the test environment's packages but none of its
-``.pth`` files, so an editable install of the repository stays out of the way). Without the py.typed marker the same run reports the import as untyped, so the
-marker is what makes it work.
+``.pth`` files, so an editable install of the repository stays out of the way). Without
+the py.typed marker the same run reports the import as untyped, so the marker is what
+makes it work.
 """
 
 from __future__ import annotations
