@@ -162,7 +162,7 @@ def _spin_cupy(cupy):
 
 
 async def test_cublas_through_cupy_in_external_is_ordered_by_its_leases():
-    cupy = pytest.importorskip("cupy")
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
     rng = np.random.default_rng(3)
     n = 256
     w_h = rng.standard_normal((n, n)).astype(np.float32)
@@ -205,7 +205,7 @@ async def test_cublas_through_cupy_in_external_is_ordered_by_its_leases():
 
 
 async def test_cupy_work_in_external_is_captured_and_replayed_under_leases():
-    cupy = pytest.importorskip("cupy")
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
     async with trio_cuda.open_scope(device="cuda", streams=2) as gpu:
         x = gpu.zeros(N, np.float32)
         y = gpu.zeros(N, np.float32)
@@ -227,7 +227,7 @@ async def test_cupy_work_in_external_is_captured_and_replayed_under_leases():
 
 
 async def test_torch_in_external_and_after_torch_streams_and_events():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
     async with trio_cuda.open_scope(device="cuda", streams=2) as gpu:
         dev = torch.device("cuda", gpu.device.ordinal)
         a = await gpu.to_device(np.arange(N, dtype=np.float32))
@@ -276,7 +276,7 @@ async def test_torch_in_external_and_after_torch_streams_and_events():
 
 
 async def test_after_cupy_streams_and_events():
-    cupy = pytest.importorskip("cupy")
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
     spin = _spin_cupy(cupy)
     async with trio_cuda.open_scope(device="cuda") as gpu:
         with cupy.cuda.Device(gpu.device.ordinal):

@@ -205,7 +205,10 @@ async def test_every_numeric_scalar_reaches_the_kernel() -> None:
 
 
 async def test_bfloat16_reaches_the_kernel() -> None:
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    ml_dtypes = pytest.importorskip(
+        "ml_dtypes",
+        reason="ml_dtypes is not installed (pip install ml_dtypes): bfloat16 and float8 scalars need it",
+    )
     k = Kernel.from_source(
         LAYOUT_SRC, "bf16_bits", params=[Scalar("u1"), Scalar(ml_dtypes.bfloat16), Out("u8")]
     )

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _sigint import python
 
 import trio_cuda
 import trio_cuda._demo as _demo_module
@@ -314,7 +315,7 @@ def _run_on_a_terminal(
 ) -> tuple[int, str, str]:
     """Run the demo (``python -m trio_cuda`` or ``python *command``) with stderr
     (and stdout, if ``stdout_too``) on a pseudo-terminal."""
-    pty = pytest.importorskip("pty")
+    pty = pytest.importorskip("pty", reason="pseudo-terminals need the pty module (POSIX)")
     master, slave = pty.openpty()
     try:
         proc = subprocess.Popen(
@@ -616,8 +617,7 @@ def test_the_demo_trace_keeps_the_documented_number_of_events(
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child is POSIX")
 def test_ctrl_c_cancels_the_batch_drains_it_and_exits_130() -> None:
     proc = subprocess.Popen(
-        [
-            sys.executable,
+        python(  # SIGINT raises KeyboardInterrupt in the child even where this process ignores it
             "-m",
             "trio_cuda",
             "demo",
@@ -633,7 +633,7 @@ def test_ctrl_c_cancels_the_batch_drains_it_and_exits_130() -> None:
             "none",
             "--progress",
             "lines",
-        ],
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -26,8 +26,9 @@ from pathlib import Path
 import attrs
 import numpy as np
 import pytest
+from _sigint import python
 
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'trio_cuda[ray]' (Python < 3.14)")
 
 import trio_cuda.ray as tray  # noqa: E402
 from trio_cuda._backends import probe_cuda  # noqa: E402
@@ -421,9 +422,9 @@ def test_cli_auto_joins_the_cluster_that_ray_address_names(cluster: str) -> None
 
 def test_cli_ctrl_c_cancels_the_shards_and_still_collects_their_reports(cluster: str) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trio_cuda", "demo", "--ray", cluster, "--device", "sim",
+        python("-m", "trio_cuda", "demo", "--ray", cluster, "--device", "sim",
          "--inputs", "64", "--size", "256", "--kernel-ms", "200", "--concurrency", "2",
-         "--deadline", "none", "-v"],
+         "--deadline", "none", "-v"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

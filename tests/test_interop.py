@@ -540,7 +540,7 @@ def _private_cache(tmp_path_factory, monkeypatch):
 @gpu
 @needs_cuda
 async def test_torch_round_trip_through_different_streams():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
     async with trio_cuda.open_scope(device="cuda") as g:
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
         with torch.cuda.stream(s1):
@@ -567,7 +567,7 @@ async def test_torch_round_trip_through_different_streams():
 @gpu
 @needs_cuda
 async def test_cupy_round_trip_through_different_streams():
-    cupy = pytest.importorskip("cupy")
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
     async with trio_cuda.open_scope(device="cuda") as g:
         x = await g.to_device(np.full(N, 3.0, F4))
         y = g.empty(N, F4)
@@ -591,7 +591,7 @@ async def test_cupy_round_trip_through_different_streams():
 @gpu
 @needs_cuda
 async def test_cuda_array_interface_export_and_import():
-    cupy = pytest.importorskip("cupy")
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
     async with trio_cuda.open_scope(device="cuda") as g:
         x = await g.to_device(np.full(N, 1.0, F4))
         y = g.empty((N // 256, 256), F4, order="F")
@@ -620,7 +620,7 @@ async def test_cuda_array_interface_export_and_import():
         await eventually(lambda: g.statistics().leases_held == 0)
         with pytest.raises(ValueError, match=r"^borrow: obj: expected device memory, got a host array"):
             trio_cuda.borrow(np.zeros(4, F4))
-        torch = pytest.importorskip("torch")
+        torch = pytest.importorskip("torch", reason="PyTorch is not installed")
         with pytest.raises(ValueError, match=r"got a host array \(Tensor on kDLCPU\)"):
             trio_cuda.borrow(torch.zeros(4))
 

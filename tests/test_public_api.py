@@ -143,7 +143,10 @@ def test_every_public_name_is_in_the_api_reference() -> None:
 
 def _optional(module: str) -> types.ModuleType:
     """``trio_cuda.<module>``, imported; skips where the package it needs is not installed."""
-    pytest.importorskip(OPTIONAL_SUBMODULES[module])
+    pytest.importorskip(
+        OPTIONAL_SUBMODULES[module],
+        reason=f"{OPTIONAL_SUBMODULES[module]} is not installed: trio_cuda.{module} needs its extra",
+    )
     return importlib.import_module(f"trio_cuda.{module}")
 
 
