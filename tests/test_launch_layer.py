@@ -144,7 +144,10 @@ async def test_float16_scalars(sim):
 
 
 async def test_bfloat16_and_float8_scalars_with_ml_dtypes(sim):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    ml_dtypes = pytest.importorskip(
+        "ml_dtypes",
+        reason="ml_dtypes is not installed (pip install ml_dtypes): bfloat16 and float8 scalars need it",
+    )
     bf16 = np.dtype(ml_dtypes.bfloat16)
     f8 = np.dtype(ml_dtypes.float8_e4m3fn)
     got, ref = recorder()

@@ -52,10 +52,12 @@ def cuda_view(arr: DeviceArray) -> CudaView:
     ``cupy.asarray(cuda_view(x))``, ``torch.as_tensor(cuda_view(x), device="cuda")``.
 
     Unlike ``arr.__cuda_array_interface__``, it takes no lease and names no
-    stream to synchronise with: its consumer orders nothing. Its place is
-    inside :func:`trio_cuda.ops.external`, whose ``reads``/``writes`` leases
-    cover ``arr`` while the foreign work runs; anywhere else the caller orders
-    every access and keeps the scope open while the consumer uses the memory.
+    stream to synchronise with: its consumer orders nothing, and nothing checks
+    that a lease covers ``arr``. Inside :func:`trio_cuda.ops.external` the safe
+    path is the plain export (``cupy.asarray(x)``, ``torch.from_dlpack(x)``), which
+    checks that the external's ``reads``/``writes`` cover ``x``; this view is for
+    the places no lease covers, where the caller orders every access and keeps
+    the scope open while the consumer uses the memory.
     Only on the ``cuda`` backend (simulated memory has no CUDA address)."""
     if not isinstance(arr, DeviceArray):
         raise TypeError(f"arr: expected a DeviceArray, got {type(arr).__name__}")

@@ -53,7 +53,7 @@ import numpy as np
 import trio
 
 import trio_cuda
-from trio_cuda import In, Kernel, Out, Scalar, ops, unsafe
+from trio_cuda import In, Kernel, Out, Scalar, ops
 
 D = 64
 SEED = 20241201
@@ -147,8 +147,9 @@ class Scorer:
         return self.cupy.cuda.ExternalStream(stream.__cuda_stream__()[1])  # CuPy before 14
 
     def _as_cupy(self, arr: trio_cuda.DeviceArray, shape: tuple[int, ...]) -> Any:
-        # no lease of its own: ops.external's reads/writes cover the memory while cuBLAS runs
-        return self.cupy.asarray(unsafe.cuda_view(arr)).reshape(shape)
+        # inside ops.external: the export is covered by its reads=/writes= leases (no lease,
+        # wait or stream of its own) until cuBLAS's work completed
+        return self.cupy.asarray(arr).reshape(shape)
 
     def _matmul(self, x: trio_cuda.DeviceArray, h: trio_cuda.DeviceArray) -> trio_cuda.DeviceOp[Any]:
         if self.cupy is None:
