@@ -8,11 +8,16 @@ Invariants:
   address). Its ``release`` callback runs exactly once: when the consumer calls
   the tensor's deleter, or, if no consumer took the capsule, when
   :func:`sweep_dropped` finds it dropped with its original name (the scope
-  sweeps at each retirement pass, conflicting access, ``statistics()`` and
-  exit). Capsules have no destructor: one would run with a refusing
-  consumer's exception set, and fail.
-* The deleter may run on any thread; ``release`` callbacks must only hand work
-  to the Trio loop, never touch runtime state themselves.
+  sweeps at each retirement pass, conflicting access, ``statistics()``, the
+  close of an exported allocation's last handle, and exit); then its
+  ``swept`` callback runs instead, where one was given. Capsules have no
+  destructor: one would run with a refusing consumer's exception set, and
+  fail.
+* The deleter may run on any thread (or inside a garbage collection); a
+  ``release`` callback must only hand work to the Trio loop, never touch
+  runtime state itself. A ``swept`` callback runs only from
+  :func:`sweep_dropped`, which its callers run on a Trio loop at a point where
+  the runtime's state may change, so it may act at once.
 * :func:`consume_capsule` takes a foreign capsule over (renames it to
   ``"used_..."``); the returned :class:`ImportedTensor` calls the producer's
   deleter exactly once, on :meth:`ImportedTensor.close` or when collected.
@@ -188,29 +193,41 @@ def np_dtype(code: int, bits: int, lanes: int) -> np.dtype[Any] | None:
 class _Holder:
     """Everything a capsule's struct points into, plus the release callback."""
 
-    __slots__ = ("lock", "release", "shape", "strides", "struct")
+    __slots__ = ("lock", "release", "shape", "strides", "struct", "swept")
 
     def __init__(
-        self, struct: ctypes.Structure, shape: Any, strides: Any, release: Callable[[], None]
+        self,
+        struct: ctypes.Structure,
+        shape: Any,
+        strides: Any,
+        release: Callable[[], None],
+        swept: Callable[[], None] | None = None,
     ) -> None:
         self.struct = struct
         self.shape = shape
         self.strides = strides
         self.release: Callable[[], None] | None = release
+        self.swept = swept
         self.lock = threading.Lock()
 
 
 _HOLDERS: dict[int, _Holder] = {}
 
 
-def _run_release(addr: int) -> None:
+def _run_release(addr: int, *, swept: bool = False) -> None:
+    """Run the capsule's release (``swept``: its ``swept`` callback where it
+    has one), once."""
     holder = _HOLDERS.pop(addr, None)
     if holder is None:
         return
     with holder.lock:
         release, holder.release = holder.release, None
+        on_sweep, holder.swept = holder.swept, None
     if release is not None:
-        release()
+        if swept and on_sweep is not None:
+            on_sweep()
+        else:
+            release()
 
 
 def _on_delete(addr: int | None) -> None:
@@ -236,7 +253,8 @@ def sweep_dropped() -> int:
     """Release the exports whose capsules were dropped without being consumed
     (a consumer refused them, or nobody took them); forget the ones a
     consumer took (it calls the deleter when done). Returns how many were
-    released. Call it on a Trio loop."""
+    released. Call it on a Trio loop, where the runtime's state may change:
+    a released capsule's ``swept`` callback may finish its export at once."""
     released = 0
     for addr, capsule in list(UNCONSUMED.items()):
         if any(_PyCapsule_IsValid(capsule, _name(n)) for n in _CONSUMED_NAMES):
@@ -244,7 +262,7 @@ def sweep_dropped() -> int:
         # references: the table, the list's pair, the loop variable, the argument
         elif sys.getrefcount(capsule) <= 4:
             UNCONSUMED.pop(addr, None)
-            _run_release(addr)
+            _run_release(addr, swept=True)
             released += 1
     return released
 
@@ -259,9 +277,12 @@ def make_capsule(
     versioned: bool,
     read_only: bool,
     release: Callable[[], None],
+    swept: Callable[[], None] | None = None,
 ) -> object:
     """A DLPack capsule for ``ptr``. ``strides`` are in elements. ``release``
-    runs once, when the consumer (or the capsule's destruction) deletes it."""
+    runs once, when the consumer deletes it, or, if no consumer took it, when
+    :func:`sweep_dropped` finds it dropped; ``swept``, if given, runs then
+    instead (on the loop, where it may act at once)."""
     for label, values, low in (("shape", shape, 0), ("strides", strides, _INT64_MIN)):
         if any(not low <= v <= _INT64_MAX for v in values):
             raise ValueError(
@@ -292,7 +313,7 @@ def make_capsule(
     struct.manager_ctx = None
     struct.deleter = _DELETER
     addr = ctypes.addressof(struct)
-    _HOLDERS[addr] = _Holder(struct, c_shape, c_strides, release)
+    _HOLDERS[addr] = _Holder(struct, c_shape, c_strides, release, swept)
     try:
         capsule = _PyCapsule_New(addr, _name(name), None)
     except BaseException:
@@ -317,7 +338,7 @@ def expire_unconsumed(capsules: list[object]) -> int:
                 holder = _HOLDERS.pop(addr, None)
                 if holder is not None:
                     with holder.lock:
-                        holder.release = None
+                        holder.release = holder.swept = None
                 expired += 1
                 break
     return expired

@@ -28,6 +28,15 @@ Invariants:
   published as releasing. The export's stream waits for the fence; then the
   submission goes in flight and retires like any other. Its lease, and the
   memory, are released only at that retirement.
+* A release is finished on the loop soon after it was requested
+  (``run_sync_soon``), never inside the consumer's call: a deleter may run on
+  any thread, or inside a garbage collection anywhere in the runtime. A
+  DLPack capsule dropped unconsumed is released by the scope's sweep
+  (``_dlpack.sweep_dropped``), which runs on the loop where the runtime's
+  state may change; there the release is finished at once (its fence needing
+  no blocking call, and no submission of the scope being enqueued), so that
+  what the sweep's caller reports next (``statistics()``) already counts it
+  in flight.
 * Scope exit finishes released exports (within ``drain_timeout``) and
   abandons the others: an export still held by its consumer, or not finished
   in time, has its memory quarantined (never freed) with a ResourceWarning.
@@ -242,6 +251,32 @@ class Export:
             scope._token.run_sync_soon(self._start_finish)
         except trio.RunFinishedError:  # pragma: no cover - the run is over; nothing to order
             pass
+
+    def release_swept(self) -> None:
+        """:meth:`release`, by a sweep that found the DLPack capsule dropped
+        unconsumed. The sweep runs on a Trio loop at a point where the
+        runtime's state may change (``statistics()``, a retirement pass, a
+        conflicting access, a handle's close, the exit), so on this scope's
+        own loop the release is finished at once where that needs no blocking
+        fence and no submission is being enqueued (a then/map closure, a
+        capture, an external's fn). Otherwise it is finished soon, as any
+        release."""
+        self.release()
+        scope = self.scope
+        if (
+            self.state is not ExportState.RELEASING
+            or threading.get_ident() != self._loop_thread
+            or scope._closed
+            or scope._enqueuing
+            or self._blocking_fence()
+        ):
+            return
+        self.finish()
+        sub = self.sub
+        if sub is not None and sub.state is SubState.IN_FLIGHT and sub.marker is None:
+            # A retirement pass may be sweeping after its flush: record the
+            # marker now, or that pass would not see the release's work.
+            scope._flush(sub.stream)
 
     def _blocking_fence(self) -> bool:
         """True if finishing needs a device-wide fence that blocks the caller."""
@@ -519,6 +554,8 @@ def conflict(
     export = op._export if isinstance(op, _ExportOp) else None
     if export is not None and export.state is ExportState.LIVE and UNCONSUMED:
         sweep_dropped()  # a capsule its consumer refused or dropped releases it now
+    if export is not None and export.state is ExportState.RELEASED:
+        return other  # that sweep finished it: in flight
     if export is not None and export.state is ExportState.RELEASING and not export._blocking_fence():
         export.finish()
         return other
@@ -772,6 +809,7 @@ def dlpack_export(
             versioned=versioned,
             read_only=arr._readonly,
             release=export.release,
+            swept=export.release_swept,
         )
     except BaseException:
         export.release()

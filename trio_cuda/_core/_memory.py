@@ -7,6 +7,10 @@ Invariants:
   one place that decides.
 * A handle released off the loop thread (a finalizer, a worker thread) is
   queued for the loop; only the loop touches the table and the driver.
+* Releasing the last handle of memory a foreign consumer was given sweeps
+  the DLPack capsules dropped unconsumed (``_dlpack.sweep_dropped``): an
+  export whose capsule nobody took is then all that keeps the memory, and is
+  released now rather than at the scope's next unrelated look.
 * A failed free quarantines the memory with a ``ResourceWarning``: a leak is
   preferred to a dangling pointer. Borrowed memory is only let go of.
 """
@@ -22,6 +26,7 @@ import trio
 from trio.lowlevel import enable_ki_protection
 
 from ._array import Allocation, AllocState
+from ._dlpack import UNCONSUMED, sweep_dropped
 
 if TYPE_CHECKING:
     from ._driver import DeviceContext
@@ -53,6 +58,8 @@ class MemoryTable:
             self._release_handle_later(alloc)
             return
         alloc.handles -= 1
+        if alloc.exports and alloc.handles <= 0 and UNCONSUMED:
+            sweep_dropped()  # an export whose capsule was dropped unconsumed: released now
         self._maybe_free(alloc)
 
     @enable_ki_protection
