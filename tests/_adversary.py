@@ -2093,6 +2093,11 @@ class Runner:
                             if any(isinstance(e, ProgramFailure) for e in _leaves(exc)):
                                 self.release_all()  # or the scope exit would wait for a held device
                             raise
+                        if self.exit_info:
+                            # Counted again now that every task has ended: a task cancelled
+                            # before it first ran still runs its steps up to its first
+                            # checkpoint (a DLPack export kept is one), after prepare_exit.
+                            self.exit_info["exports"] = self.held_exports()
                         if seg.drop_exports and self.capsules:
                             for entry in self.capsules:
                                 entry[1].exports -= 1
@@ -2155,10 +2160,14 @@ class Runner:
         self.exit_info = {
             "held": any(s.held for s in self.sims),
             "closures": any(st.host_closures_pending for st in stats),
-            "exports": [sum(1 for _c, _s, sc in self.capsules if sc == i) for i in range(len(self.scopes))],
+            "exports": self.held_exports(),
             "borrows": sum(1 for h in self.handles if h.borrowed and h.usable),
             "stats": stats,
         }
+
+    def held_exports(self) -> list[int]:
+        """Per scope, the DLPack capsules the program holds."""
+        return [sum(1 for _c, _s, sc in self.capsules if sc == i) for i in range(len(self.scopes))]
 
     def parting(self, shape: tuple[Any, ...], dev: int, stream: int | None) -> None:
         """Submit work and leave the scope at once: the exit finds it not
