@@ -393,6 +393,20 @@ async def test_options_that_make_no_ptx_skip_the_entry_check_only(sim: SimDevice
 
 
 @needs_nvrtc
+def test_compiling_writes_only_into_its_own_buffers() -> None:
+    """NVRTC writes the image and the log into buffers the caller provides: never into an
+    immutable bytes object, which for one byte (an -dlto compile's empty PTX is its NUL) is
+    the interpreter's shared b" ", corrupting every later use of it."""
+    src = stub_source("own_buffers") + "// buffers"
+    for opts in (["-dlto"], []):
+        image, _ = _nvrtc.compile_program(src, "own_buffers", (*opts, "--gpu-architecture=compute_90"), "ptx")
+        assert isinstance(image, bytes)
+    assert bytes([32]) == b"\x20"
+    assert bytes([32])[0] == 32
+    assert " ".join(["a", "b"]).encode() == b"a b"
+
+
+@needs_nvrtc
 async def test_kernels_sharing_a_broken_source_each_get_their_own_error(sim: SimDevice) -> None:
     src = BROKEN_SRC + "\n// two kernels of one source"
     start = _nvrtc.check_statistics()

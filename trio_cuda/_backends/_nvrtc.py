@@ -173,7 +173,7 @@ def compile_program(source: str, name: str, opts: tuple[str, ...], kind: str) ->
             err, size = nvrtc.nvrtcGetCUBINSize(prog)
             if err:
                 raise nvrtc_fail(err, "nvrtcGetCUBINSize")
-            buf = b" " * size
+            buf = bytearray(size)  # NVRTC writes into it: never an immutable (maybe shared) bytes
             (err,) = nvrtc.nvrtcGetCUBIN(prog, buf)
             if err:
                 raise nvrtc_fail(err, "nvrtcGetCUBIN")
@@ -181,7 +181,7 @@ def compile_program(source: str, name: str, opts: tuple[str, ...], kind: str) ->
             err, size = nvrtc.nvrtcGetPTXSize(prog)
             if err:
                 raise nvrtc_fail(err, "nvrtcGetPTXSize")
-            buf = b" " * size
+            buf = bytearray(size)  # NVRTC writes into it: never an immutable (maybe shared) bytes
             (err,) = nvrtc.nvrtcGetPTX(prog, buf)
             if err:
                 raise nvrtc_fail(err, "nvrtcGetPTX")
@@ -195,7 +195,7 @@ def _program_log(nvrtc: Any, prog: Any) -> str:
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         if err or size <= 1:
             return ""
-        buf = b" " * size
+        buf = bytearray(size)
         (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
         if err:
             return ""
