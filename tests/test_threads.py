@@ -367,6 +367,32 @@ def test_a_future_used_from_a_worker_thread_names_the_threads_and_the_way_to_cal
     ), record
 
 
+def test_a_finished_future_is_read_from_a_worker_thread_only_once_its_scope_closed(sim: SimDevice) -> None:
+    """Reading a finished future's outcome marks its error observed in the scope's tables:
+    from a worker thread it is refused while the scope is open, and allowed once it closed."""
+    record: dict[str, object] = {}
+
+    def from_worker(fut: trio_cuda.DeviceFuture[Any], key: str) -> None:
+        try:
+            record[key] = fut.wait_nowait()
+        except RuntimeError as exc:
+            record[key] = exc
+
+    async def main() -> None:
+        async with trio_cuda.open_scope(device=sim) as gpu:
+            x = await gpu.to_device(np.zeros(8, F4))
+            fut = gpu.submit(add(x, 1.0))
+            await fut.wait()
+            assert fut.done()
+            await trio.to_thread.run_sync(from_worker, fut, "open")
+        await trio.to_thread.run_sync(from_worker, fut, "closed")
+
+    run_bounded(main, limit=LIMIT)
+    assert isinstance(record["open"], RuntimeError), record
+    assert str(record["open"]).startswith("wait_nowait: expected a call from the Trio run"), record
+    assert not isinstance(record["closed"], BaseException), record
+
+
 # --------------------------------------------------------------------------- one trace, many threads
 
 

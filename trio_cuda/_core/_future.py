@@ -172,12 +172,13 @@ class DeviceFuture(Generic[T_co], metaclass=NoPublicConstructor):
         """The output if the work completed; raises ``trio.WouldBlock`` if not.
         A completion nobody observed yet is observed (and retired) here."""
         sub = self._sub
-        if sub.state not in TERMINAL:
-            scope = sub.scope
-            if get_ident() != scope._thread:
-                raise wrong_caller("wait_nowait", scope, how="trio.from_thread.run_sync(fut.wait_nowait)")
-            if not scope._observe_nowait(sub):
-                raise trio.WouldBlock
+        scope = sub.scope
+        # a finished future's outcome marks its error observed in the scope's tables, which
+        # the loop changes: from another thread only once the scope has closed
+        if get_ident() != scope._thread and (sub.state not in TERMINAL or not scope._closed):
+            raise wrong_caller("wait_nowait", scope, how="trio.from_thread.run_sync(fut.wait_nowait)")
+        if sub.state not in TERMINAL and not scope._observe_nowait(sub):
+            raise trio.WouldBlock
         return self._outcome()
 
     def _outcome(self) -> T_co:
