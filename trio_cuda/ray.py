@@ -105,15 +105,23 @@ class WorkerReport:
     device: str
     #: the GPUs Ray assigned to the task (empty on the simulator)
     gpu_ids: tuple[str, ...]
+    #: the name of the machine that ran the job (``socket.gethostname()``)
     hostname: str
+    #: the id of the process that ran the job: the Ray worker's (the caller's,
+    #: for :func:`run_job`)
     pid: int
-    #: Ray's node id and the task's attempt (0 first, then one per retry)
+    #: Ray's id of the node that ran the job ("" outside Ray)
     node_id: str
+    #: the Ray task's attempt: 0, then one more for each retry (0 outside Ray),
+    #: as :attr:`WorkerContext.attempt`
     attempt: int
     #: seconds from the job's start to the scope's close
     elapsed: float
-    #: the simulator's memcheck records and never-freed allocations (None on a GPU)
+    #: how many memcheck records (``sim.violations``) the job's simulated
+    #: device holds after the scope closed (None on a GPU)
     violations: int | None
+    #: how many allocations of the job's simulated device were never freed
+    #: (``sim.live_allocations``) after the scope closed (None on a GPU)
     sim_live_allocations: int | None
 
     @property

@@ -50,10 +50,7 @@ __all__ = ["Trace", "TraceEvent", "current", "disable", "enable"]
 
 @attrs.frozen
 class TraceEvent:
-    """One recorded lifetime event. ``t`` is seconds since the trace began;
-    ``cat`` is one of ``scope alloc free submit lease wait enqueue retire
-    cancel drop quarantine error`` (and ``await``: a task's wait);
-    ``allocation`` is an allocation's device address.
+    """One recorded lifetime event (:attr:`Trace.events`).
 
     A ``retire`` event is named by who observed the completion (``waiter``,
     ``handoff`` or ``exit``). A single kernel launch records one ``submit``
@@ -61,13 +58,31 @@ class TraceEvent:
     record their ``enqueue`` events one by one, and their leases in a
     ``lease`` event."""
 
+    #: seconds from the trace's creation to the event, on the host's
+    #: ``time.perf_counter()`` clock (device times are in the exports only)
     t: float
+    #: the kind of event: one of ``scope alloc free submit lease wait enqueue
+    #: retire cancel drop quarantine error``, or ``await`` (a task's wait)
     cat: str
+    #: what happened, within ``cat``: ``open`` or ``close`` for a scope, the
+    #: op or kernel for ``submit`` and ``enqueue``, the retirer for ``retire``,
+    #: the exception's type for ``error``
     name: str
+    #: the scope's number in this trace: 1, 2, ... in the order the scopes
+    #: opened
     scope: int
+    #: the index of the stream in the scope's ``streams``, or None for an
+    #: event of no stream (a scope's open and close, a free)
     stream: int | None
+    #: the submission's number within its scope (as in ``submission #3``),
+    #: or None for an event of no submission (a scope's, an allocation's, work
+    #: enqueued by ``unsafe.async_on``)
     submission: int | None
+    #: the allocation's device address, for ``alloc`` and ``free`` events;
+    #: None for the others (leases name their allocations in ``args``)
     allocation: int | None
+    #: the event's details, by key, or None: bytes of an allocation, the
+    #: leases (allocation address, byte range, mode), an error's message, ...
     args: dict[str, Any] | None
 
 

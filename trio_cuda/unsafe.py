@@ -40,6 +40,9 @@ class CudaView:
     __slots__ = ("__cuda_array_interface__", "array")
 
     def __init__(self, array: DeviceArray, cai: dict[str, Any]) -> None:
+        #: the array viewed: the view holds this handle, so garbage collection
+        #: does not release it while the view lives (the memory still goes once
+        #: every handle is closed, or at the scope's exit; no lease orders work)
         self.array = array
         self.__cuda_array_interface__ = cai
 

@@ -60,13 +60,26 @@ CLUSTER_MIN_CC = (9, 0)
 @final
 @attrs.frozen(eq=False)
 class LaunchConfig:
-    """Validated launch geometry and modes."""
+    """Validated launch geometry and modes: what ``Kernel.launch`` (or a
+    builder) made of its ``grid``, ``block``, ``shared_mem``, ``cluster``,
+    ``cooperative`` and ``pdl`` arguments, after checking them (see
+    :doc:`launch`). Read it as ``launch.config``; no call takes one."""
 
+    #: blocks per grid in x, y and z (an int given is ``(n, 1, 1)``)
     grid: Dim3
+    #: threads per block in x, y and z; at most 1024 in all
     block: Dim3
+    #: bytes of dynamic shared memory per block (the kernel's static shared
+    #: memory comes on top); above 48 KiB the kernel is opted in first
     shared_mem: int = 0
+    #: blocks per thread-block cluster in x, y and z, each dividing the grid's;
+    #: None for no clusters
     cluster: Dim3 | None = None
+    #: a cooperative launch: every block resident at once, so grid-wide
+    #: barriers work
     cooperative: bool = False
+    #: programmatic dependent launch: the kernel may start before the previous
+    #: kernel on its stream has finished, once that one signals it
     pdl: bool = False
 
 

@@ -43,9 +43,16 @@ T_co = TypeVar("T_co", covariant=True)
 class FutureStatistics:
     """A snapshot of one submission (``fut.statistics()``)."""
 
-    state: str  #: "in_flight", "done", "failed" or "quarantined"
+    #: ``"in_flight"``, ``"done"``, ``"failed"`` or ``"quarantined"`` (its
+    #: completion is unknown: it keeps its leases for good)
+    state: str
+    #: the index of the stream it was submitted on (:attr:`Stream.index <trio_cuda.Stream.index>`)
     stream: int
-    leases: int  #: still held (released when the handoff task retires the work)
+    #: the leases it holds, one per allocation: released when it retires (0
+    #: then), kept forever once it is quarantined
+    leases: int
+    #: bytes of the allocations it holds leases on (whole allocations, each
+    #: counted once; only part of one may be leased)
     retained_bytes: int
 
 

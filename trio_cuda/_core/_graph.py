@@ -150,7 +150,11 @@ class GraphStatistics:
     in_flight: int  #: replays submitted and not retired yet
     updates: int  #: successful ``update()`` calls
     retained_allocations: int  #: allocations the graph keeps alive (all generations)
+    #: bytes of the ``retained_allocations`` (whole allocations, each counted
+    #: once, though the captured work may touch only part of one)
     retained_bytes: int
+    #: :meth:`~trio_cuda.CudaGraph.close` was called, or the scope exited: no more
+    #: replays; what the graph retains goes once the replays in flight retired
     closed: bool
     destroyed: bool  #: the driver's executable graph was destroyed
 

@@ -127,12 +127,27 @@ class Kernel:
     ``reference=trio_cuda.NO_REFERENCE`` runs it there as a no-op on purpose.
     """
 
+    #: the kernel function's name in its module (``extern "C"``, so unmangled),
+    #: looked up when a scope loads it; errors, reprs and traces name it
     name: str
+    #: one spec per kernel parameter, in order: :meth:`launch` takes one
+    #: argument per spec (a :class:`Slice` fills two C parameters)
     params: tuple[Param, ...]
+    #: the CUDA C++ source (:meth:`from_source`), else None
     source: str | None = None
+    #: the PTX text, as bytes (:meth:`from_ptx`), or the cubin or fatbin image
+    #: (:meth:`from_cubin`); None for a source
     image: bytes | None = None
+    #: what the code is: ``"source"`` (compiled by NVRTC when a scope loads
+    #: the kernel), ``"ptx"`` (compiled by the driver when it loads it) or
+    #: ``"cubin"``
     image_kind: Literal["source", "ptx", "cubin"] = "source"
+    #: extra NVRTC options for a source (:meth:`from_source`); unused for PTX
+    #: and cubin
     options: tuple[str, ...] = ()
+    #: the kernel's behaviour on the CPU, which the simulator runs: a function
+    #: called with the arguments as NumPy views and scalars,
+    #: :data:`~trio_cuda.NO_REFERENCE`, or None when none was given
     reference: Reference = attrs.field(default=None, converter=_check_reference)
     _plan: ParamPlan = attrs.field(init=False)
     _fast: FastLauncher | None = attrs.field(init=False)

@@ -179,6 +179,10 @@ class KernelLaunch(DeviceOp[LaunchOutput], metaclass=NoPublicConstructor):
 
     _obtain = "use Kernel.launch() or a builder"
 
+    #: what the backends enqueue: the kernel, the configuration and the
+    #: parameters, packed once into an argument arena that every submission
+    #: of this launch reuses (an internal type: :attr:`kernel` and
+    #: :attr:`config` are its public parts)
     prepared: PreparedLaunch
     _accesses: tuple[tuple[DeviceArray, Access], ...]
     #: the allocations it leases (each once) and one (allocation, access,

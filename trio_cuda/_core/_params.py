@@ -147,8 +147,13 @@ class Scalar:
     no smaller than the dtype's own alignment. ``dtype.metadata["align"]`` does
     the same for a struct dtype."""
 
+    #: the value's type, as a NumPy dtype (given as a dtype, a type or a
+    #: string such as ``"f4"``): the C type the kernel declares
     dtype: np.dtype[Any] = attrs.field(converter=_scalar_dtype)
+    #: the parameter's name, for errors and the kernel's repr (``n: Scalar(int32)``)
     name: str | None = attrs.field(default=None, kw_only=True)
+    #: bytes to align the parameter to, above the dtype's own alignment (a
+    #: power of two); None for the dtype's (see :attr:`alignment`)
     align: int | None = attrs.field(default=None, kw_only=True, validator=_check_align)
 
     @property
@@ -178,22 +183,36 @@ class _ArrayParam:
 
 @attrs.frozen
 class In(_ArrayParam):
-    """A device array the kernel only reads (shared read lease)."""
+    """A device array the kernel only reads (shared read lease). ``dtype``
+    is the array's element dtype, which the argument must have; ``name``
+    names the parameter in errors."""
 
+    #: ``Access.READ``: a shared lease (other readers of the array's bytes may
+    #: run alongside the kernel, writers never do), and a read-only view in
+    #: the kernel's reference
     access: Access = attrs.field(init=False, default=Access.READ)
 
 
 @attrs.frozen
 class Out(_ArrayParam):
-    """A device array the kernel writes (exclusive lease)."""
+    """A device array the kernel writes (exclusive lease). ``dtype`` is the
+    array's element dtype, which the argument must have; ``name`` names the
+    parameter in errors."""
 
+    #: ``Access.WRITE``: an exclusive lease (no other work on the array's bytes
+    #: runs alongside the kernel); the launch outputs the array (in a tuple,
+    #: if the kernel writes several)
     access: Access = attrs.field(init=False, default=Access.WRITE)
 
 
 @attrs.frozen
 class InOut(_ArrayParam):
-    """A device array the kernel reads and writes (exclusive lease)."""
+    """A device array the kernel reads and writes (exclusive lease). ``dtype``
+    is the array's element dtype, which the argument must have; ``name``
+    names the parameter in errors."""
 
+    #: ``Access.WRITE``: an exclusive lease, as for :class:`Out`; the launch
+    #: outputs the array (in a tuple, if the kernel writes several)
     access: Access = attrs.field(init=False, default=Access.WRITE)
 
 
@@ -217,11 +236,18 @@ class Slice:
     """A device array passed as two parameters: a pointer and its length
     (``len_dtype``, ``size_t`` by default)."""
 
+    #: the array's element dtype, which the argument must have
     dtype: np.dtype[Any] = attrs.field(converter=_array_dtype)
+    #: the lease the kernel takes: ``Access.READ`` (given as ``"read"``: shared)
+    #: or ``Access.WRITE`` (``"write"`` or ``"readwrite"``: exclusive, and the
+    #: launch outputs the array), the default
     access: Access = attrs.field(default=Access.WRITE, converter=_access_from_name, kw_only=True)
+    #: the C type of the length parameter, a native integer dtype (``size_t``,
+    #: ``"u8"``, by default); the length is the array's element count
     len_dtype: np.dtype[Any] = attrs.field(
         default=np.dtype(np.uint64), converter=_as_dtype, kw_only=True, validator=_check_len_dtype
     )
+    #: the parameter's name, for errors and the kernel's repr
     name: str | None = attrs.field(default=None, kw_only=True)
 
 
