@@ -65,9 +65,10 @@ class LaunchConfig:
     ``cooperative`` and ``pdl`` arguments, after checking them (see
     :doc:`launch`). Read it as ``launch.config``; no call takes one."""
 
-    #: blocks per grid in x, y and z (an int given is ``(n, 1, 1)``)
+    #: blocks per grid in x, y and z (dimensions not given are 1)
     grid: Dim3
-    #: threads per block in x, y and z; at most 1024 in all
+    #: threads per block in x, y and z (dimensions not given are 1); at most
+    #: 1024 in all
     block: Dim3
     #: bytes of dynamic shared memory per block (the kernel's static shared
     #: memory comes on top); above 48 KiB the kernel is opted in first

@@ -152,8 +152,8 @@ class Scalar:
     dtype: np.dtype[Any] = attrs.field(converter=_scalar_dtype)
     #: the parameter's name, for errors and the kernel's repr (``n: Scalar(int32)``)
     name: str | None = attrs.field(default=None, kw_only=True)
-    #: bytes to align the parameter to, above the dtype's own alignment (a
-    #: power of two); None for the dtype's (see :attr:`alignment`)
+    #: bytes to align the parameter to: a power of two, at least the dtype's
+    #: own alignment; None for the dtype's (see :attr:`alignment`)
     align: int | None = attrs.field(default=None, kw_only=True, validator=_check_align)
 
     @property

@@ -97,12 +97,13 @@ def current_scope() -> ResourceScope:
 class ScopeStatistics:
     """A snapshot of a scope (``gpu.statistics()``).
 
-    Work is counted in submissions: one per ``gpu.run`` or ``gpu.submit`` (an
-    op of several pieces, ``then`` and ``zip`` included, is one), one per
-    array the scope adopts (``gpu.empty``, the allocation ``gpu.to_device``
-    makes before its copy, ``trio_cuda.borrow``), and one per DLPack or CUDA
-    Array Interface export once its consumer released it; work enqueued with
-    ``unsafe.async_on`` is not counted. ``submitted == in_flight + completed``,
+    Work is counted in submissions: one per op run or submitted (``gpu.run``,
+    ``gpu.submit``, ``await op``, a graph's replay, the copy of
+    ``gpu.to_device`` or ``gpu.to_host``; an op of several pieces, ``then`` and
+    ``zip`` included, is one), one per array the scope adopts (``gpu.empty``,
+    the allocation ``gpu.to_device`` makes, ``trio_cuda.borrow``), and one per
+    DLPack or CUDA Array Interface export once its consumer released it; work
+    enqueued with ``unsafe.async_on`` is not counted. ``submitted == in_flight + completed``,
     and ``failed`` and ``quarantined`` are parts of ``completed`` (but for
     exports abandoned at exit, which were never in flight). Leases are
     counted per allocation and holder; bytes per whole allocation."""
@@ -125,12 +126,12 @@ class ScopeStatistics:
     #: of ``completed``: those that ended with an error (the device work
     #: failed, the submission raised while it was enqueued, or a host-side
     #: part of it raised, a host closure say) or whose completion is unknown
-    #: (every quarantined one)
+    #: (the quarantined ones, but for abandoned exports)
     failed: int
     #: submissions whose completion could not be established, or that were
-    #: still in flight when the exit's drain gave up (``drain_timeout``), and
-    #: exports their consumer still held at exit: their leases and memory are
-    #: leaked on purpose, never released
+    #: still in flight when the exit's drain gave up (``drain_timeout``, or a
+    #: second Ctrl-C), and exports their consumer still held at exit: their
+    #: leases and memory are leaked on purpose, never released
     quarantined: int
     #: leases on this scope's allocations not yet released: those of in-flight
     #: work (other scopes' cross-device copies included, see
