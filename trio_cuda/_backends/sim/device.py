@@ -97,10 +97,14 @@ class SimDevice(SimEngine):
     :attr:`live_allocations`.
     """
 
-    name: str = "sim0"
+    name: str = "sim0"  #: the device's name, as ``DeviceInfo.name`` reports it
+    #: total device memory in bytes; an allocation past it raises OutOfMemoryError
     memory: int = attrs.field(default=8 * 2**30, validator=_check_memory)
+    #: simulated seconds each kernel launch takes while free-running (0: none)
     kernel_time: float = attrs.field(default=0.0, validator=_check_time)
+    #: simulated seconds each copy or fill takes while free-running (0: none)
     copy_time: float = attrs.field(default=0.0, validator=_check_time)
+    #: how many of the most recent executed commands :attr:`trace` keeps (None: all, 0: none)
     trace_limit: int | None = attrs.field(default=100_000, kw_only=True, validator=_check_trace_limit)
     #: let scopes share one completion marker among a burst of submissions
     #: (as the CUDA backend does); an error then fails every submission of

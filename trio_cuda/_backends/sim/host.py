@@ -59,7 +59,7 @@ _MAX_DEVICES = 64
 class SimHostStatistics:
     """Counters of a :class:`SimHost` (a snapshot)."""
 
-    devices: int
+    devices: int  #: the host's simulated devices
     peer_copies: int  #: copies between two devices that executed
     staged_copies: int  #: of those, staged through host memory (no peer access)
     peer_bytes: int  #: bytes moved by peer copies

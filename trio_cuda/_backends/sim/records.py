@@ -22,8 +22,8 @@ class SimAllocation:
     """A live allocation: its device address (an int, shown in hex as
     :class:`~trio_cuda.DeviceArray` shows it) and size in bytes."""
 
-    ptr: int = attrs.field(repr=hex)
-    nbytes: int
+    ptr: int = attrs.field(repr=hex)  #: the allocation's device address
+    nbytes: int  #: its size in bytes
 
 
 @attrs.frozen
@@ -38,11 +38,11 @@ class Violation:
     kernel, the argument, the index and the extent. ``stream`` is the stream
     index, or None for ``free``."""
 
-    kind: ViolationKind
-    address: int = attrs.field(repr=hex)
-    size: int
-    op: str
-    stream: int | None
+    kind: ViolationKind  #: what went wrong (see above)
+    address: int = attrs.field(repr=hex)  #: the first device address touched
+    size: int  #: how many bytes were touched from ``address``
+    op: str  #: the command, and its operand, that touched them
+    stream: int | None  #: the index of the stream it ran on; None for ``free``
 
 
 @attrs.frozen
@@ -59,29 +59,31 @@ class SimCommandRecord:
     the lifetime trace. ``trio_cuda.testing.TraceEvent``, this class's former
     name, still works as a deprecated alias (it warns)."""
 
-    seq: int
-    stream: int
-    kind: str
-    label: str
-    t_enqueue: float
-    t_start: float
-    t_end: float
+    seq: int  #: the command's place in the device's global enqueue order
+    stream: int  #: the index of its stream
+    kind: str  #: ``"launch"``, ``"h2d"``, ``"d2h"``, ``"d2d"``, ``"fill"``, ``"marker"``, ...
+    label: str  #: a readable description (the kernel's name, the copy's size, ...)
+    t_enqueue: float  #: when it was enqueued, on the device clock
+    t_start: float  #: when it started executing (after what was ahead of it on its stream)
+    t_end: float  #: when it finished executing (``t_start`` plus its simulated time)
 
 
 @attrs.frozen
 class SimStatistics:
     """Counters of a :class:`SimDevice` (executed commands, memory, memcheck)."""
 
-    launches: int
-    copies: int
-    fills: int
-    bytes_copied: int
+    launches: int  #: kernel launches executed (a graph's kernels each count)
+    copies: int  #: copies executed: host to device, device to host, device to device, peer
+    fills: int  #: fills executed
+    bytes_copied: int  #: bytes those copies moved (a copy that touched bad memory moves none)
+    #: commands executed of every kind: launches, copies and fills, and also completion
+    #: markers, waits and gates
     commands_executed: int
-    pending: int
-    live_allocations: int
-    live_bytes: int
-    violations: int
-    kernel_loads: int
-    kernel_unloads: int
-    allocations: int
-    frees: int
+    pending: int  #: commands enqueued on a stream and not executed yet
+    live_allocations: int  #: allocations not freed yet (``len(sim.live_allocations)``)
+    live_bytes: int  #: bytes of those allocations
+    violations: int  #: memcheck records (``len(sim.violations)``)
+    kernel_loads: int  #: kernel modules loaded
+    kernel_unloads: int  #: kernel modules unloaded
+    allocations: int  #: allocations ever made
+    frees: int  #: allocations ever freed
