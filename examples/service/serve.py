@@ -135,7 +135,6 @@ class Scorer:
                     raise
             else:
                 self.cupy = cupy
-                self.w_cp = self._as_cupy(w, (D, D))
         elif matmul == "cublas":
             raise ValueError(f"matmul: 'cublas' needs a GPU, got the {gpu.device.backend!r} backend")
 
@@ -147,19 +146,21 @@ class Scorer:
         return self.cupy.cuda.ExternalStream(stream.__cuda_stream__()[1])  # CuPy before 14
 
     def _as_cupy(self, arr: trio_cuda.DeviceArray, shape: tuple[int, ...]) -> Any:
-        # inside ops.external: the export is covered by its reads=/writes= leases (no lease,
-        # wait or stream of its own) until cuBLAS's work completed
+        # only inside ops.external's fn: there the export is covered by its reads=/writes= leases
+        # (no lease, wait or stream of its own) until cuBLAS's work completed; outside it, a CuPy
+        # array kept would hold an export lease for as long as it lives
         return self.cupy.asarray(arr).reshape(shape)
 
     def _matmul(self, x: trio_cuda.DeviceArray, h: trio_cuda.DeviceArray) -> trio_cuda.DeviceOp[Any]:
         if self.cupy is None:
             return matvec.launch(self.w, x, h, np.int32(D), grid=1, block=D)
-        gpu, x_cp, h_cp = self.gpu, self._as_cupy(x, (D,)), self._as_cupy(h, (D,))
+        gpu, w = self.gpu, self.w
 
         def cublas(stream: trio_cuda.Stream) -> trio_cuda.DeviceArray:
             cp = self.cupy
             with cp.cuda.Device(gpu.device.ordinal), self._cupy_stream(stream):
-                cp.matmul(self.w_cp, x_cp, out=h_cp)  # only enqueues
+                w_cp, x_cp, h_cp = self._as_cupy(w, (D, D)), self._as_cupy(x, (D,)), self._as_cupy(h, (D,))
+                cp.matmul(w_cp, x_cp, out=h_cp)  # only enqueues
             return h
 
         return ops.external(cublas, reads=[self.w, x], writes=[h])
