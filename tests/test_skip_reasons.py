@@ -10,7 +10,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-PROBE = '''
+PROBE = """
 import pytest
 import trio
 
@@ -23,7 +23,7 @@ async def test_xfails():
 
 async def test_importorskip():
     pytest.importorskip("a_module_that_is_not_there", reason="the probe's importorskip reason")
-'''
+"""
 
 
 def test_async_skips_keep_their_reasons(tmp_path: Path) -> None:
