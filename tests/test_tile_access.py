@@ -317,6 +317,24 @@ def test_plans_are_cached_per_kernel_and_signature():
     assert other == first
 
 
+@ct.kernel
+def k_constant_flag(a, b, c, flag: ct.Constant[int]):
+    i = ct.bid(0)
+    t = ct.load(a, index=(i,), shape=(TILE,))
+    if flag == 1:
+        ct.store(b, index=(i,), tile=t)
+    else:
+        ct.store(c, index=(i,), tile=t)
+
+
+def test_constants_select_the_code_and_key_the_cache():
+    assert modes(k_constant_flag, F1, F1, F1, ConstantParam(1)) == ("read", "write", "none", "constant")
+    assert modes(k_constant_flag, F1, F1, F1, ConstantParam(2)) == ("read", "none", "write", "constant")
+    # True == 1 in Python, yet it is another constant: not answered from the cache for 1.
+    plan = analyze(k_constant_flag, (F1, F1, F1, ConstantParam(True)))
+    assert plan is not analyze(k_constant_flag, (F1, F1, F1, ConstantParam(1)))
+
+
 def test_threads_get_one_answer():
     results: list[AccessPlan] = []
 

@@ -229,8 +229,8 @@ def _check_signature(signature: object) -> tuple[ParamSpec, ...]:
 
 _lock = threading.Lock()
 # kernel -> {signature: plan}; kernels are held weakly where they allow it.
-_plans: weakref.WeakKeyDictionary[Any, dict[tuple[ParamSpec, ...], AccessPlan]] = weakref.WeakKeyDictionary()
-_strong_plans: dict[tuple[int, tuple[ParamSpec, ...]], tuple[object, AccessPlan]] = {}
+# kernel (held weakly) -> {signature key: plan}. Only cuda.tile kernels are stored.
+_plans: weakref.WeakKeyDictionary[Any, dict[tuple[object, ...], AccessPlan]] = weakref.WeakKeyDictionary()
 # None: not run yet; "": passed; otherwise why the analysis is unusable here.
 _unusable: str | None = None
 
@@ -240,23 +240,26 @@ def _clear_caches() -> None:
     global _unusable
     with _lock:
         _plans.clear()
-        _strong_plans.clear()
         _unusable = None
+
+
+def _key(specs: Sequence[ParamSpec]) -> tuple[object, ...]:
+    """A cache key that tells apart constants that compare equal (1, True, 1.0; 0.0, -0.0)."""
+    return tuple(
+        ("c", type(spec.value).__name__, repr(spec.value))
+        if isinstance(spec, ConstantParam)
+        else ("t", _key(spec.items))
+        if isinstance(spec, TupleParam)
+        else spec
+        for spec in specs
+    )
 
 
 def _cached(kernel: object, sig: tuple[ParamSpec, ...]) -> AccessPlan | None:
     try:
-        return _plans.get(kernel, {}).get(sig)
-    except TypeError:  # not weakly referenceable
-        entry = _strong_plans.get((id(kernel), sig))
-        return entry[1] if entry is not None and entry[0] is kernel else None
-
-
-def _store(kernel: object, sig: tuple[ParamSpec, ...], plan: AccessPlan) -> None:
-    try:
-        _plans.setdefault(kernel, {})[sig] = plan
-    except TypeError:
-        _strong_plans[(id(kernel), sig)] = (kernel, plan)
+        return _plans.get(kernel, {}).get(_key(sig))
+    except TypeError:  # not weakly referenceable: not a cuda.tile kernel
+        return None
 
 
 def _version_problem() -> str | None:
@@ -317,7 +320,7 @@ def analyze(kernel: object, signature: Sequence[ParamSpec]) -> AccessPlan:
     except Exception as exc:
         plan = fallback(sig, f"the access analysis failed: {type(exc).__name__}: {exc}")
     with _lock:
-        _store(kernel, sig, plan)
+        plan = _plans.setdefault(kernel, {}).setdefault(_key(sig), plan)
     return plan
 
 
