@@ -413,6 +413,16 @@ def test_fallback_when_the_self_test_fails(monkeypatch):
     assert not analyze(k_inplace, (F1,)).exact
 
 
+def test_fallback_when_the_self_test_raises(monkeypatch):
+    def broken():
+        raise AttributeError("no such internal")
+
+    monkeypatch.setattr(access, "_self_test_cases", broken)
+    plan = analyze(k_copy, (F1, F1))
+    _all_written(plan, ("read_write", "read_write"))
+    assert "self-test raised AttributeError: no such internal" in plan.reason
+
+
 def test_fallback_keeps_tuple_structure(monkeypatch):
     monkeypatch.setattr(ct, "__version__", "1.6.2")
     sig = (TupleParam((F1, ScalarParam("int32"))), ListParam("float32", 1))
