@@ -505,3 +505,155 @@ def test_matmul_speed():
     elapsed = time.perf_counter() - start
     np.testing.assert_allclose(C, A.astype(np.float32) @ B.astype(np.float32), rtol=1e-4, atol=1e-3)
     assert elapsed < 5.0, elapsed
+
+
+# --------------------------------------------------------------------------- under the simulator's memcheck
+
+
+def _checked(*arrays, readonly=()):
+    from trio_cuda._backends.sim.views import LaunchCheck, bounded
+
+    violations = []
+    check = LaunchCheck("k", 0, violations)
+    views = [
+        bounded(a, check, 0x1000 * (i + 1), i in readonly, lambda i=i: (f"argument {i}", "In"))
+        for i, a in enumerate(arrays)
+    ]
+    return check, violations, views
+
+
+def test_legal_kernels_stay_in_bounds_under_memcheck():
+    m, n, k = 100, 72, 50
+    A = rng.standard_normal((m, k)).astype(np.float16)
+    B = rng.standard_normal((k, n)).astype(np.float16)
+    C = np.zeros((m, n), np.float32)
+    check, violations, (a, b, c) = _checked(A, B, C, readonly=(0, 1))
+    run_tile_kernel(matmul, (2, 3, 1), [a, b, c, 64, 32, 16])
+    x = rng.standard_normal((3, 100)).astype(np.float32)
+    y = np.zeros((3, 100), np.float32)
+    check1, violations1, (xv, yv) = _checked(x, y)
+    run_tile_kernel(softmax, (3, 1, 1), [xv, yv, 128])
+    t = rng.standard_normal((40, 24)).astype(np.float32)
+    tt = np.zeros((24, 40), np.float32)
+    check3, violations3, (tv, ttv) = _checked(t, tt)
+    run_tile_kernel(transpose_order, (2, 1, 1), [tv, ttv, 32])  # tiles partly past both extents
+    v = rng.standard_normal(1000).astype(np.float32)
+    out = np.zeros(1000, np.float32)
+    cnt = np.zeros(1, np.int32)
+    check2, violations2, (vv, wv, ov, cv) = _checked(v, v.copy(), out, cnt)
+    run_tile_kernel(vadd_gather, (8, 1, 1), [vv, wv, ov, 128])
+    run_tile_kernel(count_positive, (8, 1, 1), [vv, cv, 128])
+    for c_ in (check, check1, check2, check3):
+        assert c_.close() is None
+    assert violations + violations1 + violations2 + violations3 == []
+    np.testing.assert_allclose(C, A.astype(np.float32) @ B.astype(np.float32), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(tt[:24, :40], t.T)
+    np.testing.assert_array_equal(out, 2 * v)
+    assert cnt[0] == (v > 0).sum()
+
+
+def test_unchecked_access_past_extent_is_a_violation():
+    from trio_cuda._backends.sim.views import OutOfBounds
+
+    x = np.arange(10, dtype=np.float32)
+    y = np.zeros(8, np.float32)
+    check, violations, (xv, yv) = _checked(x, y)
+    with pytest.raises(OutOfBounds):
+        run_tile_kernel(unchecked_load, (2, 1, 1), [xv, yv, 8])
+    assert len(violations) == 1
+    assert violations[0].kind == "out_of_bounds"
+    check.close()
+
+
+def test_write_to_read_only_argument_refused():
+    x = np.zeros(8, np.float32)
+    check, _, (xv, yv, ov) = _checked(x, x.copy(), x.copy(), readonly=(0, 1, 2))
+    with pytest.raises(ValueError, match="read-only"):
+        run_tile_kernel(vadd, (1, 1, 1), [xv, yv, ov, 8])
+    check.close()
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def test_bf16_mma_and_tf32():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+
+    @ct.kernel
+    def k(A, B, C, D):
+        a = ct.load(A, index=(0, 0), shape=(16, 16))
+        b = ct.load(B, index=(0, 0), shape=(16, 16))
+        ct.store(C, index=(0, 0), tile=ct.mma(a, b, ct.zeros((16, 16), dtype=ct.float32)))
+        a32 = ct.astype(a, ct.float32)
+        acc = ct.mma(ct.astype(a32, ct.tfloat32), ct.astype(a32, ct.tfloat32), ct.zeros((16, 16), ct.float32))
+        ct.store(D, index=(0, 0), tile=acc)
+
+    A = rng.standard_normal((16, 16)).astype(ml_dtypes.bfloat16)
+    B = rng.standard_normal((16, 16)).astype(ml_dtypes.bfloat16)
+    C = np.zeros((16, 16), np.float32)
+    D = np.zeros((16, 16), np.float32)
+    run_tile_kernel(k, (1, 1, 1), [A, B, C, D])
+    Af, Bf = A.astype(np.float32), B.astype(np.float32)
+    np.testing.assert_allclose(C, Af @ Bf, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(D, Af @ Af, rtol=1e-5, atol=1e-5)  # bf16 values are exact in tf32
+
+
+def test_mma_refuses_wrong_accumulator():
+    @ct.kernel
+    def k(A):
+        a = ct.load(A, index=(0, 0), shape=(16, 16))
+        ct.mma(a, a, ct.zeros((16, 16), dtype=ct.float64))
+
+    with pytest.raises(TileEmulationError, match="accumulator"):
+        run_tile_kernel(k, (1, 1, 1), [np.zeros((16, 16), np.float16)])
+
+
+def test_scalar_arguments_are_typed():
+    @ct.kernel
+    def k(out, i32, i64: ct.ScalarInt64, f32, flag, c: ConstInt):
+        ct.store(out, index=(0,), tile=i32 + 0)
+        ct.store(out, index=(1,), tile=i64 + 0)
+        ct.store(out, index=(2,), tile=ct.astype(f32 * 4, ct.int64))
+        ct.store(out, index=(3,), tile=ct.astype(flag, ct.int64))
+        ct.store(out, index=(4,), tile=c)
+        assert i32.dtype == ct.int32
+        assert i64.dtype == ct.int64
+        assert f32.dtype == ct.float32
+        assert isinstance(c, int)
+
+    out = np.zeros(5, np.int64)
+    run_tile_kernel(k, (1, 1, 1), [out, 7, 2**40, 0.5, True, 9])
+    assert list(out) == [7, 2**40, 2, 1, 9]
+
+
+def test_mixed_signedness_refused():
+    @ct.kernel
+    def k(a, b):
+        ct.load(a, index=(0,), shape=(4,)) + ct.load(b, index=(0,), shape=(4,))
+
+    with pytest.raises(TileEmulationError, match="signedness"):
+        run_tile_kernel(k, (1, 1, 1), [np.zeros(4, np.int32), np.zeros(4, np.uint32)])
+
+
+def test_array_attribute_not_emulated():
+    @ct.kernel
+    def k(a):
+        a.tiled_view((4,))
+
+    with pytest.raises(TileNotEmulatedError, match=r"ct\.Array\.tiled_view"):
+        run_tile_kernel(k, (1, 1, 1), [np.zeros(4, np.float32)])
+
+
+def test_closure_helpers_and_recursion():
+    scale = 3
+
+    def helper(t, depth):
+        return t if depth == 0 else helper(t * scale, depth - 1)
+
+    @ct.kernel
+    def k(x):
+        ct.store(x, index=(0,), tile=helper(ct.load(x, index=(0,), shape=(4,)), 2))
+
+    x = np.ones(4, np.float32)
+    run_tile_kernel(k, (1, 1, 1), [x])
+    assert list(x) == [9, 9, 9, 9]

@@ -480,6 +480,8 @@ class EmuArray:
         return EmuArray(self.data[tuple(ix)])
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
         raise TileNotEmulatedError(f"Array.{name}")
 
     def __repr__(self) -> str:
@@ -1546,6 +1548,8 @@ class _Namespace(types.ModuleType):
     """``cuda.tile`` as the emulated kernel sees it."""
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
         raise TileNotEmulatedError(name)
 
 
@@ -1698,9 +1702,14 @@ def _is_constant(annotation: Any) -> bool:
     return any(isinstance(m, ct.ConstantAnnotation) for m in getattr(annotation, "__metadata__", ()))
 
 
-def _is_int64(annotation: Any) -> bool:
+def _scalar_dtype(annotation: Any) -> Any:
+    """The dtype a scalar parameter's annotation declares (``ct.ScalarInt64``), or None."""
     ct = _ct()
-    return annotation is ct.ScalarInt64 or annotation is ct.IndexedWithInt64
+    for m in getattr(annotation, "__metadata__", ()):
+        dtype = getattr(m, "dtype", None)
+        if isinstance(dtype, ct.DType):
+            return dtype
+    return None
 
 
 def _argument(value: Any, annotation: Any, name: str) -> Any:
@@ -1719,8 +1728,11 @@ def _argument(value: Any, annotation: Any, name: str) -> Any:
         return Tile(np.asarray(bool(value)), d.ct.bool_)
     if isinstance(value, np.generic):
         return Tile(np.asarray(value), d.ct_of(value.dtype))
+    declared = _scalar_dtype(annotation)
+    if declared is not None and isinstance(value, int | float):
+        return Tile(np.asarray(value, dtype=d.np_of(declared)), declared)
     if isinstance(value, int):
-        dtype = d.ct.int64 if _is_int64(annotation) or not -(2**31) <= value < 2**31 else d.ct.int32
+        dtype = d.ct.int32 if -(2**31) <= value < 2**31 else d.ct.int64
         return Tile(np.asarray(value, dtype=d.np_of(dtype)), dtype)
     if isinstance(value, float):
         return Tile(np.asarray(value, dtype=np.float32), d.ct.float32)
