@@ -511,3 +511,48 @@ def test_spec_validation() -> None:
     assert (
         TileSignature([F32]).key() == TileSignature([spec_of_array("float32", (1024,), alignment=256)]).key()
     )
+
+
+@ct.kernel
+def mixed(flag, xs, i16, out, d, h, q):  # type: ignore[no-untyped-def]
+    i = ct.bid(0)
+    v = ct.load(xs[1], index=(i,), shape=(16,)) + d + h + q + i16
+    if flag:
+        ct.store(out, index=(i,), tile=v.astype(out.dtype))
+
+
+def test_layout_scalars_and_list_match_the_cubin() -> None:
+    element = ArraySpec("float32", 1, strides=(1,), base_align=16)
+    sig = TileSignature(
+        [
+            ScalarSpec("bool"),
+            ListSpec(element),
+            ScalarSpec("int16"),
+            F32,
+            ScalarSpec("float64"),
+            ScalarSpec("float16"),
+            ScalarSpec("int64"),
+        ]
+    )
+    image = compile_tile(mixed, sig)
+    assert [s.kind for s in image.layout[1].slots] == ["list_pointer", "list_length"]
+    assert [s.size for p in image.layout for s in p.slots if s.kind == "scalar"] == [1, 2, 8, 2, 8]
+    assert _flat(image) == _kernel_params(image.cubin, image.symbol)
+
+
+def test_memory_hit_fills_another_cache_without_compiling(tmp_path: Path, count_exports: list[int]) -> None:
+    first = compile_tile(vadd, VADD)
+    other = TileCache(tmp_path)
+    assert compile_tile(vadd, VADD, cache=other) is first
+    assert len(count_exports) == 1
+    entry = other.load(first.key)
+    assert entry is not None
+    assert entry["cubin"] == first.cubin
+    assert entry["symbol"] == first.symbol
+
+
+def test_numpy_constants_are_python_values() -> None:
+    assert ConstantSpec(np.int64(16)) == ConstantSpec(16)
+    assert type(ConstantSpec(np.float32(0.5)).value) is float
+    assert ConstantSpec(np.bool_(True)).value is True
+    assert TileSignature([ConstantSpec(np.int32(3))]).key() == TileSignature([ConstantSpec(3)]).key()

@@ -21,7 +21,8 @@ Invariants:
   synchronously (callers run it in a worker thread), is thread-safe, and
   compiles one (kernel, signature, options) at most once per process: a
   per-key lock makes concurrent callers wait for the first one, whose image
-  every later call gets from memory. A failed compile is not remembered.
+  every later call gets from memory (and is written to a given cache that
+  lacks it). A failed compile is not remembered.
 * A spec never claims more than it is given: :func:`spec_of_array` declares a
   unit stride constant only where the stride is 1, a divisibility only as the
   largest power of two (at most 16) that divides the value, an alignment only
@@ -263,17 +264,23 @@ class ScalarSpec:
         return ["scalar", self.dtype.name]
 
 
-def _check_constant(_: object, __: object, value: Any) -> None:
-    if not isinstance(value, bool | int | float):
-        raise TypeError(f"value: expected a bool, int or float constant, got {value!r}")
+def _as_constant(value: Any) -> bool | int | float:
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if isinstance(value, int | np.integer):
+        return int(value)
+    if isinstance(value, float | np.floating) and not isinstance(value, np.longdouble):
+        return float(value)
+    raise TypeError(f"value: expected a bool, int or float constant, got {value!r}")
 
 
 @attrs.frozen
 class ConstantSpec:
     """A compile-time constant (a ``ct.Constant`` parameter); it takes no slot.
-    ``1``, ``True`` and ``1.0`` are three different constants."""
+    ``1``, ``True`` and ``1.0`` are three different constants; NumPy scalars
+    become the Python bool, int or float of the same value."""
 
-    value: bool | int | float = attrs.field(validator=_check_constant)
+    value: bool | int | float = attrs.field(converter=_as_constant)
 
     def key(self) -> list[Any]:
         v: object = self.value
@@ -846,14 +853,16 @@ class TileCache:
 # --------------------------------------------------------------------------- compile
 
 _memory_lock = threading.Lock()
-_memory: dict[tuple[str, Path | None], TileImage] = {}
-_key_locks: dict[tuple[str, Path | None], threading.Lock] = {}
+_memory: dict[str, TileImage] = {}  # by key
+_key_locks: dict[str, threading.Lock] = {}  # held while one key is loaded or compiled
+_stored: set[tuple[str, Path]] = set()  # (key, cache directory) known to hold the entry
 
 
 def clear_memory_cache() -> None:
     """Forget the images compiled or loaded in this process (the disk cache stays)."""
     with _memory_lock:
         _memory.clear()
+        _stored.clear()
 
 
 def _constraint(spec: ParamSpec, ct: Any, comp: Any, alias: set[int], ident: int) -> Any:
@@ -958,24 +967,45 @@ def compile_tile(kernel: object, signature: TileSignature, *, cache: TileCache |
     if not isinstance(kernel, ct.kernel):
         raise TypeError(f"kernel: expected a @ct.kernel function, got {kernel!r}")
     key = _cache_key(kernel, signature, cache.compiler_version if cache else None)
-    mkey = (key, cache.path if cache else None)
     with _memory_lock:
-        image = _memory.get(mkey)
+        image = _memory.get(key)
         if image is not None:
             _stats["memory_hits"] += 1
-            return image
-        lock = _key_locks.setdefault(mkey, threading.Lock())
-    with lock:
+        else:
+            lock = _key_locks.setdefault(key, threading.Lock())
+    if image is None:
+        with lock:
+            with _memory_lock:
+                image = _memory.get(key)
+                if image is not None:
+                    _stats["memory_hits"] += 1
+            if image is None:
+                image = _load_or_compile(kernel, fn, signature, cache, key, ct)
+                with _memory_lock:
+                    _memory[key] = image
+                    _key_locks.pop(key, None)
+                    if cache is not None:
+                        _stored.add((key, cache.path))
+    if cache is not None:
         with _memory_lock:
-            image = _memory.get(mkey)
-            if image is not None:
-                _stats["memory_hits"] += 1
-                return image
-        image = _load_or_compile(kernel, fn, signature, cache, key, ct)
-        with _memory_lock:
-            _memory[mkey] = image
-            _key_locks.pop(mkey, None)
-        return image
+            known = (key, cache.path) in _stored
+            _stored.add((key, cache.path))
+        if not known and cache.load(key) is None:
+            cache.store(key, image.cubin, _header(fn, signature, image.symbol, image.compiler_version))
+    return image
+
+
+def _header(
+    fn: types.FunctionType, signature: TileSignature, symbol: str, tileiras: str | None
+) -> dict[str, Any]:
+    return {
+        "symbol": symbol,
+        "arch": signature.arch,
+        "kernel": f"{fn.__module__}.{fn.__qualname__}",
+        "signature": signature.key(),
+        "cuda_tile": _cutile_version(),
+        "tileiras": tileiras,
+    }
 
 
 def _load_or_compile(
@@ -1022,18 +1052,7 @@ def _load_or_compile(
     cubin = out.getvalue()
     tileiras = _tileiras_version()
     if cache is not None:
-        cache.store(
-            key,
-            cubin,
-            {
-                "symbol": ksig.symbol,
-                "arch": signature.arch,
-                "kernel": f"{fn.__module__}.{fn.__qualname__}",
-                "signature": signature.key(),
-                "cuda_tile": cutile_version,
-                "tileiras": tileiras,
-            },
-        )
+        cache.store(key, cubin, _header(fn, signature, ksig.symbol, tileiras))
     return TileImage(
         cubin=cubin,
         symbol=ksig.symbol,
