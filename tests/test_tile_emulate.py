@@ -265,7 +265,7 @@ def test_row_reductions():
     np.testing.assert_array_equal(mn, x.min(axis=1))
 
 
-def test_layer_norm_with_helpers():
+def test_layer_norm_calling_functions():
     x = rng.standard_normal((6, 32)).astype(np.float16)
     w = rng.standard_normal(32).astype(np.float32)
     b = rng.standard_normal(32).astype(np.float32)
@@ -644,16 +644,46 @@ def test_array_attribute_not_emulated():
         run_tile_kernel(k, (1, 1, 1), [np.zeros(4, np.float32)])
 
 
-def test_closure_helpers_and_recursion():
+def test_closures_and_recursion():
     scale = 3
 
-    def helper(t, depth):
-        return t if depth == 0 else helper(t * scale, depth - 1)
+    def scaled(t, depth):
+        return t if depth == 0 else scaled(t * scale, depth - 1)
 
     @ct.kernel
     def k(x):
-        ct.store(x, index=(0,), tile=helper(ct.load(x, index=(0,), shape=(4,)), 2))
+        ct.store(x, index=(0,), tile=scaled(ct.load(x, index=(0,), shape=(4,)), 2))
 
     x = np.ones(4, np.float32)
     run_tile_kernel(k, (1, 1, 1), [x])
     assert list(x) == [9, 9, 9, 9]
+
+
+def test_every_cuda_tile_name_is_emulated_or_refused_by_name():
+    from trio_cuda._tile.emulate import EMULATED_OPS, _emulation, _ops
+
+    assert set(_ops()) - {"Tile", "Array"} == EMULATED_OPS
+    module = _emulation().module
+    for name in ct.__all__:
+        value = getattr(module, name)
+        if name in EMULATED_OPS:
+            assert value is not getattr(ct, name)
+        elif value is not getattr(ct, name) and name not in ("Tile", "Array"):
+            with pytest.raises(TileNotEmulatedError, match=f"ct.{name} is not emulated"):
+                value()
+    for name in (
+        "load",
+        "store",
+        "gather",
+        "scatter",
+        "atomic_cas",
+        "atomic_xchg",
+        "atomic_add",
+        "mma",
+        "cat",
+    ):
+        assert name in EMULATED_OPS
+    for name in ("mma_scaled", "reduce", "scan", "load_advanced_indexing", "launch"):
+        assert name not in EMULATED_OPS
+    with pytest.raises(TileNotEmulatedError, match="ct.no_such_op"):
+        module.no_such_op  # noqa: B018

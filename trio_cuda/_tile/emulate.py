@@ -3,8 +3,8 @@ kernel that has no ``reference=``.
 
 :func:`run_tile_kernel` executes the kernel's Python once per block, blocks in
 order (axis 0 fastest, then 1, then 2), with the name bound to the
-``cuda.tile`` module, the names imported from it and every helper function
-the kernel reaches (module globals, closures, ``@ct.function`` wrappers,
+``cuda.tile`` module, the names imported from it and every function the
+kernel reaches (module globals, closures, ``@ct.function`` wrappers,
 recursively) resolved to an emulation of the cuTile ops on NumPy arrays.
 Builtins ``max``, ``min`` and ``abs`` work on tiles (elementwise), as in tile
 code.
@@ -265,6 +265,9 @@ class Tile:
 
     def __repr__(self) -> str:
         return f"Tile({self.a.tolist()!r}, dtype={self.dtype})"
+
+    def __str__(self) -> str:
+        return str(self.a.tolist())
 
     def __format__(self, spec: str) -> str:
         if self.a.ndim == 0:
@@ -1539,9 +1542,6 @@ EMULATED_OPS: Final = frozenset(
     | {"equal", "not_equal"}
 )
 
-#: names of cuda.tile passed through as they are (dtypes, enums, annotations, errors)
-_PASS_THROUGH_TYPES = (type, types.ModuleType)
-
 
 @final
 class _Namespace(types.ModuleType):
@@ -1583,11 +1583,10 @@ def _emulation() -> _Emulation:
             real = getattr(ct, name)
             if name in ops:
                 value = ops[name]
-            elif (
-                callable(real)
-                and not isinstance(real, _PASS_THROUGH_TYPES)
-                and not isinstance(real, ct.DType)
-                and name not in ("kernel", "function", "compiler_timeout")
+            elif (inspect.isfunction(real) or inspect.isbuiltin(real)) and name not in (
+                "kernel",
+                "function",
+                "compiler_timeout",
             ):
                 value = _not_emulated(name)
             else:
@@ -1683,6 +1682,8 @@ def kernel_function(kernel: Any) -> types.FunctionType:
     if isinstance(kernel, types.FunctionType):
         return kernel
     fn = getattr(kernel, "_pyfunc", None)
+    if fn is None:  # the attribute behind cuda.tile 1.7's _pyfunc
+        fn = getattr(getattr(kernel, "_annotated_function", None), "pyfunc", None)
     if not isinstance(fn, types.FunctionType):
         version = getattr(_ct(), "__version__", "?")
         pinned = (
