@@ -556,3 +556,41 @@ def test_numpy_constants_are_python_values() -> None:
     assert type(ConstantSpec(np.float32(0.5)).value) is float
     assert ConstantSpec(np.bool_(True)).value is True
     assert TileSignature([ConstantSpec(np.int32(3))]).key() == TileSignature([ConstantSpec(3)]).key()
+
+
+HELPER_SRC = """
+import cuda.tile as ct
+import functools
+
+@ct.function
+def scale(t):
+    return t * {factor}
+
+@ct.kernel
+def k(a, out):
+    i = ct.bid(0)
+    ct.store(out, index=(i,), tile=scale(ct.load(a, index=(i,), shape=(16,))))
+"""
+
+
+def test_digest_follows_decorated_helpers(tmp_path: Path) -> None:
+    digests = []
+    for factor in (2, 3):
+        name = f"tile_helper_mod_{factor}"
+        try:
+            module = _write_module(tmp_path, name, HELPER_SRC.format(factor=factor))
+            digests.append(tc.kernel_digest(module.k))
+        finally:
+            sys.modules.pop(name, None)
+    assert digests[0] != digests[1]
+
+
+def test_other_cutile_versions_use_only_the_public_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tc, "_cutile_version", lambda: "1.8.0")
+    checked: set[str] = set()
+    monkeypatch.setattr(tc, "_preflight_ok", checked)
+    image = compile_tile(vadd, VADD)  # no preflight, no compiler version
+    assert checked == set()
+    assert image.compiler_version is None
+    assert image.cutile_version == "1.8.0"
+    assert image.symbol in _symbols(image.cubin)

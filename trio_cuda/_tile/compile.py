@@ -638,10 +638,15 @@ def _is_tile_module(name: str) -> bool:
 
 
 def _inner_function(value: object) -> types.FunctionType | None:
-    if isinstance(value, types.FunctionType):
-        return value
+    """The Python function behind a helper: itself, the function a decorator
+    (``@ct.function``, ``functools.wraps``) wraps, or a kernel's function."""
     ann = getattr(value, "_annotated_function", None)
-    fn = getattr(ann, "pyfunc", None) or getattr(value, "__wrapped__", None)
+    fn = getattr(ann, "pyfunc", None) or value
+    for _ in range(16):  # a decorator chain, bounded against cycles
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None:
+            break
+        fn = inner
     return fn if isinstance(fn, types.FunctionType) else None
 
 
