@@ -173,12 +173,21 @@ def _names(requirements: list[str]) -> set[str]:
 
 def test_dependencies_are_what_the_package_imports() -> None:
     """The library's own dependencies: cuda-bindings (trio_cuda imports only ``cuda.bindings``,
-    so neither the cuda-python metapackage nor cuda-core), no tqdm (the demo extra's)."""
+    so neither the cuda-python metapackage nor cuda-core), no tqdm (the demo extra's); cuda.tile
+    only in trio_cuda/_tile, from the tile extra."""
     project = PYPROJECT["project"]
     required = _names(project["dependencies"])
     assert required == {"trio", "attrs", "numpy", "cuda-bindings", "sniffio"}, required
     cuda_imports = set()
+    tile_imports = set()
     for path in (ROOT / "trio_cuda").rglob("*.py"):
+        if path.parent.name == "_tile":  # the tile extra's: cuda.tile, and cuda.bindings
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
+                    names = [node.module]
+                tile_imports |= {n for n in names if n.split(".")[0] == "cuda"}
+            continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             if isinstance(node, ast.Import):
                 cuda_imports |= {a.name for a in node.names if a.name.split(".")[0] == "cuda"}
@@ -186,7 +195,9 @@ def test_dependencies_are_what_the_package_imports() -> None:
                 cuda_imports |= {node.module} if node.module.split(".")[0] == "cuda" else set()
     assert cuda_imports, "no cuda import found"
     assert all(m.startswith("cuda.bindings") for m in cuda_imports), sorted(cuda_imports)
+    assert all(m.startswith(("cuda.tile", "cuda.bindings")) for m in tile_imports), sorted(tile_imports)
     extras = project["optional-dependencies"]
+    assert _names(extras["tile"]) == {"cuda-tile"}
     assert _names(extras["demo"]) == {"tqdm"}
     assert _names(extras["pytest"]) == {"pytest", "pytest-trio"}  # light: no Ray, Sphinx, mypy
     assert extras["test"] == ["trio_cuda[dev]"]
