@@ -50,8 +50,8 @@ from ._core._policy import LeastLoaded as LeastLoaded
 from ._core._policy import RoundRobin as RoundRobin
 from ._core._policy import SchedulingPolicy as SchedulingPolicy
 from ._core._scope import ResourceScope as ResourceScope
-from ._core._scope import ScopeStatistics as ScopeStatistics
 from ._core._scope import current_scope as current_scope
+from ._core._statistics import ScopeStatistics as ScopeStatistics
 from ._core._stream import Stream as Stream
 from ._core._stream import StreamStatistics as StreamStatistics
 from ._open import open_device_pool as open_device_pool

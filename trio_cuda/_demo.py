@@ -40,7 +40,8 @@ from ._core._array import DeviceArray
 from ._core._errors import DeviceUnavailableError
 from ._core._kernel import Kernel
 from ._core._params import In, InOut, Out, Scalar
-from ._core._scope import ResourceScope, ScopeStatistics
+from ._core._scope import ResourceScope
+from ._core._statistics import ScopeStatistics
 from ._demo_output import Output
 from ._open import open_scope
 from .testing import SimAllocation, SimDevice, Violation

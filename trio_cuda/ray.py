@@ -62,7 +62,8 @@ except ModuleNotFoundError as exc:
 
 from ._core._errors import TrioCudaError
 from ._core._final import NoPublicConstructor
-from ._core._scope import ResourceScope, ScopeStatistics
+from ._core._scope import ResourceScope
+from ._core._statistics import ScopeStatistics
 from ._open import open_scope, sim_options_from_env
 from .testing import SimDevice
 

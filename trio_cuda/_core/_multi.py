@@ -63,7 +63,8 @@ if TYPE_CHECKING:
 
     from ._future import DeviceFuture
     from ._manager import ScopeManager
-    from ._scope import ResourceScope, ScopeStatistics
+    from ._scope import ResourceScope
+    from ._statistics import ScopeStatistics
     from ._stream import Stream
     from ._submit import EnqueueContext, Submission
 

@@ -3,8 +3,8 @@
 Invariants:
 
 * A scope owns its streams, its allocations and every submission made on it.
-* Exactly one completion-handoff task per scope, in the scope's nursery and
-  shielded from outside cancellation, polls markers, runs host closures and
+* Exactly one completion-handoff task per scope, shielded from outside
+  cancellation, polls markers, runs host closures and
   retires submissions, per stream in completion (FIFO) order. It never blocks
   the loop; it sleeps in the driver's ``wait_for_progress``. That nursery
   belongs to the Trio run's scope host, a system task, not to the entering
@@ -31,7 +31,6 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, final, overload
 
-import attrs
 import numpy as np
 import trio
 from trio.lowlevel import enable_ki_protection
@@ -52,6 +51,7 @@ from ._memory import MemoryTable
 from ._multi import foreign_lease_count
 from ._ops import COMPOSITE, Access, DeviceOp, HostResult, _Copy, _Fill, _ZeroBytes, resolve_output
 from ._policy import SchedulingPolicy
+from ._statistics import ScopeStatistics
 from ._stream import Stream
 from ._submit import EnqueueContext, Submission, SubState, preflight, take_launch_leases, take_leases
 from ._trace import Tracer, alloc_args, lease_args, op_name, trace_error, trace_submit
@@ -88,85 +88,6 @@ def current_scope() -> ResourceScope:
                 "no trio_cuda scope is open in this task: use 'async with trio_cuda.open_scope() as gpu'"
             )
     return scope
-
-
-# --------------------------------------------------------------------------- statistics
-
-
-@attrs.frozen
-class ScopeStatistics:
-    """A snapshot of a scope (``gpu.statistics()``).
-
-    Work is counted in submissions: one per op run or submitted (``gpu.run``,
-    ``gpu.submit``, ``await op``, a graph's replay, the copy of
-    ``gpu.to_device`` or ``gpu.to_host``; an op of several pieces, ``then`` and
-    ``zip`` included, is one), one per array the scope adopts (``gpu.empty``,
-    the allocation ``gpu.to_device`` makes, ``trio_cuda.borrow``), and one per
-    DLPack or CUDA Array Interface export once its consumer released it; work
-    enqueued with ``unsafe.async_on`` is not counted. ``submitted == in_flight + completed``,
-    and ``failed`` and ``quarantined`` are parts of ``completed`` (but for
-    exports abandoned at exit, which were never in flight). Leases are
-    counted per allocation and holder; bytes per whole allocation."""
-
-    #: the backend that runs the scope: ``"cuda"`` or ``"sim"`` (``gpu.device.backend``)
-    backend: str
-    #: the device's name, as the driver reports it (``gpu.device.name``)
-    device: str
-    #: the scope's streams (``open_scope(streams=...)``, fixed for its life)
-    streams: int
-    #: submissions enqueued and not yet retired; one that raised while it was
-    #: enqueued, after it took leases or enqueued part of its work, stays in
-    #: flight until that retires (one that raised before is not counted)
-    in_flight: int
-    #: every submission so far: ``in_flight + completed``
-    submitted: int
-    #: submissions retired, successfully or not: ``failed`` and ``quarantined``
-    #: ones included
-    completed: int
-    #: of ``completed``: those that ended with an error (the device work
-    #: failed, the submission raised while it was enqueued, or a host-side
-    #: part of it raised, a host closure say) or whose completion is unknown
-    #: (the quarantined ones, but for abandoned exports)
-    failed: int
-    #: submissions whose completion could not be established, or that were
-    #: still in flight when the exit's drain gave up (``drain_timeout``, or a
-    #: second Ctrl-C), and exports their consumer still held at exit: their
-    #: leases and memory are leaked on purpose, never released
-    quarantined: int
-    #: leases on this scope's allocations not yet released: those of in-flight
-    #: work (other scopes' cross-device copies included, see
-    #: ``foreign_leases``) and of exports a consumer still holds; quarantined
-    #: leases are counted in ``quarantined_leases`` instead
-    leases_held: int
-    #: leases on this scope's allocations that quarantined work or an
-    #: abandoned export holds (this scope's or another's): never released
-    quarantined_leases: int
-    #: bytes of the allocations this scope's in-flight submissions lease
-    #: (whole allocations, each counted once)
-    retained_bytes: int
-    #: bytes of this scope's quarantined allocations (leased by quarantined
-    #: work or an abandoned export, or whose free failed), which are never
-    #: freed; a part of ``live_bytes``
-    quarantined_bytes: int
-    #: allocations not yet freed: this scope's own and the memory it borrowed
-    #: (``trio_cuda.borrow``), quarantined ones included
-    live_allocations: int
-    #: bytes of the ``live_allocations``
-    live_bytes: int
-    #: errors nobody has observed yet (failed work no task awaited, errors of
-    #: the completion handoff); the scope's exit raises them
-    pending_errors: int
-    #: host closures (``ops.host_closure``) enqueued and not yet run: each runs
-    #: once the work before it on its stream completed, and the stream's later
-    #: work waits for it
-    host_closures_pending: int
-    #: leases that other scopes' in-flight work (cross-device copies) holds on
-    #: this scope's allocations; exit waits for them (see :doc:`multigpu`)
-    foreign_leases: int = 0
-    #: of ``completed``: retired by an awaiting task that observed the
-    #: completion itself (the rest by the completion-handoff task, the exit,
-    #: or ``wait_nowait``)
-    retired_by_waiters: int = 0
 
 
 # --------------------------------------------------------------------------- scope
@@ -405,26 +326,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         a read would see. ``what`` is the method's name; the message names the
         threads and, from a worker thread, the way to call it on the loop."""
         if get_ident() != self._thread:
-            import threading
-
-            names = {t.ident: t.name for t in threading.enumerate()}
-            loop = names.get(self._thread, f"thread {self._thread}")
-            mine = threading.current_thread().name
-            if trio.lowlevel.in_trio_run():
-                where = (
-                    f"another Trio run, on thread {mine!r}; a scope belongs to the run (and thread) "
-                    "that opened it"
-                )
-            else:
-                where = (
-                    f"thread {mine!r}, which runs no Trio loop; call it on that loop: "
-                    f"trio.from_thread.run_sync(gpu.{what}) from a thread Trio started "
-                    "(trio.to_thread.run_sync), with trio_token= from any other thread"
-                )
-            raise RuntimeError(
-                f"{what}: expected a call from the Trio run that opened {self!r} (on thread {loop!r}), "
-                f"got one from {where}"
-            )
+            raise wrong_caller(what, self, how=f"trio.from_thread.run_sync(gpu.{what})")
 
     def _pick(self, op: DeviceOp[Any], stream: Stream | None) -> Stream:
         if stream is None:
