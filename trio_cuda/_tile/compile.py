@@ -1,18 +1,15 @@
-"""Specialisation signatures of tile kernels, their ahead-of-time compilation
-to a cubin, and the on-disk cubin cache.
+"""Ahead-of-time compilation of tile kernels to a cubin: the toolchain
+preflight, the compile errors, :class:`TileImage` and :func:`compile_tile`
+with its in-process memory of images.
 
 A tile kernel (a ``@ct.kernel`` function) is compiled once per
-:class:`TileSignature`: per parameter an :class:`ArraySpec` (dtype, rank,
-index width, the layout and alignment the runtime guarantees), a
-:class:`ScalarSpec`, a :class:`ConstantSpec`, a :class:`TupleSpec` or a
-:class:`ListSpec`, plus the target architecture. :func:`compile_tile` turns a
+:class:`~.signature.TileSignature` (see :mod:`.signature` for the specs and
+the ``cutile_python_v2`` parameter layout). :func:`compile_tile` turns a
 kernel and a signature into a :class:`TileImage`: the cubin, its symbol, and
-the byte layout of its parameter buffer in the ``cutile_python_v2`` calling
-convention (each array: an 8-byte pointer, then ``ndim`` shape values, then
-``ndim`` strides in elements, 4 or 8 bytes each by the index dtype; a scalar:
-one slot of its dtype; a constant: nothing; a tuple: its items in order; a
-list of arrays: an 8-byte device pointer and an int32 length; every slot at
-its natural alignment).
+the byte layout of its parameter buffer, from memory, from a
+:class:`~.cache.TileCache` (see :mod:`.cache` for the key and the entry
+format), or from ``tileiras``. The names of :mod:`.signature` and
+:mod:`.cache` are importable from here too.
 
 Invariants:
 
@@ -23,34 +20,14 @@ Invariants:
   per-key lock makes concurrent callers wait for the first one, whose image
   every later call gets from memory (and is written to a given cache that
   lacks it). A failed compile is not remembered.
-* A spec never claims more than it is given: :func:`spec_of_array` declares a
-  unit stride constant only where the stride is 1, a divisibility only as the
-  largest power of two (at most 16) that divides the value, an alignment only
-  as given, and ``may_alias_internally`` wherever two indices could reach one
-  element (zero strides, overlapping dimensions).
+* A cache hit runs neither ``tileiras`` nor cuTile's front end: everything
+  in the key is known without ``tileiras``.
 * Errors: a malformed signature (wrong arity, a spec cuTile refuses for its
   parameter) is a :class:`~trio_cuda.KernelArgumentError`; cuTile's
   syntax, type and compiler errors are a :class:`TileCompileError` carrying
   cuTile's message and source location; a missing or broken toolchain is a
   :class:`TileToolchainError` whose one-line message names
   ``pip install 'trio_cuda[tile]'``.
-* The disk cache (:class:`TileCache`) is keyed by the SHA-256 of: a format
-  number, the kernel's module-qualified name, the source text of the kernel
-  and of the Python helpers, module-level constants and closure values it
-  refers to (source text, not bytecode, so the key does not depend on the
-  Python version or on where the file lives), the signature's key, the arch,
-  the kernel's compiler options for that arch, the calling convention, the
-  ``cuda-tile`` version, and the cache's ``compiler_version`` tag (``None``
-  unless configured). Everything in the key is known without ``tileiras``, so
-  a cache filled on a machine with the toolchain serves a machine without it:
-  a hit runs neither ``tileiras`` nor cuTile's front end. The ``tileiras``
-  version that built an entry is recorded in the entry, not in the key: a
-  cubin stays valid for its arch whichever compiler made it; set
-  ``compiler_version`` (or use a fresh directory) to rebuild with a new one.
-  Entries are single files written atomically (temporary file +
-  ``os.replace``) and checked on read (magic, header, length, SHA-256, ELF
-  magic); a damaged entry is ignored and replaced; a cache that cannot be
-  written (read-only, full) is not an error.
 * cuda.tile internals (the toolchain preflight, the compiler version) are used
   only with cuda-tile 1.7; with another version only its public API is used:
   the preflight is skipped and a toolchain failure surfaces as a
@@ -59,24 +36,36 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import io
-import json
 import os
 import re
-import struct
 import tempfile
 import threading
 import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal
 
 import attrs
 import numpy as np
 
 from .._core._errors import KernelArgumentError, TrioCudaError
+from .cache import TileCache, cache_key, compile_statistics, count, kernel_digest, pyfunc
+from .signature import (
+    ArraySpec,
+    ConstantSpec,
+    ListSpec,
+    ParamLayout,
+    ParamSpec,
+    ScalarSpec,
+    Slot,
+    TileSignature,
+    TupleSpec,
+    address_alignment,
+    param_layout,
+    spec_of_array,
+)
 
 __all__ = [
     "ArraySpec",
@@ -101,13 +90,9 @@ __all__ = [
 ]
 
 #: the cuda-tile minor version whose internals this module relies on
+#: the cuda-tile minor version whose internals this module relies on
 PINNED_CUTILE = (1, 7)
-_FORMAT = 1
 _INSTALL = "pip install 'trio_cuda[tile]'"
-_CCONV = "cutile_python_v2"
-
-IndexDtype = Literal["int32", "int64"]
-SlotKind = Literal["pointer", "shape", "stride", "scalar", "list_pointer", "list_length"]
 
 
 # --------------------------------------------------------------------------- errors
@@ -171,331 +156,6 @@ class TileToolchainError(TrioCudaError, RuntimeError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.reason,))
-
-
-# --------------------------------------------------------------------------- specs
-
-
-def _as_dtype(value: Any) -> np.dtype[Any]:
-    try:
-        dt: np.dtype[Any] = np.dtype(value)
-    except TypeError as exc:
-        raise TypeError(f"dtype: expected a NumPy dtype or dtype string, got {value!r}") from exc
-    return dt
-
-
-def _opt_tuple(value: Sequence[Any] | None) -> tuple[Any, ...] | None:
-    return None if value is None else tuple(value)
-
-
-def _pow2(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value & (value - 1):
-        raise ValueError(f"{name}: expected a positive power of two, got {value!r}")
-
-
-@attrs.frozen
-class ArraySpec:
-    """What the runtime guarantees about an array parameter.
-
-    ``strides``: per dimension the stride (in elements) every launch has, or
-    ``None`` where it varies; ``base_align``: bytes the base address is always
-    divisible by; ``shape_divisible_by``/``stride_divisible_by``: per
-    dimension a factor every launch's value is divisible by; ``may_alias``:
-    the array may overlap other ``may_alias`` arrays of the launch;
-    ``may_alias_internally``: two indices may reach one element."""
-
-    dtype: np.dtype[Any] = attrs.field(converter=_as_dtype)
-    ndim: int
-    index_dtype: IndexDtype = "int32"
-    strides: tuple[int | None, ...] | None = attrs.field(default=None, converter=_opt_tuple)
-    base_align: int = 1
-    shape_divisible_by: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
-    stride_divisible_by: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
-    may_alias: bool = False
-    may_alias_internally: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        if isinstance(self.ndim, bool) or not isinstance(self.ndim, int) or self.ndim < 0:
-            raise ValueError(f"ndim: expected a non-negative int, got {self.ndim!r}")
-        if self.index_dtype not in ("int32", "int64"):
-            raise ValueError(f"index_dtype: expected 'int32' or 'int64', got {self.index_dtype!r}")
-        _pow2("base_align", self.base_align)
-        for name in ("strides", "shape_divisible_by", "stride_divisible_by"):
-            value = getattr(self, name)
-            if value is not None and len(value) != self.ndim:
-                raise ValueError(f"{name}: expected {self.ndim} values (one per dimension), got {value!r}")
-        for name in ("shape_divisible_by", "stride_divisible_by"):
-            for v in getattr(self, name) or ():
-                _pow2(name, v)
-        for s in self.strides or ():
-            if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
-                raise ValueError(f"strides: expected non-negative ints or None, got {self.strides!r}")
-        if self.strides is not None and self.stride_divisible_by is not None:
-            for s, d in zip(self.strides, self.stride_divisible_by, strict=True):
-                if s is not None and s % d:
-                    raise ValueError(
-                        f"strides: a constant stride must be divisible by its stride_divisible_by, "
-                        f"got strides={self.strides!r}, stride_divisible_by={self.stride_divisible_by!r}"
-                    )
-
-    def key(self) -> list[Any]:
-        return [
-            "array",
-            self.dtype.str if self.dtype.names is None else str(self.dtype),
-            self.dtype.name,
-            self.ndim,
-            self.index_dtype,
-            self.strides,
-            self.base_align,
-            self.shape_divisible_by,
-            self.stride_divisible_by,
-            self.may_alias,
-            self.may_alias_internally,
-        ]
-
-
-@attrs.frozen
-class ScalarSpec:
-    """A scalar parameter of a NumPy dtype (one slot of that dtype)."""
-
-    dtype: np.dtype[Any] = attrs.field(converter=_as_dtype)
-
-    def key(self) -> list[Any]:
-        return ["scalar", self.dtype.name]
-
-
-def _as_constant(value: Any) -> bool | int | float:
-    if isinstance(value, bool | np.bool_):
-        return bool(value)
-    if isinstance(value, int | np.integer):
-        return int(value)
-    if isinstance(value, float | np.floating) and not isinstance(value, np.longdouble):
-        return float(value)
-    raise TypeError(f"value: expected a bool, int or float constant, got {value!r}")
-
-
-@attrs.frozen
-class ConstantSpec:
-    """A compile-time constant (a ``ct.Constant`` parameter); it takes no slot.
-    ``1``, ``True`` and ``1.0`` are three different constants; NumPy scalars
-    become the Python bool, int or float of the same value."""
-
-    value: bool | int | float = attrs.field(converter=_as_constant)
-
-    def key(self) -> list[Any]:
-        v: object = self.value
-        shown = struct.pack("=d", v).hex() if isinstance(v, float) else v
-        return ["constant", type(v).__name__, shown]
-
-
-@attrs.frozen
-class TupleSpec:
-    """A tuple parameter; its items are laid out in order."""
-
-    items: tuple[ParamSpec, ...] = attrs.field(converter=tuple)
-
-    def key(self) -> list[Any]:
-        return ["tuple", [item.key() for item in self.items]]
-
-
-@attrs.frozen
-class ListSpec:
-    """A list of arrays: a device pointer to ``(1 + 2 * ndim)`` 64-bit words per
-    element, and an int32 length. ``elements_may_alias``: two elements may
-    overlap."""
-
-    element: ArraySpec
-    elements_may_alias: bool = False
-
-    def key(self) -> list[Any]:
-        return ["list", self.element.key(), self.elements_may_alias]
-
-
-ParamSpec: TypeAlias = "ArraySpec | ScalarSpec | ConstantSpec | TupleSpec | ListSpec"
-_SPEC_TYPES = (ArraySpec, ScalarSpec, ConstantSpec, TupleSpec, ListSpec)
-
-
-def _check_params(_: object, __: object, params: tuple[object, ...]) -> None:
-    def check(p: object) -> None:
-        if not isinstance(p, _SPEC_TYPES):
-            raise TypeError(
-                "params: expected ArraySpec, ScalarSpec, ConstantSpec, TupleSpec or ListSpec "
-                f"items, got {p!r}"
-            )
-        if isinstance(p, TupleSpec):
-            for item in p.items:
-                check(item)
-
-    for p in params:
-        check(p)
-
-
-def _check_arch(_: object, __: object, arch: str) -> None:
-    if not isinstance(arch, str) or not arch.startswith("sm_") or not arch[3:].rstrip("af").isdigit():
-        raise ValueError(f"arch: expected a GPU architecture such as 'sm_90', got {arch!r}")
-
-
-@attrs.frozen
-class TileSignature:
-    """One specialisation of a tile kernel: a spec per parameter and the
-    target architecture (a cubin is specific to it)."""
-
-    params: tuple[ParamSpec, ...] = attrs.field(converter=tuple, validator=_check_params)
-    arch: str = attrs.field(default="sm_90", validator=_check_arch)
-
-    def key(self) -> str:
-        """A stable text naming this signature (equal for equal signatures,
-        across processes and machines)."""
-        return json.dumps([self.arch, [p.key() for p in self.params]], separators=(",", ":"))
-
-
-def address_alignment(address: int, guaranteed: int = 256) -> int:
-    """The largest power of two, at most ``guaranteed``, dividing ``address``."""
-    _pow2("guaranteed", guaranteed)
-    if address == 0:
-        return guaranteed
-    return min(address & -address, guaranteed)
-
-
-def _divisor(value: int, cap: int = 16) -> int:
-    if value == 0:
-        return cap
-    return min(abs(value) & -abs(value), cap)
-
-
-def _overlaps(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether two distinct indices may reach one element (conservative)."""
-    dims = sorted((abs(s), n) for n, s in zip(shape, strides, strict=True) if n > 1)
-    reach = 0  # the furthest offset the smaller dimensions reach
-    for s, n in dims:
-        if s <= reach:
-            return True
-        reach += s * (n - 1)
-    return False
-
-
-def spec_of_array(
-    dtype: Any,
-    shape: Sequence[int],
-    strides: Sequence[int] | None = None,
-    *,
-    alignment: int = 1,
-    index_dtype: IndexDtype | None = None,
-    may_alias: bool = False,
-) -> ArraySpec:
-    """The :class:`ArraySpec` of one array as the runtime sees it: ``strides``
-    in elements (C-contiguous when ``None``), ``alignment`` the bytes its base
-    address is guaranteed to be divisible by (see :func:`address_alignment`).
-    The index dtype is int32 where every shape, stride and offset fits, else
-    int64, unless given. Raises :class:`KernelArgumentError` for a negative
-    stride (cuTile supports none) or an index dtype too narrow."""
-    dt = _as_dtype(dtype)
-    shape = tuple(int(n) for n in shape)
-    if any(n < 0 for n in shape):
-        raise KernelArgumentError(f"shape: expected non-negative extents, got {shape}")
-    if strides is None:
-        acc, out = 1, []
-        for n in reversed(shape):
-            out.append(acc)
-            acc *= max(n, 1)
-        strides = tuple(reversed(out))
-    strides = tuple(int(s) for s in strides)
-    if len(strides) != len(shape):
-        raise KernelArgumentError(f"strides: expected {len(shape)} values for shape {shape}, got {strides}")
-    if any(s < 0 for s, n in zip(strides, shape, strict=True) if n > 1):
-        raise KernelArgumentError(
-            f"strides: tile kernels take no negative strides, got {strides} for shape {shape}"
-        )
-    strides = tuple(0 if n <= 1 and s < 0 else s for s, n in zip(strides, shape, strict=True))
-    extent = sum(s * (n - 1) for s, n in zip(strides, shape, strict=True) if n > 0)
-    fits32 = all(v < 2**31 for v in (*shape, *strides, extent))
-    if index_dtype is None:
-        index_dtype = "int32" if fits32 else "int64"
-    elif index_dtype == "int32" and not fits32:
-        raise KernelArgumentError(
-            f"index_dtype: an array of shape {shape} and strides {strides} needs 'int64', got 'int32'"
-        )
-    return ArraySpec(
-        dtype=dt,
-        ndim=len(shape),
-        index_dtype=index_dtype,
-        strides=tuple(1 if s == 1 else None for s in strides),
-        base_align=alignment,
-        shape_divisible_by=tuple(_divisor(n) for n in shape),
-        stride_divisible_by=tuple(1 if s == 1 else _divisor(s) for s in strides),
-        may_alias=may_alias,
-        may_alias_internally=_overlaps(shape, strides),
-    )
-
-
-# --------------------------------------------------------------------------- layout
-
-
-@attrs.frozen
-class Slot:
-    """One value of the parameter buffer: what it is, its dtype, its byte
-    offset, the dimension it describes (shape/stride) and the path of tuple
-    item indices below its parameter."""
-
-    kind: SlotKind
-    dtype: np.dtype[Any]
-    offset: int
-    dim: int | None = None
-    path: tuple[int, ...] = ()
-
-    @property
-    def size(self) -> int:
-        return self.dtype.itemsize
-
-
-@attrs.frozen
-class ParamLayout:
-    """The slots of one kernel parameter (none for a constant)."""
-
-    index: int
-    slots: tuple[Slot, ...]
-
-
-_U64 = np.dtype(np.uint64)
-_I32 = np.dtype(np.int32)
-
-
-def param_layout(signature: TileSignature) -> tuple[tuple[ParamLayout, ...], int]:
-    """The ``cutile_python_v2`` parameter layout of ``signature`` and the
-    buffer's total size in bytes (each slot at its natural alignment)."""
-    offset = 0
-    slots: list[Slot] = []
-
-    def put(kind: SlotKind, dtype: np.dtype[Any], dim: int | None, path: tuple[int, ...]) -> None:
-        nonlocal offset
-        align = dtype.alignment
-        offset = (offset + align - 1) // align * align
-        slots.append(Slot(kind, dtype, offset, dim, path))
-        offset += dtype.itemsize
-
-    def walk(spec: ParamSpec, path: tuple[int, ...]) -> None:
-        if isinstance(spec, ArraySpec):
-            idx = np.dtype(spec.index_dtype)
-            put("pointer", _U64, None, path)
-            for d in range(spec.ndim):
-                put("shape", idx, d, path)
-            for d in range(spec.ndim):
-                put("stride", idx, d, path)
-        elif isinstance(spec, ScalarSpec):
-            put("scalar", spec.dtype, None, path)
-        elif isinstance(spec, TupleSpec):
-            for i, item in enumerate(spec.items):
-                walk(item, (*path, i))
-        elif isinstance(spec, ListSpec):
-            put("list_pointer", _U64, None, path)
-            put("list_length", _I32, None, path)
-
-    layouts = []
-    for i, p in enumerate(signature.params):
-        start = len(slots)
-        walk(p, ())
-        layouts.append(ParamLayout(i, tuple(slots[start:])))
-    return tuple(layouts), offset
 
 
 # --------------------------------------------------------------------------- images
@@ -607,252 +267,8 @@ def _tileiras_version() -> str | None:
     return found.group(0) if found else " ".join(text.split())
 
 
-# --------------------------------------------------------------------------- kernel digest
-
-
-def _pyfunc(kernel: object) -> types.FunctionType:
-    ann = getattr(kernel, "_annotated_function", None)
-    fn = getattr(ann, "pyfunc", None)
-    if not isinstance(fn, types.FunctionType):
-        raise TypeError(f"kernel: expected a @ct.kernel function, got {kernel!r}")
-    return fn
-
-
-def _code_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _code_names(const)
-    return names
-
-
-def _code_text(code: types.CodeType) -> str:
-    parts = [code.co_code.hex(), repr(code.co_names), repr(code.co_varnames)]
-    for const in code.co_consts:
-        parts.append(_code_text(const) if isinstance(const, types.CodeType) else repr(const))
-    return "|".join(parts)
-
-
-def _is_tile_module(name: str) -> bool:
-    return name == "cuda" or name.startswith("cuda.")
-
-
-def _inner_function(value: object) -> types.FunctionType | None:
-    """The Python function behind a helper: itself, the function a decorator
-    (``@ct.function``, ``functools.wraps``) wraps, or a kernel's function."""
-    ann = getattr(value, "_annotated_function", None)
-    fn = getattr(ann, "pyfunc", None) or value
-    for _ in range(16):  # a decorator chain, bounded against cycles
-        inner = getattr(fn, "__wrapped__", None)
-        if inner is None:
-            break
-        fn = inner
-    return fn if isinstance(fn, types.FunctionType) else None
-
-
-def _plain(value: object) -> bool:
-    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
-        return True
-    if isinstance(value, tuple):
-        return all(_plain(v) for v in value)
-    return _is_tile_module(type(value).__module__ or "")
-
-
-def kernel_digest(kernel: object) -> str:
-    """SHA-256 of what a kernel's code is made of: the source of its function
-    and of the Python helpers it calls, and the constants and closure values
-    it reads from module globals (see the module's invariants)."""
-    fn = _pyfunc(kernel)
-    parts: list[str] = []
-    seen: set[int] = set()
-
-    def value_text(value: object, names: set[str]) -> str:
-        inner = _inner_function(value)
-        if inner is not None and not _is_tile_module(inner.__module__ or ""):
-            visit(inner)
-            return f"function {inner.__module__}.{inner.__qualname__}"
-        if isinstance(value, types.ModuleType):
-            if not _is_tile_module(value.__name__):
-                for attr in sorted(names):
-                    sub = getattr(value, attr, None)
-                    if sub is not None and not isinstance(sub, types.ModuleType):
-                        parts.append(f"{value.__name__}.{attr}={value_text(sub, set())}")
-            return f"module {value.__name__}"
-        if _plain(value):
-            return repr(value)
-        return f"object {type(value).__module__}.{type(value).__qualname__}"
-
-    def visit(f: types.FunctionType) -> None:
-        if id(f) in seen:
-            return
-        seen.add(id(f))
-        try:
-            text = inspect.getsource(f)
-        except (OSError, TypeError):
-            text = "code:" + _code_text(f.__code__)
-        parts.append(f"def {f.__module__}.{f.__qualname__}\n{text}")
-        names = _code_names(f.__code__)
-        for name in sorted(names):
-            if name in f.__globals__:
-                parts.append(f"global {name}={value_text(f.__globals__[name], names)}")
-        for name, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=False):
-            try:
-                contents = cell.cell_contents
-            except ValueError:
-                contents = None
-            parts.append(f"closure {name}={value_text(contents, names)}")
-        if f.__defaults__:
-            parts.append(f"defaults {value_text(f.__defaults__, set())}")
-
-    visit(fn)
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-def _options_text(kernel: object, arch: str) -> str:
-    options = getattr(kernel, "_compiler_options", None)
-    if options is None:
-        return ""
-    try:
-        hints = options.hints_by_target()
-        opt = options.opt_level_for_target(arch)
-    except Exception:
-        return repr(options)
-    return json.dumps(
-        {"hints": {k: hints[k] for k in ("default", arch) if k in hints}, "opt": opt},
-        sort_keys=True,
-        default=repr,
-    )
-
-
 def _cache_key(kernel: object, signature: TileSignature, compiler_version: str | None) -> str:
-    fn = _pyfunc(kernel)
-    payload = json.dumps(
-        {
-            "format": _FORMAT,
-            "kernel": f"{fn.__module__}.{fn.__qualname__}",
-            "code": kernel_digest(kernel),
-            "signature": signature.key(),
-            "arch": signature.arch,
-            "options": _options_text(kernel, signature.arch),
-            "cconv": _CCONV,
-            "cuda_tile": _cutile_version(),
-            "compiler": compiler_version,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()
-
-
-# --------------------------------------------------------------------------- disk cache
-
-_MAGIC = b"trio_cuda tile cubin\n"
-_stats_lock = threading.Lock()
-_stats = {"compiled": 0, "memory_hits": 0, "disk_hits": 0, "disk_writes": 0, "disk_errors": 0}
-
-
-def _count(name: str) -> None:
-    with _stats_lock:
-        _stats[name] += 1
-
-
-def compile_statistics() -> dict[str, int]:
-    """Counters of this process: compilations, memory and disk hits, disk
-    writes and disk errors (damaged entries, failed writes)."""
-    with _stats_lock:
-        return dict(_stats)
-
-
-def _default_path() -> Path | None:
-    env = os.environ.get("TRIO_CUDA_TILE_CACHE")
-    if env is not None:
-        return Path(env).expanduser() if env.strip() else None
-    env = os.environ.get("TRIO_CUDA_CACHE_DIR")
-    if env is not None:
-        return Path(env).expanduser() / "tile" if env.strip() else None
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "trio_cuda" / "tile"
-
-
-def _as_path(value: str | os.PathLike[str]) -> Path:
-    return Path(value).expanduser()
-
-
-@attrs.frozen
-class TileCache:
-    """A directory of compiled tile kernels, one file per key (see the module's
-    invariants). ``compiler_version``, when set, joins the key: entries made
-    under another tag are not used."""
-
-    path: Path = attrs.field(converter=_as_path)
-    compiler_version: str | None = None
-
-    @classmethod
-    def default(cls) -> TileCache | None:
-        """``$TRIO_CUDA_TILE_CACHE`` if set (empty disables the cache), else
-        ``tile`` under ``$TRIO_CUDA_CACHE_DIR`` if set (empty disables), else
-        ``$XDG_CACHE_HOME/trio_cuda/tile`` or ``~/.cache/trio_cuda/tile``."""
-        path = _default_path()
-        return None if path is None else cls(path)
-
-    def entry_path(self, key: str) -> Path:
-        return self.path / f"{key}.cubin"
-
-    def load(self, key: str) -> dict[str, Any] | None:
-        """The entry ``key`` (its header, with the cubin under ``"cubin"``), or
-        ``None`` when it is missing or damaged."""
-        path = self.entry_path(key)
-        try:
-            data = path.read_bytes()
-        except OSError:
-            return None
-        try:
-            if not data.startswith(_MAGIC):
-                raise ValueError("magic")
-            (hlen,) = struct.unpack_from("<I", data, len(_MAGIC))
-            start = len(_MAGIC) + 4
-            header = json.loads(data[start : start + hlen].decode())
-            cubin = data[start + hlen :]
-            if (
-                not isinstance(header, dict)
-                or header.get("key") != key
-                or header.get("size") != len(cubin)
-                or header.get("sha256") != hashlib.sha256(cubin).hexdigest()
-                or not cubin.startswith(b"\x7fELF")
-                or not isinstance(header.get("symbol"), str)
-            ):
-                raise ValueError("content")
-        except (ValueError, struct.error, UnicodeDecodeError):
-            _count("disk_errors")
-            return None
-        header["cubin"] = cubin
-        return header
-
-    def store(self, key: str, cubin: bytes, header: dict[str, Any]) -> bool:
-        """Write the entry atomically; ``False`` (and nothing written) where the
-        directory cannot be written."""
-        head = dict(header, key=key, size=len(cubin), sha256=hashlib.sha256(cubin).hexdigest())
-        blob = json.dumps(head, sort_keys=True).encode()
-        data = _MAGIC + struct.pack("<I", len(blob)) + blob + cubin
-        path = self.entry_path(key)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
-        except OSError:
-            _count("disk_errors")
-            return False
-        _count("disk_writes")
-        return True
+    return cache_key(kernel, signature, cutile_version=_cutile_version(), compiler_version=compiler_version)
 
 
 # --------------------------------------------------------------------------- compile
@@ -927,7 +343,7 @@ def _aliasing(params: Sequence[ParamSpec]) -> set[int]:
 
 
 def _kernel_signature(kernel: object, signature: TileSignature, ct: Any, comp: Any) -> Any:
-    fn = _pyfunc(kernel)
+    fn = pyfunc(kernel)
     names = list(inspect.signature(fn).parameters)
     if len(names) != len(signature.params):
         raise KernelArgumentError(
@@ -968,14 +384,14 @@ def compile_tile(kernel: object, signature: TileSignature, *, cache: TileCache |
     if cache is not None and not isinstance(cache, TileCache):
         raise TypeError(f"cache: expected a TileCache or None, got {cache!r}")
     ct = _import_tile()
-    fn = _pyfunc(kernel)
+    fn = pyfunc(kernel)
     if not isinstance(kernel, ct.kernel):
         raise TypeError(f"kernel: expected a @ct.kernel function, got {kernel!r}")
     key = _cache_key(kernel, signature, cache.compiler_version if cache else None)
     with _memory_lock:
         image = _memory.get(key)
         if image is not None:
-            _stats["memory_hits"] += 1
+            count("memory_hits")
         else:
             lock = _key_locks.setdefault(key, threading.Lock())
     if image is None:
@@ -983,7 +399,7 @@ def compile_tile(kernel: object, signature: TileSignature, *, cache: TileCache |
             with _memory_lock:
                 image = _memory.get(key)
                 if image is not None:
-                    _stats["memory_hits"] += 1
+                    count("memory_hits")
             if image is None:
                 image = _load_or_compile(kernel, fn, signature, cache, key, ct)
                 with _memory_lock:
@@ -1026,7 +442,7 @@ def _load_or_compile(
     if cache is not None:
         entry = cache.load(key)
         if entry is not None:
-            _count("disk_hits")
+            count("disk_hits")
             return TileImage(
                 cubin=entry["cubin"],
                 symbol=entry["symbol"],
@@ -1053,7 +469,7 @@ def _load_or_compile(
         raise
     except FileNotFoundError as exc:
         raise TileToolchainError(f"the tileiras compiler is not installed: {exc}") from None
-    _count("compiled")
+    count("compiled")
     cubin = out.getvalue()
     tileiras = _tileiras_version()
     if cache is not None:

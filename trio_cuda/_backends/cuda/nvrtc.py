@@ -19,10 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import threading
 from pathlib import Path
 
+from ..._cachefile import write_atomic
 from .. import _nvrtc
 
 __all__ = ["CompileResult", "cache_dir", "compile_source", "compile_statistics"]
@@ -104,25 +104,9 @@ def _read_cache(path: Path) -> bytes | None:
 
 
 def _write_cache(path: Path, data: bytes) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-    except OSError:
-        with _lock:
-            _stats["disk_errors"] += 1
-        return
+    written = write_atomic(path, data)
     with _lock:
-        _stats["disk_writes"] += 1
+        _stats["disk_writes" if written else "disk_errors"] += 1
 
 
 def compile_source(
