@@ -57,8 +57,14 @@ from ._core._stream import StreamStatistics as StreamStatistics
 from ._open import open_device_pool as open_device_pool
 from ._open import open_scope as open_scope
 from ._public import publish as _publish
+from ._tile.compile import TileCompileError as TileCompileError
+from ._tile.compile import TileToolchainError as TileToolchainError
+from ._tile.kernel import install as _install_tile
 from ._version import __version__ as __version__
 from .interop import borrow as borrow
+
+_install_tile()  # Kernel.from_tile
+del _install_tile
 
 # tracebacks, reprs and pickles name the public module: trio_cuda.KernelArgumentError
 for _module in (interop, ops, testing, trace, unsafe):

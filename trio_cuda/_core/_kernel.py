@@ -17,6 +17,13 @@ Invariants:
   made. What a backend does without one is the backend's business (the
   simulator refuses to load such a kernel).
 * A kernel's repr never prints its source or image, only their size and hash.
+* A tile kernel (``image_kind == "tile"``, :meth:`Kernel.from_tile`) carries
+  its tile code as ``tile``, an object of the tile support that
+  ``trio_cuda._tile`` registers (:func:`register_tile_support`); the core only
+  calls the :class:`TileSupport` and :class:`TileCode` methods below on it,
+  never imports it. A user's tile kernel makes one specialisation kernel per
+  argument signature, and launches name that kernel; both have no ``params``
+  (the signature is read from the arguments).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Final, Literal, TypeAlias, final
+from typing import Any, Final, Literal, Protocol, TypeAlias, final
 
 import attrs
 import numpy as np
@@ -51,7 +58,17 @@ from ._launch import ArgView, KernelLaunch, PreparedLaunch, _LaunchUnderConstruc
 from ._ops import Access, DeviceOp, _Map, _Shared, _Then, _Zip
 from ._params import In, InOut, Out, Param, Scalar, Slice, _check_array, _convert_scalar, _param_label
 
-__all__ = ["NO_REFERENCE", "Kernel", "NoReference", "Reference", "signature", "static_launches"]
+__all__ = [
+    "NO_REFERENCE",
+    "Kernel",
+    "NoReference",
+    "Reference",
+    "TileCode",
+    "TileSupport",
+    "register_tile_support",
+    "signature",
+    "static_launches",
+]
 
 #: a kernel's generated fast path, ``fast(args, config)`` (see :func:`_compile_fast`)
 FastLauncher = Callable[[tuple[object, ...], LaunchConfig], "KernelLaunch | None"]
@@ -84,6 +101,54 @@ def _check_reference(reference: object) -> Reference:
         "reference: expected a function of one argument per kernel parameter (run on NumPy views), "
         f"trio_cuda.NO_REFERENCE or None, got {type(reference).__name__}"
     )
+
+
+class TileSupport(Protocol):
+    """What ``trio_cuda._tile`` provides for tile kernels (registered with
+    :func:`register_tile_support`; the core never imports it)."""
+
+    def make_kernel(
+        self, fn: object, *, access: object, arch: object, cache: object, reference: Reference
+    ) -> Kernel:
+        """The :class:`Kernel` of a ``@ct.kernel`` function (``TypeError`` for anything else)."""
+        ...
+
+    def launch(self, kernel: Kernel, args: tuple[object, ...], grid: object, pdl: bool) -> KernelLaunch:
+        """A checked launch of the tile kernel ``kernel``."""
+        ...
+
+
+class TileCode(Protocol):
+    """The ``tile`` of a tile kernel, as backends and the scope use it: of the
+    user's kernel (``kind == "kernel"``, which is never loaded) or of one of
+    its specialisations (``kind == "specialisation"``)."""
+
+    @property
+    def kind(self) -> Literal["kernel", "specialisation"]: ...
+
+    def ready(self, backend: str, cc: tuple[int, int]) -> bool:
+        """Whether :meth:`prepare` has nothing left to do (no compile needed)."""
+        ...
+
+    def prepare(self, backend: str, cc: tuple[int, int]) -> None:
+        """Compile (or find in a cache) what a device of ``backend`` and
+        compute capability ``cc`` needs; blocking, thread-safe, once per arch."""
+        ...
+
+
+_tile_support: TileSupport | None = None
+
+
+def register_tile_support(support: TileSupport) -> None:
+    """Install the tile support (``trio_cuda._tile`` does, when ``trio_cuda`` is imported)."""
+    global _tile_support
+    _tile_support = support
+
+
+def _tile() -> TileSupport:
+    if _tile_support is None:  # pragma: no cover - trio_cuda's import registers it
+        raise RuntimeError("tile kernels: the tile support is not registered (import trio_cuda first)")
+    return _tile_support
 
 
 def _short_param(param: Param) -> str:
@@ -141,7 +206,7 @@ class Kernel:
     #: what the code is: ``"source"`` (compiled by NVRTC when a scope loads
     #: the kernel), ``"ptx"`` (compiled by the driver when it loads it) or
     #: ``"cubin"``
-    image_kind: Literal["source", "ptx", "cubin"] = "source"
+    image_kind: Literal["source", "ptx", "cubin", "tile"] = "source"
     #: extra NVRTC options for a source (:meth:`from_source`); unused for PTX
     #: and cubin
     options: tuple[str, ...] = ()
@@ -149,6 +214,10 @@ class Kernel:
     #: called with the arguments as NumPy views and scalars,
     #: :data:`~trio_cuda.NO_REFERENCE`, or None when none was given
     reference: Reference = attrs.field(default=None, converter=_check_reference)
+    #: a tile kernel's code (:meth:`from_tile`): the tile support's object for
+    #: the ``@ct.kernel`` function, or for one specialisation of it; None
+    #: for every other kernel
+    tile: Any = None
     _plan: ParamPlan = attrs.field(init=False)
     _fast: FastLauncher | None = attrs.field(init=False)
 
@@ -162,11 +231,14 @@ class Kernel:
     # A kernel pickles as its definition (to send it to another process, a Ray
     # worker's say); the packing plan and fast path are rebuilt there.
     def __getstate__(self) -> dict[str, object]:
-        return {f: getattr(self, f) for f in _KERNEL_FIELDS}
+        state = {f: getattr(self, f) for f in _KERNEL_FIELDS}
+        state["tile"] = self.tile
+        return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
         for f in _KERNEL_FIELDS:
             object.__setattr__(self, f, state[f])
+        object.__setattr__(self, "tile", state.get("tile"))
         self.__attrs_post_init__()
 
     def __repr__(self) -> str:
@@ -176,6 +248,8 @@ class Kernel:
         elif self.image is not None:
             digest = hashlib.sha256(self.image).hexdigest()[:12]
             code = f"{self.image_kind}=<{len(self.image)} bytes, sha256 {digest}>"
+        elif self.tile is not None:
+            code = f"tile={self.tile!r}"
         else:  # pragma: no cover - every constructor gives one
             code = "no code"
         options = f", options={self.options!r}" if self.options else ""
@@ -184,7 +258,8 @@ class Kernel:
             shown = repr(ref)
         else:
             shown = getattr(ref, "__qualname__", None) or type(ref).__name__
-        return f"<Kernel {signature(self)} {code}{options} reference={shown}>"
+        head = self.name if self.tile is not None else signature(self)
+        return f"<Kernel {head} {code}{options} reference={shown}>"
 
     @classmethod
     def from_source(
@@ -251,6 +326,39 @@ class Kernel:
             reference=reference,
         )
 
+    @classmethod
+    def from_tile(
+        cls,
+        fn: object,
+        *,
+        access: object = None,
+        arch: str | None = None,
+        cache: object = "default",
+        reference: Reference = None,
+    ) -> Kernel:
+        """A tile kernel: ``fn`` is a ``@cuda.tile.kernel`` function (cuTile
+        Python; ``pip install 'trio_cuda[tile]'``). ``launch(*args, grid=...)``
+        takes one argument per parameter of ``fn`` (device arrays, lists and
+        tuples of them, scalars, and the values of ``ct.Constant``
+        parameters) and returns a :class:`KernelLaunch` like any kernel's.
+
+        The kernel is specialised per argument signature (dtypes, ranks, the
+        layout and alignment the runtime guarantees, constants) and compiled
+        to a cubin once per signature and architecture, in a worker thread
+        where a scope can (``run``, ``load``, ``capture``), from the disk
+        cache where it has the image. Each array's lease follows what the
+        kernel does to it (its loads, stores, atomics); ``access=`` maps
+        parameter names to ``"read"``, ``"write"``, ``"read_write"`` or
+        ``"none"`` to override that. Arguments whose memory overlaps, one of
+        them written, are refused.
+
+        ``arch`` (``"sm_90"``...) pins the architecture compiled for (by
+        default the device's; the simulator checks ``sm_90``). ``cache`` is a
+        directory for compiled cubins, a ``TileCache``, ``"default"`` (see
+        :doc:`tile`) or None. ``reference`` replaces the simulator's own
+        execution of the kernel on NumPy tiles."""
+        return _tile().make_kernel(fn, access=access, arch=arch, cache=cache, reference=reference)
+
     @property
     def plan(self) -> ParamPlan:
         """The arena layout of this kernel's parameters."""
@@ -260,10 +368,10 @@ class Kernel:
         self,
         *args: object,
         grid: object,
-        block: object,
-        shared_mem: int = 0,
+        block: object = None,
+        shared_mem: int | None = None,
         cluster: object = None,
-        cooperative: bool = False,
+        cooperative: bool | None = None,
         pdl: bool = False,
     ) -> KernelLaunch:
         """Check ``args`` against the parameter list, and the geometry as far
@@ -273,8 +381,37 @@ class Kernel:
         the grid), and return an immutable, schedulable :class:`KernelLaunch`.
         Raises :class:`KernelArgumentError` naming the offending argument;
         nothing is enqueued. The device's own limits are checked when the
-        launch is submitted."""
-        config = cached_config(grid, block, shared_mem, cluster, cooperative, pdl)
+        launch is submitted.
+
+        A tile kernel (:meth:`from_tile`) takes ``grid`` and ``pdl`` only: its
+        block size and shared memory are compiled into it."""
+        if self.tile is not None:
+            if block is not None or shared_mem is not None or cluster is not None or cooperative is not None:
+                given = [
+                    n
+                    for n, v in (
+                        ("block", block),
+                        ("shared_mem", shared_mem),
+                        ("cluster", cluster),
+                        ("cooperative", cooperative),
+                    )
+                    if v is not None
+                ]
+                raise KernelArgumentError(
+                    f"{self.name}: {given[0]}: a tile kernel takes only grid= and pdl= (its block size, "
+                    f"shared memory and cluster shape are compiled into it), got {', '.join(given)}"
+                )
+            return _tile().launch(self, args, grid, pdl)
+        if block is None:
+            raise TypeError(f"{self.name}: launch() missing the keyword argument 'block'")
+        config = cached_config(
+            grid,
+            block,
+            0 if shared_mem is None else shared_mem,
+            cluster,
+            False if cooperative is None else cooperative,
+            pdl,
+        )
         fast = self._fast
         if fast is not None:
             made = fast(args, config)
@@ -332,7 +469,14 @@ class Kernel:
         return KernelLaunch._create(prepared, _merge_accesses(accesses), outputs)
 
     def builder(self) -> LaunchBuilder:
-        """An inert, unchecked launch builder; see :class:`LaunchBuilder`."""
+        """An inert, unchecked launch builder; see :class:`LaunchBuilder`.
+        Not for tile kernels, whose parameter layout comes from their
+        signature: use :meth:`launch`."""
+        if self.tile is not None:
+            raise TypeError(
+                f"{self.name}: builder(): a tile kernel's parameters are laid out from its argument "
+                "signature; use launch(*args, grid=...)"
+            )
         return LaunchBuilder._create(self)
 
 

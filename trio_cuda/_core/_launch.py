@@ -109,7 +109,11 @@ class PreparedLaunch:
             return self.args
         views = self.cache.get("views")
         if views is None:
-            views = self.cache["views"] = _views_of(self.kernel.params, self.values)
+            tile = self.kernel.tile
+            if tile is not None:  # a tile launch: its specialisation lays the views out
+                views = self.cache["views"] = tile.views(self)
+            else:
+                views = self.cache["views"] = _views_of(self.kernel.params, self.values)
         return views
 
     def __repr__(self) -> str:

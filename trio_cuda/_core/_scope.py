@@ -702,8 +702,12 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         loaded yet is loaded first, as :meth:`load` does (off the loop on a
         real GPU)."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        if type(op) is KernelLaunch and op.prepared.kernel not in self._functions and self._load_in_thread:
-            await self.load(op.prepared.kernel)
+        if type(op) is KernelLaunch:
+            kernel = op.prepared.kernel
+            if kernel not in self._functions and (self._load_in_thread or kernel.tile is not None):
+                await self.load(kernel)
+        elif isinstance(op, DeviceOp):
+            await self._load_tile_kernels(op)
         if self._exports_releasing:
             await finish_releases(self)  # an access after a consumer released an export
         sub = self._submit(op, stream, "run")
@@ -737,26 +741,53 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         from ._graph import capture_graph
 
         await trio.lowlevel.checkpoint_if_cancelled()
+        if isinstance(op, DeviceOp):
+            await self._load_tile_kernels(op)
         graph = await capture_graph(self, op, stream)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return graph
 
     # ------------------------------------------------------------------ kernels
-    async def load(self, *kernels: Kernel) -> None:
+    async def load(self, *kernels: Kernel | DeviceOp[Any]) -> None:
         """Compile and load ``kernels`` for this scope now, without blocking
         the event loop: on a real GPU, NVRTC and module loading run in a worker
-        thread. ``run()`` of a single launch does this for its kernel; any
-        other first use (``submit``, a kernel inside a ``then`` chain) loads
-        the kernel synchronously."""
+        thread, and a tile kernel's compile runs in one on every backend.
+        ``run()`` does this for the kernels it is known to launch; any other
+        first use (``submit``, a kernel inside a ``then`` chain) loads the
+        kernel synchronously (a tile kernel not yet compiled then compiles on
+        the calling thread, and says so in a log warning).
+
+        Each item is a :class:`Kernel` or a :class:`DeviceOp`, whose kernels
+        (those known before it runs: the launch itself, the parts of a
+        ``zip``...) are loaded. A tile kernel is compiled per argument
+        signature, so it is loaded through a launch: ``await
+        gpu.load(k.launch(x, y, grid=g))``."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        for i, kernel in enumerate(kernels):
-            if not isinstance(kernel, Kernel):
-                raise TypeError(f"kernels[{i}]: expected a Kernel, got {type(kernel).__name__}")
+        wanted: list[Kernel] = []
+        for i, item in enumerate(kernels):
+            if isinstance(item, DeviceOp):
+                wanted.extend(p.kernel for p in static_launches(item))
+            elif not isinstance(item, Kernel):
+                raise TypeError(f"kernels[{i}]: expected a Kernel or a DeviceOp, got {type(item).__name__}")
+            elif item.tile is not None and item.tile.kind == "kernel":
+                raise TypeError(
+                    f"kernels[{i}]: tile kernel {item.name} is compiled per argument signature: load a "
+                    "launch of it instead (await gpu.load(k.launch(..., grid=...)))"
+                )
+            else:
+                wanted.append(item)
         self._check_open("load")
         in_thread = self._load_in_thread
-        for kernel in kernels:
+        info = self._info
+        for kernel in wanted:
             if kernel in self._functions:
                 continue
+            tile = kernel.tile
+            if tile is not None and not tile.ready(info.backend, info.compute_capability):
+                await trio.to_thread.run_sync(tile.prepare, info.backend, info.compute_capability)
+                if kernel in self._functions:
+                    continue
+                self._check_open("load")
             if in_thread:
                 fn = await trio.to_thread.run_sync(self._driver.load_kernel, kernel)
                 if kernel in self._functions or self._closing:  # loaded meanwhile, or exiting
@@ -766,6 +797,15 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
                 fn = self._driver.load_kernel(kernel)
             self._functions[kernel] = fn
         await trio.lowlevel.checkpoint()
+
+    async def _load_tile_kernels(self, op: DeviceOp[Any]) -> None:
+        """Compile (off the loop) and load the tile kernels ``op`` is known to
+        launch, as :meth:`load` does; nothing when there are none."""
+        pending = [
+            p.kernel for p in static_launches(op) if p.kernel.tile is not None and p.kernel not in self._functions
+        ]
+        if pending:
+            await self.load(*pending)
 
     def _load_static(self, op: DeviceOp[Any]) -> None:
         """Load and check the kernels ``op`` is known to launch before any of

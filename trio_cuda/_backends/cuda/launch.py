@@ -182,6 +182,7 @@ class KernelsMixin(GraphsMixin):
         cu.cuCtxSetCurrent(self._ctx)
         from_cache = False
         arch = ""
+        symbol = ""
         if kernel.image_kind == "source":
             assert kernel.source is not None
             res = nvrtc.compile_source(
@@ -192,6 +193,17 @@ class KernelsMixin(GraphsMixin):
                 self.driver_version,
             )
             image, kind, arch, from_cache = res.image, res.kind, res.arch, res.from_cache
+        elif kernel.tile is not None:
+            tile = kernel.tile
+            if tile.kind != "specialisation":
+                raise TypeError(f"kernel: tile kernel {kernel.name} is loaded through a launch of it")
+            if tile.has_list:
+                raise KernelArgumentError(
+                    f"{kernel.name}: a list-of-arrays argument needs a descriptor buffer in device "
+                    "memory, which this backend does not build yet: pass the arrays as a tuple"
+                )
+            image, symbol = tile.cubin("cuda", self.info.compute_capability)
+            kind = "cubin"
         else:
             assert kernel.image is not None
             image, kind = kernel.image, kernel.image_kind
@@ -200,7 +212,8 @@ class KernelsMixin(GraphsMixin):
         err, module = cu.cuModuleLoadData(image)
         if err:
             raise cuda_error(err, f"cuModuleLoadData({kernel.name}, {kind})")
-        err, fn = cu.cuModuleGetFunction(module, kernel.name.encode())
+        entry = symbol if kernel.tile is not None else kernel.name
+        err, fn = cu.cuModuleGetFunction(module, entry.encode())
         if err:
             entries = _module_entries(module) if int(err) == _common.NOT_FOUND else None
             cu.cuModuleUnload(module)

@@ -265,9 +265,17 @@ class SimContext:
         without a ``reference`` (:class:`MissingReferenceError`); the core
         loads before it enqueues anything, so nothing is."""
         self._check_open()
-        _nvrtc.check_kernel(kernel, self.info.compute_capability)
-        if kernel.reference is None:
-            raise missing_reference(kernel)
+        tile = kernel.tile
+        if tile is not None:
+            # a tile kernel runs on NumPy tiles; its compile is checked where
+            # the toolchain (or a cached image) is there
+            if tile.kind != "specialisation":
+                raise TypeError(f"kernel: tile kernel {kernel.name} is loaded through a launch of it")
+            tile.prepare("sim", self.info.compute_capability)
+        else:
+            _nvrtc.check_kernel(kernel, self.info.compute_capability)
+            if kernel.reference is None:
+                raise missing_reference(kernel)
         dev = self._device
         dev._kernel_loads += 1
         return SimFunction(kernel, self, _MODULE_BASE + dev._kernel_loads * _ALIGN)

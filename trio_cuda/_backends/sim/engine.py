@@ -56,6 +56,7 @@ import trio
 
 from ..._core._driver import MarkerState, Poll
 from ..._core._errors import CompletionUnknownError, LaunchError, OutOfMemoryError
+from ..._core._kernel import NO_REFERENCE
 from ..._core._ops import Access
 from ..._core._params import In, InOut, Out, Param, Scalar, Slice
 from .. import _common
@@ -563,16 +564,23 @@ class SimEngine:
         check = LaunchCheck(kernel.name, s.index, self._violations)
         args = self._kernel_args(s, kernel, views, check)
         reference = kernel.reference
-        if args is None or not callable(reference):
+        tile = kernel.tile
+        if args is None or (tile is None and not callable(reference)) or reference is NO_REFERENCE:
             check.close()
             return  # NO_REFERENCE: a no-op on purpose (SimContext.load_kernel refuses None)
         error: BaseException | None = None
         try:
-            reference(*args)
+            if tile is not None:
+                tile.run_on_cpu(launch, args)  # the reference, or the kernel on NumPy tiles
+            else:
+                reference(*args)
         except OutOfBounds:
             pass  # recorded in check
         except Exception as exc:
-            error = reference_failed(kernel, reference, views, args, exc)
+            if tile is not None and not callable(reference):
+                error = tile_failed(kernel, exc)
+            else:
+                error = reference_failed(kernel, reference, views, args, exc)
         except BaseException as exc:
             # KeyboardInterrupt, SystemExit...: the device never raises into
             # whoever happens to pump it; the work fails with the exception
@@ -722,6 +730,15 @@ def reference_failed(
         if labels:
             text += f"; the kernel only reads {'; '.join(labels)}"
     error = _launch_failed(text, "")
+    error.__cause__ = exc
+    return error
+
+
+def tile_failed(kernel: Kernel, exc: Exception) -> LaunchError:
+    """The error of a tile launch whose execution on NumPy tiles raised ``exc``
+    (its ``__cause__``): CUDA_ERROR_LAUNCH_FAILED, as a faulting kernel."""
+    what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    error = _launch_failed(f"tile kernel {kernel.name}: the simulator's execution of it raised {what}", "")
     error.__cause__ = exc
     return error
 

@@ -1,0 +1,774 @@
+"""Tile kernels as trio_cuda kernels: ``Kernel.from_tile``, their typed launch,
+and their specialisations.
+
+A ``@ct.kernel`` function becomes a :class:`~trio_cuda.Kernel` whose ``tile``
+is a :class:`TileKernel`. Each launch reads a :class:`~.signature.TileSignature`
+from its arguments (without the arch) and finds, or makes, the specialisation
+kernel for it: a :class:`~trio_cuda.Kernel` whose ``tile`` is a
+:class:`TileSpecialisation`, which knows its parameter layout, its packer and
+what the kernel does to each array (:func:`.access.analyze`, then the
+declared ``access=``). Launches name the specialisation kernel, so a scope
+loads each specialisation once, as it loads any kernel.
+
+Invariants:
+
+* ``launch`` checks everything before it returns (arity, each argument's
+  kind, dtype and usability, constants, scalar ranges, the grid, arrays whose
+  memory overlaps with one written); nothing is compiled, enqueued or
+  retained by it. A compile happens in :meth:`TileSpecialisation.prepare`,
+  which the scope runs in a worker thread (``run``, ``load``, ``capture``);
+  a backend that loads a specialisation not yet prepared prepares it on the
+  calling thread and logs one warning per specialisation saying so.
+* A specialisation is made once per signature (under a lock) and compiles
+  once per arch (``compile.compile_tile``'s per-key lock and memory).
+* Leases: an array the kernel writes (stores, scatters, atomics) takes an
+  exclusive lease and is the launch's output; one it only reads, or never
+  touches, a shared one. Where the analysis cannot answer, every array is
+  written. A declared ``access=`` mode replaces the derived one.
+* Two arguments (arrays, list elements, tuple items) whose bytes overlap,
+  one of them written, are refused with a :class:`KernelArgumentError` naming
+  both: cuTile compiles every array as not aliasing another.
+* A list of arrays needs a descriptor buffer in device memory; the cuda
+  backend refuses such launches (``list_arguments``), the simulator runs them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import struct
+import threading
+import types
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, Literal, final
+
+import numpy as np
+
+from .._core._array import DeviceArray
+from .._core._arena import ParamPlan
+from .._core._config import cached_config
+from .._core._errors import KernelArgumentError
+from .._core._kernel import Kernel, Reference, register_tile_support
+from .._core._launch import ArgView, KernelLaunch, PreparedLaunch, _merge_accesses
+from .._core._ops import Access
+from . import access as _access
+from .cache import TileCache, kernel_digest
+from .signature import (
+    ArraySpec,
+    ConstantSpec,
+    ListSpec,
+    ParamSpec,
+    ScalarSpec,
+    TileSignature,
+    TupleSpec,
+    address_alignment,
+    param_layout,
+    spec_of_array,
+)
+
+__all__ = ["TileKernel", "TileSpecialisation", "install"]
+
+logger = logging.getLogger("trio_cuda")
+
+_INSTALL: Final = "pip install 'trio_cuda[tile]'"
+#: the arch the simulator compiles for, unless the kernel names one
+SIM_ARCH: Final = "sm_90"
+#: alignment a base address is described with (cuTile gains nothing past 16)
+_ALIGN_CAP: Final = 16
+#: launch recipes kept per kernel (by the arguments' quick key)
+_RECIPES_MAX: Final = 1024
+_MODES: Final = ("read", "write", "read_write", "none")
+_SIM_COMPILE_ENV: Final = "TRIO_CUDA_SIM_COMPILE"
+
+
+def _ct() -> Any:
+    from .compile import _import_tile
+
+    return _import_tile()
+
+
+def _sim_compile_enabled() -> bool:
+    return os.environ.get(_SIM_COMPILE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+@final
+class _Param:
+    """One parameter of the kernel's Python function."""
+
+    __slots__ = ("constant", "declared", "name")
+
+    def __init__(self, name: str, constant: bool, declared: np.dtype[Any] | None) -> None:
+        self.name = name
+        self.constant = constant
+        self.declared = declared
+
+
+def _annotation_facts(ct: Any, annotation: Any) -> tuple[bool, np.dtype[Any] | None]:
+    """(is a ``ct.Constant``, the scalar dtype it declares or None)."""
+    if annotation is ct.Constant:
+        return True, None
+    meta = getattr(annotation, "__metadata__", ())
+    if any(isinstance(m, ct.ConstantAnnotation) for m in meta):
+        return True, None
+    for m in meta:
+        dtype = getattr(m, "dtype", None)
+        if isinstance(dtype, ct.DType):
+            try:
+                return False, np.dtype(str(dtype.name).rstrip("_"))
+            except TypeError:  # a dtype NumPy lacks (bfloat16, tf32...): read from the value
+                return False, None
+    return False, None
+
+
+def _params_of(ct: Any, fn: types.FunctionType) -> tuple[_Param, ...]:
+    import typing
+
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True)
+    except Exception:  # unresolvable annotations: read them as written
+        hints = dict(getattr(fn, "__annotations__", {}))
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            raise TypeError(f"fn: a tile kernel takes positional parameters only, {fn.__name__} has {p}")
+        constant, declared = _annotation_facts(ct, hints.get(p.name))
+        out.append(_Param(p.name, constant, declared))
+    return tuple(out)
+
+
+def _check_access(access: object, params: Sequence[_Param]) -> dict[str, str]:
+    if access is None:
+        return {}
+    if not isinstance(access, Mapping):
+        raise TypeError(
+            f"access: expected a mapping of parameter names to 'read', 'write', 'read_write' or 'none', "
+            f"got {type(access).__name__}"
+        )
+    names = [p.name for p in params]
+    out: dict[str, str] = {}
+    for key, mode in access.items():
+        if key not in names:
+            raise ValueError(f"access: {key!r} is not a parameter of the kernel (its parameters: {', '.join(names)})")
+        if mode not in _MODES:
+            raise ValueError(
+                f"access[{key!r}]: expected 'read', 'write', 'read_write' or 'none', got {mode!r}"
+            )
+        if next(p for p in params if p.name == key).constant:
+            raise ValueError(f"access[{key!r}]: {key} is a ct.Constant parameter, which is not memory")
+        out[key] = mode
+    return out
+
+
+def _check_cache(cache: object) -> TileCache | None:
+    if cache is None:
+        return None
+    if isinstance(cache, str) and cache == "default":
+        return TileCache.default()
+    if isinstance(cache, TileCache):
+        return cache
+    if isinstance(cache, str | os.PathLike):
+        return TileCache(Path(cache))
+    raise TypeError(f"cache: expected 'default', a directory, a TileCache or None, got {cache!r}")
+
+
+# --------------------------------------------------------------------------- the kernel
+
+
+@final
+class TileKernel:
+    """The ``tile`` of a :meth:`Kernel.from_tile` kernel: the ``@ct.kernel``,
+    its parameters, the declared access modes, the arch and the cache, and its
+    specialisations by signature."""
+
+    kind: Final = "kernel"
+
+    def __init__(
+        self,
+        fn: Any,
+        pyfunc: types.FunctionType,
+        params: tuple[_Param, ...],
+        access: dict[str, str],
+        arch: str | None,
+        cache: TileCache | None,
+    ) -> None:
+        self.fn = fn
+        self.pyfunc = pyfunc
+        self.params = params
+        self.access = access
+        self.arch = arch
+        self.cache = cache
+        self.name = pyfunc.__name__
+        self.digest = kernel_digest(fn)
+        self._lock = threading.Lock()
+        self._specs: dict[tuple[ParamSpec, ...], Kernel] = {}
+        self._recipes: dict[tuple[object, ...], _Recipe] = {}
+        #: the user-facing Kernel (set by make_kernel)
+        self.kernel: Kernel | None = None
+
+    def __repr__(self) -> str:
+        return f"<tile kernel {self.pyfunc.__module__}.{self.pyfunc.__qualname__}, {len(self._specs)} specialisations>"
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"fn": self.fn, "access": self.access, "arch": self.arch, "cache": self.cache}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        ct = _ct()
+        fn = state["fn"]
+        pyfunc = _pyfunc(ct, fn)
+        self.__init__(fn, pyfunc, _params_of(ct, pyfunc), state["access"], state["arch"], state["cache"])  # type: ignore[misc]
+
+    def specialisation(self, params: tuple[ParamSpec, ...]) -> Kernel:
+        """The specialisation kernel of ``params`` (made once)."""
+        with self._lock:
+            found = self._specs.get(params)
+        if found is not None:
+            return found
+        spec = TileSpecialisation(self, params)  # the analysis runs here, outside the lock
+        reference = self.kernel.reference if self.kernel is not None else None
+        made = Kernel(name=self.name, params=(), image_kind="tile", reference=reference, tile=spec)
+        with self._lock:
+            return self._specs.setdefault(params, made)
+
+    def specialisations(self) -> tuple[Kernel, ...]:
+        """The specialisation kernels made so far."""
+        with self._lock:
+            return tuple(self._specs.values())
+
+
+def _pyfunc(ct: Any, fn: object) -> types.FunctionType:
+    if not isinstance(fn, ct.kernel):
+        raise TypeError(f"fn: expected a @cuda.tile.kernel function, got {fn!r}")
+    from .cache import pyfunc
+
+    return pyfunc(fn)
+
+
+# --------------------------------------------------------------------------- specialisations
+
+_STRUCT: Final = {
+    "i1": "b",
+    "u1": "B",
+    "i2": "h",
+    "u2": "H",
+    "i4": "i",
+    "u4": "I",
+    "i8": "q",
+    "u8": "Q",
+    "f2": "e",
+    "f4": "f",
+    "f8": "d",
+    "b1": "?",
+}
+
+
+def _code(dtype: np.dtype[Any]) -> str | None:
+    return _STRUCT.get(f"{dtype.kind}{dtype.itemsize}")
+
+
+def _access_params(params: Sequence[ParamSpec]) -> list[_access.ParamSpec]:
+    def one(p: ParamSpec) -> _access.ParamSpec:
+        if isinstance(p, ArraySpec):
+            return _access.ArrayParam(_ct_name(p.dtype), p.ndim)
+        if isinstance(p, ListSpec):
+            return _access.ListParam(_ct_name(p.element.dtype), p.element.ndim)
+        if isinstance(p, ScalarSpec):
+            return _access.ScalarParam(_ct_name(p.dtype))
+        if isinstance(p, ConstantSpec):
+            return _access.ConstantParam(p.value)
+        return _access.TupleParam([one(i) for i in p.items])
+
+    return [one(p) for p in params]
+
+
+def _ct_name(dtype: np.dtype[Any]) -> str:
+    return "bool_" if dtype.kind == "b" else dtype.name
+
+
+def _override(mode: _access.ParamAccess, declared: str) -> _access.ParamAccess:
+    """``declared`` for every array leaf of ``mode``."""
+    if isinstance(mode, tuple):
+        return tuple(_override(m, declared) for m in mode)
+    return mode if mode in ("scalar", "constant") else declared  # type: ignore[return-value]
+
+
+@final
+class TileSpecialisation:
+    """The ``tile`` of one specialisation kernel: its signature's parameter
+    specs, what it does to each parameter (``modes``, a
+    :class:`.access.AccessPlan`'s with the declared overrides applied), the
+    parameter layout and packer, and its compiled images by arch."""
+
+    kind: Final = "specialisation"
+
+    def __init__(self, owner: TileKernel, params: tuple[ParamSpec, ...]) -> None:
+        self.owner = owner
+        self.params = params
+        plan = _access.analyze(owner.fn, _access_params(params))
+        modes = list(plan.modes)
+        for i, p in enumerate(owner.params):
+            declared = owner.access.get(p.name)
+            if declared is not None:
+                modes[i] = _override(modes[i], declared)
+        self.modes: tuple[_access.ParamAccess, ...] = tuple(modes)
+        self.exact = plan.exact
+        self.reason = plan.reason
+        layout, size = param_layout(TileSignature(params, SIM_ARCH))
+        self.layout = layout
+        self.size = size
+        slots = [s for pl in layout for s in pl.slots]
+        self.plan = ParamPlan.from_layout([(s.size, s.dtype.alignment) for s in slots])
+        codes = [_code(s.dtype) for s in slots]
+        self.packer: struct.Struct | None = None
+        if all(c is not None for c in codes):
+            fmt, offset = "=", 0
+            for s, c in zip(slots, codes, strict=True):
+                fmt += "x" * (s.offset - offset) + str(c)
+                offset = s.offset + s.size
+            fmt += "x" * (size - offset)
+            self.packer = struct.Struct(fmt)
+        self.slots = tuple(slots)
+        self.has_list = any(s.kind == "list_pointer" for s in slots)
+        self._lock = threading.Lock()
+        self._images: dict[str, Any] = {}
+        self._checked: set[str] = set()  # the simulator's archs: compiled or skipped
+        self._warned = False
+
+    def __repr__(self) -> str:
+        return f"<specialisation of {self.owner.name}: {len(self.slots)} parameter slots, {self.size} B>"
+
+    # -------------------------------------------------------------- compiling
+
+    def arch_for(self, backend: str, cc: tuple[int, int]) -> str:
+        """The arch a device of ``backend`` and compute capability ``cc`` runs."""
+        if self.owner.arch is not None:
+            return self.owner.arch
+        if backend == "sim" or cc == (0, 0):
+            return SIM_ARCH
+        return f"sm_{cc[0]}{cc[1]}"
+
+    def ready(self, backend: str, cc: tuple[int, int]) -> bool:
+        arch = self.arch_for(backend, cc)
+        if backend == "sim":
+            return arch in self._checked or not _sim_compile_enabled()
+        return arch in self._images
+
+    def prepare(self, backend: str, cc: tuple[int, int]) -> None:
+        """Compile (or load from the cache) the image for ``backend``'s arch.
+        On the simulator, only where the toolchain (or the cache's entry) is
+        there: otherwise one log warning per process, and the kernel runs
+        unchecked."""
+        arch = self.arch_for(backend, cc)
+        if backend == "sim":
+            if arch in self._checked or not _sim_compile_enabled():
+                return
+            from .compile import TileToolchainError
+
+            try:
+                self.image(arch)
+            except TileToolchainError as exc:
+                _warn_sim_unchecked(self.owner.name, exc.reason)
+            self._checked.add(arch)
+            return
+        self.image(arch)
+
+    def image(self, arch: str) -> Any:
+        """The :class:`~.compile.TileImage` for ``arch`` (compiling it, blocking)."""
+        found = self._images.get(arch)
+        if found is not None:
+            return found
+        from .compile import compile_tile
+
+        made = compile_tile(self.owner.fn, TileSignature(self.params, arch), cache=self.owner.cache)
+        with self._lock:
+            return self._images.setdefault(arch, made)
+
+    def cubin(self, backend: str, cc: tuple[int, int]) -> tuple[bytes, str]:
+        """The cubin and kernel symbol for a device (the cuda backend's load).
+        Compiles on the calling thread when not prepared, saying so once."""
+        arch = self.arch_for(backend, cc)
+        if arch not in self._images and not self._warned:
+            self._warned = True
+            logger.warning(
+                "tile kernel %r: compiling a specialisation on the calling thread (submit() or a "
+                "then-chain loaded it first); await gpu.load(launch) or gpu.run(launch) compile it in a "
+                "worker thread",
+                self.owner.name,
+            )
+        img = self.image(arch)
+        return img.cubin, img.symbol
+
+    # -------------------------------------------------------------- launches
+
+    def views(self, prepared: PreparedLaunch) -> tuple[ArgView, ...]:
+        """One view per array (list elements and tuple items included) and
+        scalar of ``prepared``, in the kernel's argument order; constants
+        have none."""
+        out: list[ArgView] = []
+
+        def walk(value: object, spec: ParamSpec, mode: _access.ParamAccess) -> None:
+            if isinstance(spec, ArraySpec):
+                assert isinstance(value, DeviceArray)
+                out.append(_array_view(value, mode))
+            elif isinstance(spec, ListSpec):
+                assert isinstance(value, list)
+                for item in value:
+                    out.append(_array_view(item, mode))
+            elif isinstance(spec, ScalarSpec):
+                out.append(ArgView("scalar", dtype=spec.dtype, value=spec.dtype.type(value)))
+            elif isinstance(spec, TupleSpec):
+                assert isinstance(value, tuple) and isinstance(mode, tuple)
+                for v, s, m in zip(value, spec.items, mode, strict=True):
+                    walk(v, s, m)
+
+        for value, spec, mode in zip(prepared.values, self.params, self.modes, strict=True):
+            walk(value, spec, mode)
+        return tuple(out)
+
+    def run_on_cpu(self, prepared: PreparedLaunch, flat: Sequence[object]) -> None:
+        """Run ``prepared`` on the simulator: ``flat`` has one item per view
+        (arrays as bounds-checked NumPy views, scalars as NumPy scalars); the
+        kernel's ``reference=`` gets them regrouped per parameter, otherwise
+        the kernel runs on NumPy tiles (:func:`.emulate.run_tile_kernel`)."""
+        items = iter(flat)
+
+        def rebuild(value: object, spec: ParamSpec) -> object:
+            if isinstance(spec, ArraySpec | ScalarSpec):
+                return next(items)
+            if isinstance(spec, ListSpec):
+                assert isinstance(value, list)
+                return [next(items) for _ in value]
+            if isinstance(spec, TupleSpec):
+                assert isinstance(value, tuple)
+                return tuple(rebuild(v, s) for v, s in zip(value, spec.items, strict=True))
+            return value  # a constant
+
+        args = [rebuild(v, s) for v, s in zip(prepared.values, self.params, strict=True)]
+        reference = self.owner.kernel.reference if self.owner.kernel is not None else None
+        if callable(reference):
+            reference(*args)
+            return
+        from .emulate import run_tile_kernel
+
+        run_tile_kernel(self.owner.fn, prepared.config.grid, args)
+
+
+def _array_view(arr: DeviceArray, mode: object) -> ArgView:
+    access = Access.READ if mode in ("read", "none") else Access.WRITE
+    return ArgView("array", arr.ptr, arr.shape, arr.dtype, access=access, order=arr.order)
+
+
+_warned_sim = False
+_warn_lock = threading.Lock()
+
+
+def _warn_sim_unchecked(name: str, reason: str) -> None:
+    global _warned_sim
+    with _warn_lock:
+        if _warned_sim:
+            return
+        _warned_sim = True
+    logger.warning(
+        "the simulator runs tile kernel %r without compiling it (%s), so a kernel that does not "
+        "compile goes unnoticed until it runs on a GPU; %s installs the tile toolchain (%s=0 turns "
+        "the check off); this is said once per process",
+        name,
+        reason,
+        _INSTALL,
+        _SIM_COMPILE_ENV,
+    )
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def _strides(arr: DeviceArray) -> tuple[int, ...]:
+    item = arr.itemsize
+    return tuple(s // item for s in arr.strides)
+
+
+def _scalar_dtype(value: object, declared: np.dtype[Any] | None, label: str) -> np.dtype[Any]:
+    if isinstance(value, np.generic):
+        dt = value.dtype
+        if declared is not None and dt != declared:
+            raise KernelArgumentError(f"{label}: expected a {declared} scalar (as annotated), got {dt}")
+        if _code(dt) is None:
+            raise KernelArgumentError(f"{label}: expected a bool, integer or float scalar, got {dt}")
+        return dt
+    if declared is not None:
+        return declared
+    if isinstance(value, bool):
+        return np.dtype(np.bool_)
+    if isinstance(value, int):
+        return np.dtype(np.int32) if -(2**31) <= value < 2**31 else np.dtype(np.int64)
+    if isinstance(value, float):
+        return np.dtype(np.float32)
+    raise KernelArgumentError(
+        f"{label}: expected a device array, a list or tuple of them, or a scalar, got {type(value).__name__}"
+    )
+
+
+def _check_scalar(value: object, dtype: np.dtype[Any], label: str) -> object:
+    """The value as ``dtype`` would hold it exactly; an int out of range, a
+    float for an integer or a finite float that overflows is refused."""
+    if isinstance(value, np.generic) and value.dtype == dtype:
+        return value.item()
+    if dtype.kind == "b":
+        if not isinstance(value, bool | np.bool_):
+            raise KernelArgumentError(f"{label}: expected a bool, got {value!r}")
+        return bool(value)
+    if dtype.kind in "iu":
+        if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+            raise KernelArgumentError(f"{label}: expected an integer ({dtype}), got {value!r}")
+        info = np.iinfo(dtype)
+        v = int(value)
+        if not info.min <= v <= info.max:
+            raise KernelArgumentError(f"{label}: {v} does not fit {dtype} ({info.min}..{info.max})")
+        return v
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.integer | np.floating):
+        raise KernelArgumentError(f"{label}: expected a number ({dtype}), got {value!r}")
+    f = float(value)
+    with np.errstate(over="ignore"):
+        narrowed = dtype.type(f)
+    if np.isfinite(f) and not np.isfinite(narrowed):
+        raise KernelArgumentError(f"{label}: {f} overflows {dtype}")
+    return f
+
+
+def _array_spec(arr: DeviceArray, label: str) -> ArraySpec:
+    arr._check_usable(label)
+    return spec_of_array(arr.dtype, arr.shape, _strides(arr), alignment=address_alignment(arr.ptr, _ALIGN_CAP))
+
+
+def _list_spec(items: list[Any], label: str) -> ListSpec:
+    if not items:
+        raise KernelArgumentError(f"{label}: expected a non-empty list of device arrays, got []")
+    specs = []
+    for j, item in enumerate(items):
+        if type(item) is not DeviceArray:
+            raise KernelArgumentError(f"{label}[{j}]: expected a DeviceArray, got {type(item).__name__}")
+        specs.append(_array_spec(item, f"{label}[{j}]"))
+    first = specs[0]
+    for j, s in enumerate(specs[1:], 1):
+        if s.dtype != first.dtype or s.ndim != first.ndim:
+            raise KernelArgumentError(
+                f"{label}[{j}]: the elements of a list share one dtype and rank, got {s.dtype} of rank "
+                f"{s.ndim} after {first.dtype} of rank {first.ndim}"
+            )
+    ndim = first.ndim
+    wide = any(s.index_dtype == "int64" for s in specs)
+
+    def per_dim(name: str) -> tuple[int, ...]:
+        return tuple(min(getattr(s, name)[d] for s in specs) for d in range(ndim))
+
+    element = ArraySpec(
+        dtype=first.dtype,
+        ndim=ndim,
+        index_dtype="int64" if wide else "int32",
+        strides=tuple(1 if all(s.strides and s.strides[d] == 1 for s in specs) else None for d in range(ndim)),
+        base_align=min(s.base_align for s in specs),
+        shape_divisible_by=per_dim("shape_divisible_by"),
+        stride_divisible_by=per_dim("stride_divisible_by"),
+        may_alias_internally=any(s.may_alias_internally for s in specs),
+    )
+    return ListSpec(element)
+
+
+def _spec_of(value: object, param: _Param | None, label: str) -> ParamSpec:
+    if param is not None and param.constant:
+        if isinstance(value, DeviceArray | list | tuple) or not isinstance(
+            value, bool | int | float | np.bool_ | np.integer | np.floating
+        ):
+            raise KernelArgumentError(
+                f"{label}: a ct.Constant parameter takes a bool, int or float, got {type(value).__name__}"
+            )
+        return ConstantSpec(value)
+    if type(value) is DeviceArray:
+        return _array_spec(value, label)
+    if isinstance(value, list):
+        return _list_spec(value, label)
+    if isinstance(value, tuple):
+        return TupleSpec([_spec_of(v, None, f"{label}[{j}]") for j, v in enumerate(value)])
+    dtype = _scalar_dtype(value, param.declared if param is not None else None, label)
+    _check_scalar(value, dtype, label)
+    return ScalarSpec(dtype)
+
+
+@final
+class _Recipe:
+    """What launches with one quick key share: the specialisation kernel."""
+
+    __slots__ = ("kernel", "spec")
+
+    def __init__(self, kernel: Kernel, spec: TileSpecialisation) -> None:
+        self.kernel = kernel
+        self.spec = spec
+
+
+def _quick_key(value: object) -> object:
+    t = type(value)
+    if t is DeviceArray:
+        a: DeviceArray = value  # type: ignore[assignment]
+        return (a.dtype, a.shape, a.order, a.ptr & (_ALIGN_CAP - 1))
+    if t is list:
+        return ("l", *(_quick_key(v) for v in value))  # type: ignore[attr-defined]
+    if t is tuple:
+        return ("t", *(_quick_key(v) for v in value))  # type: ignore[attr-defined]
+    if t is int:
+        return (t, -(2**31) <= value < 2**31)  # type: ignore[operator]
+    if t is float or t is bool:
+        return t
+    if isinstance(value, np.generic):
+        return (t, value.dtype)
+    return None  # anything else: the full path says what is wrong
+
+
+def _flatten(
+    value: object,
+    spec: ParamSpec,
+    mode: _access.ParamAccess,
+    label: str,
+    leaves: list[tuple[str, DeviceArray, bool]],
+    packed: list[object],
+) -> None:
+    """Collect ``value``'s arrays (label, array, written) and its packed values."""
+    if isinstance(spec, ArraySpec):
+        arr: DeviceArray = value  # type: ignore[assignment]
+        written = mode in ("write", "read_write")
+        leaves.append((label, arr, written))
+        packed.append(arr.ptr)
+        packed.extend(arr.shape)
+        packed.extend(_strides(arr))
+    elif isinstance(spec, ListSpec):
+        items: list[DeviceArray] = value  # type: ignore[assignment]
+        written = mode in ("write", "read_write")
+        for j, item in enumerate(items):
+            leaves.append((f"{label}[{j}]", item, written))
+        packed.append(0)  # the descriptor buffer: the simulator has no use for it
+        packed.append(len(items))
+    elif isinstance(spec, ScalarSpec):
+        packed.append(value)
+    elif isinstance(spec, TupleSpec):
+        assert isinstance(value, tuple) and isinstance(mode, tuple)
+        for j, (v, s, m) in enumerate(zip(value, spec.items, mode, strict=True)):
+            _flatten(v, s, m, f"{label}[{j}]", leaves, packed)
+
+
+def _check_aliasing(name: str, leaves: Sequence[tuple[str, DeviceArray, bool]]) -> None:
+    n = len(leaves)
+    for i in range(n):
+        la, a, wa = leaves[i]
+        a0 = a.ptr
+        a1 = a0 + a.nbytes
+        for j in range(i + 1, n):
+            lb, b, wb = leaves[j]
+            if not (wa or wb):
+                continue
+            b0 = b.ptr
+            if a0 < b0 + b.nbytes and b0 < a1 and a.scope is b.scope and a.nbytes and b.nbytes:
+                which = la if wa else lb
+                raise KernelArgumentError(
+                    f"{name}: {la} and {lb} overlap in memory and the kernel writes {which}; a tile "
+                    "kernel is compiled for arguments that do not alias: pass arrays that do not overlap "
+                    "(or a copy of one)"
+                )
+
+
+def launch(kernel: Kernel, args: tuple[object, ...], grid: object, pdl: bool) -> KernelLaunch:
+    """The checked launch of tile kernel ``kernel`` (``Kernel.launch``)."""
+    tk: TileKernel = kernel.tile
+    name = tk.name
+    params = tk.params
+    if len(args) != len(params):
+        raise KernelArgumentError(
+            f"{name}: expected {len(params)} arguments ({', '.join(p.name for p in params)}), got {len(args)}"
+        )
+    config = cached_config(grid, 1, 0, None, False, pdl)
+    try:
+        quick: tuple[object, ...] | None = tuple(
+            ("c", type(v), v) if p.constant else _quick_key(v) for v, p in zip(args, params, strict=True)
+        )
+        hash(quick)
+    except TypeError:
+        quick = None
+    recipe = tk._recipes.get(quick) if quick is not None else None
+    if recipe is None:
+        specs = tuple(
+            _spec_of(v, p, f"{name}: argument {i} ({p.name})") for i, (v, p) in enumerate(zip(args, params, strict=True))
+        )
+        spec_kernel = tk.specialisation(specs)
+        recipe = _Recipe(spec_kernel, spec_kernel.tile)
+        if quick is not None:
+            if len(tk._recipes) >= _RECIPES_MAX:
+                tk._recipes.clear()
+            tk._recipes[quick] = recipe
+    spec = recipe.spec
+    leaves: list[tuple[str, DeviceArray, bool]] = []
+    packed: list[object] = []
+    for i, (value, pspec, mode, p) in enumerate(zip(args, spec.params, spec.modes, params, strict=True)):
+        label = f"argument {i} ({p.name})"
+        if isinstance(pspec, ScalarSpec):
+            packed.append(_check_scalar(value, pspec.dtype, f"{name}: {label}"))
+            continue
+        _flatten(value, pspec, mode, label, leaves, packed)
+    for label, arr, written in leaves:
+        arr._check_usable(f"{name}: {label}")
+        if written and arr.readonly:
+            raise KernelArgumentError(
+                f"{name}: {label}: the kernel writes it (its stores or atomics), got a read-only array "
+                "(declare access={...: 'read'} on from_tile if it does not)"
+            )
+    if len(leaves) > 1:
+        _check_aliasing(name, leaves)
+    if spec.packer is not None:
+        try:
+            arena = spec.packer.pack(*packed)
+        except (struct.error, OverflowError) as exc:
+            raise KernelArgumentError(f"{name}: arguments: {exc}") from None
+    else:  # pragma: no cover - every tile dtype has a struct code
+        arena = _pack_slow(spec, packed)
+    accesses = _merge_accesses([(arr, Access.WRITE if w else Access.READ) for _, arr, w in leaves])
+    outputs = [arr for _, arr, w in leaves if w]
+    prepared = PreparedLaunch(recipe.kernel, config, spec.plan, arena, None, args)
+    return KernelLaunch._create(prepared, accesses, outputs)
+
+
+def _pack_slow(spec: TileSpecialisation, packed: Sequence[object]) -> bytes:
+    out = bytearray(spec.size)
+    for slot, value in zip(spec.slots, packed, strict=True):
+        raw = np.asarray(value, dtype=slot.dtype).tobytes()
+        out[slot.offset : slot.offset + len(raw)] = raw
+    return bytes(out)
+
+
+# --------------------------------------------------------------------------- registration
+
+
+@final
+class _Support:
+    """The tile support the core calls (``_core._kernel.TileSupport``)."""
+
+    def make_kernel(
+        self, fn: object, *, access: object, arch: object, cache: object, reference: Reference
+    ) -> Kernel:
+        ct = _ct()
+        pyfunc = _pyfunc(ct, fn)
+        if arch is not None:
+            TileSignature((), arch)  # type: ignore[arg-type]  # checks the spelling
+        params = _params_of(ct, pyfunc)
+        tk = TileKernel(fn, pyfunc, params, _check_access(access, params), arch, _check_cache(cache))  # type: ignore[arg-type]
+        k = Kernel(name=tk.name, params=(), image_kind="tile", reference=reference, tile=tk)
+        tk.kernel = k
+        return k
+
+    def launch(self, kernel: Kernel, args: tuple[object, ...], grid: object, pdl: bool) -> KernelLaunch:
+        return launch(kernel, args, grid, pdl)
+
+
+def install() -> None:
+    """Register the tile support with the core (``trio_cuda`` does, on import)."""
+    register_tile_support(_Support())
