@@ -183,6 +183,9 @@ _KIND_LABELS = {"array": "an array", "scalar": "a scalar", "raw": "boxed bytes",
 def slot_labels(prepared: PreparedLaunch) -> list[str]:
     """A label for each slot of ``prepared.plan``: the argument it belongs to."""
     kernel = prepared.kernel
+    if kernel.tile is not None and kernel.tile.kind == "specialisation":
+        labels: list[str] = kernel.tile.slot_labels()
+        return labels
     if prepared.plan is kernel._plan:
         labels = []
         for i, p in enumerate(kernel.params):

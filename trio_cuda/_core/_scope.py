@@ -802,7 +802,9 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         """Compile (off the loop) and load the tile kernels ``op`` is known to
         launch, as :meth:`load` does; nothing when there are none."""
         pending = [
-            p.kernel for p in static_launches(op) if p.kernel.tile is not None and p.kernel not in self._functions
+            p.kernel
+            for p in static_launches(op)
+            if p.kernel.tile is not None and p.kernel not in self._functions
         ]
         if pending:
             await self.load(*pending)

@@ -28,8 +28,10 @@ Invariants:
 * Two arguments (arrays, list elements, tuple items) whose bytes overlap,
   one of them written, are refused with a :class:`KernelArgumentError` naming
   both: cuTile compiles every array as not aliasing another.
-* A list of arrays needs a descriptor buffer in device memory; the cuda
-  backend refuses such launches (``list_arguments``), the simulator runs them.
+* A list of arrays is passed as a pointer to a descriptor buffer in device
+  memory (:meth:`TileSpecialisation.list_descriptors`); the arena packs 0
+  there and the cuda backend fills in a buffer of its own, the simulator
+  needs none.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from .._core._errors import KernelArgumentError
 from .._core._kernel import Kernel, Reference, register_tile_support
 from .._core._launch import ArgView, KernelLaunch, PreparedLaunch, _merge_accesses
 from .._core._ops import Access
+from .._core._tilefast import FastTileLauncher, TileArg, compile_tile_fast
 from . import access as _access
 from .cache import TileCache, kernel_digest
 from .signature import (
@@ -79,6 +82,8 @@ SIM_ARCH: Final = "sm_90"
 _ALIGN_CAP: Final = 16
 #: launch recipes kept per kernel (by the arguments' quick key)
 _RECIPES_MAX: Final = 1024
+#: recipes whose fast paths a launch tries before the checked path
+_FAST_MAX: Final = 4
 _MODES: Final = ("read", "write", "read_write", "none")
 _SIM_COMPILE_ENV: Final = "TRIO_CUDA_SIM_COMPILE"
 
@@ -207,6 +212,8 @@ class TileKernel:
         self._lock = threading.Lock()
         self._specs: dict[tuple[ParamSpec, ...], Kernel] = {}
         self._recipes: dict[tuple[object, ...], _Recipe] = {}
+        #: the fast paths of the most recently used recipes, newest first
+        self._fast: tuple[FastTileLauncher, ...] = ()
         #: the user-facing Kernel (set by make_kernel)
         self.kernel: Kernel | None = None
 
@@ -231,6 +238,9 @@ class TileKernel:
         spec = TileSpecialisation(self, params)  # the analysis runs here, outside the lock
         reference = self.kernel.reference if self.kernel is not None else None
         made = Kernel(name=self.name, params=(), image_kind="tile", reference=reference, tile=spec)
+        # the kernel's own plan is the signature's layout, so that backends
+        # treat its launches as typed ones (the cuda backend's first-launch path)
+        made._plan = spec.plan
         with self._lock:
             return self._specs.setdefault(params, made)
 
@@ -403,6 +413,51 @@ class TileSpecialisation:
         return img.cubin, img.symbol
 
     # -------------------------------------------------------------- launches
+
+    def slot_labels(self) -> list[str]:
+        """A label per parameter slot, for errors: ``argument 0 (a) shape[1]``."""
+        names = self.owner.params
+        out = []
+        for pl in self.layout:
+            base = f"argument {pl.index} ({names[pl.index].name})"
+            for slot in pl.slots:
+                path = "".join(f"[{j}]" for j in slot.path)
+                what = {
+                    "pointer": "pointer",
+                    "shape": f"shape[{slot.dim}]",
+                    "stride": f"stride[{slot.dim}]",
+                    "scalar": "value",
+                    "list_pointer": "list descriptors",
+                    "list_length": "list length",
+                }[slot.kind]
+                out.append(f"{base}{path} {what}")
+        return out
+
+    def list_descriptors(self, prepared: PreparedLaunch) -> list[tuple[int, bytes]]:
+        """For each list argument of ``prepared`` (in slot order): the offset
+        of its pointer slot in the arena, and the descriptor buffer the
+        pointer must address in device memory (per element, 64-bit words: the
+        element's address, its shape, its strides in elements)."""
+        found: list[bytes] = []
+
+        def walk(value: object, spec: ParamSpec) -> None:
+            if isinstance(spec, ListSpec):
+                assert isinstance(value, list)
+                words: list[int] = []
+                for arr in value:
+                    words.append(arr.ptr)
+                    words.extend(arr.shape)
+                    words.extend(_strides(arr))
+                found.append(np.array(words, dtype=np.uint64).tobytes())
+            elif isinstance(spec, TupleSpec):
+                assert isinstance(value, tuple)
+                for v, s in zip(value, spec.items, strict=True):
+                    walk(v, s)
+
+        for value, spec in zip(prepared.values, self.params, strict=True):
+            walk(value, spec)
+        offsets = [slot.offset for slot in self.slots if slot.kind == "list_pointer"]
+        return list(zip(offsets, found, strict=True))
 
     def views(self, prepared: PreparedLaunch) -> tuple[ArgView, ...]:
         """One view per array (list elements and tuple items included) and
@@ -602,11 +657,12 @@ def _spec_of(value: object, param: _Param | None, label: str) -> ParamSpec:
 class _Recipe:
     """What launches with one quick key share: the specialisation kernel."""
 
-    __slots__ = ("kernel", "spec")
+    __slots__ = ("fast", "kernel", "spec")
 
     def __init__(self, kernel: Kernel, spec: TileSpecialisation) -> None:
         self.kernel = kernel
         self.spec = spec
+        self.fast: FastTileLauncher | None = None
 
 
 def _quick_key(value: object) -> object:
@@ -679,15 +735,58 @@ def _check_aliasing(name: str, leaves: Sequence[tuple[str, DeviceArray, bool]]) 
 
 
 def launch(kernel: Kernel, args: tuple[object, ...], grid: object, pdl: bool) -> KernelLaunch:
-    """The checked launch of tile kernel ``kernel`` (``Kernel.launch``)."""
+    """A launch of tile kernel ``kernel`` (``Kernel.launch``): from the fast
+    path of a recent recipe when one matches, else from the checked path."""
     tk: TileKernel = kernel.tile
+    config = cached_config(grid, 1, 0, None, False, pdl)
+    for fast in tk._fast:
+        made = fast(args, config)
+        if made is not None:
+            return made
+    return _launch_checked(tk, args, config)
+
+
+def _recipe_args(args: Sequence[object], specs: Sequence[ParamSpec], modes: Sequence[Any]) -> list[TileArg] | None:
+    """The fast path's description of these arguments, or None (lists and tuples)."""
+    out: list[TileArg] = []
+    for value, spec, mode in zip(args, specs, modes, strict=True):
+        if isinstance(spec, ConstantSpec):
+            out.append(TileArg("constant", value=value))
+        elif isinstance(spec, ArraySpec):
+            arr: DeviceArray = value  # type: ignore[assignment]
+            access = Access.WRITE if mode in ("write", "read_write") else Access.READ
+            out.append(
+                TileArg(
+                    "array",
+                    dtype=arr.dtype,
+                    shape=arr.shape,
+                    order=arr.order,
+                    align=arr.ptr & (_ALIGN_CAP - 1),
+                    access=access,
+                    packed=(*arr.shape, *_strides(arr)),
+                )
+            )
+        elif isinstance(spec, ScalarSpec):
+            t = type(value)
+            if t is int or t is float or t is bool:
+                out.append(TileArg(t.__name__))
+            elif isinstance(value, np.generic):
+                out.append(TileArg("np", type_=t))
+            else:
+                return None
+        else:
+            return None
+    return out
+
+
+def _launch_checked(tk: TileKernel, args: tuple[object, ...], config: Any) -> KernelLaunch:
+    """The checked launch: every error is raised here, with its argument named."""
     name = tk.name
     params = tk.params
     if len(args) != len(params):
         raise KernelArgumentError(
             f"{name}: expected {len(params)} arguments ({', '.join(p.name for p in params)}), got {len(args)}"
         )
-    config = cached_config(grid, 1, 0, None, False, pdl)
     try:
         quick: tuple[object, ...] | None = tuple(
             ("c", type(v), v) if p.constant else _quick_key(v) for v, p in zip(args, params, strict=True)
@@ -734,7 +833,16 @@ def launch(kernel: Kernel, args: tuple[object, ...], grid: object, pdl: bool) ->
     accesses = _merge_accesses([(arr, Access.WRITE if w else Access.READ) for _, arr, w in leaves])
     outputs = [arr for _, arr, w in leaves if w]
     prepared = PreparedLaunch(recipe.kernel, config, spec.plan, arena, None, args)
-    return KernelLaunch._create(prepared, accesses, outputs)
+    made = KernelLaunch._create(prepared, accesses, outputs)
+    if recipe.fast is None and spec.packer is not None:
+        described = _recipe_args(args, spec.params, spec.modes)
+        if described is not None:
+            recipe.fast = compile_tile_fast(recipe.kernel, spec.plan, spec.packer, described)
+    if recipe.fast is not None:
+        fast = tk._fast
+        if not fast or fast[0] is not recipe.fast:
+            tk._fast = (recipe.fast, *(f for f in fast if f is not recipe.fast))[:_FAST_MAX]
+    return made
 
 
 def _pack_slow(spec: TileSpecialisation, packed: Sequence[object]) -> bytes:

@@ -97,6 +97,8 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
         self._streams: dict[CudaStream, None] = {}
         self._staging = _StagingPool(self)
         self._functions: dict[CudaFunction, None] = {}
+        #: device buffers of tile launches' list arguments, by content (freed at close)
+        self._tile_descs: dict[bytes, int] = {}
         self._free_events: list[Any] = []  # blocking-sync, timing-disabled events
         self._marker_events: list[Any] = []  # returned by CudaMarker.__del__
         self._all_events: list[Any] = []
@@ -366,6 +368,9 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
             fn.unloaded = True
             cu.cuModuleUnload(fn.module)
         self._functions.clear()
+        for ptr in self._tile_descs.values():
+            cu.cuMemFree(ptr)
+        self._tile_descs.clear()
         cu.cuStreamDestroy(self._aux)
         # events still held by waiter threads (or markers) are left alone
         for ev in self._free_events:

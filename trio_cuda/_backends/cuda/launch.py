@@ -197,11 +197,6 @@ class KernelsMixin(GraphsMixin):
             tile = kernel.tile
             if tile.kind != "specialisation":
                 raise TypeError(f"kernel: tile kernel {kernel.name} is loaded through a launch of it")
-            if tile.has_list:
-                raise KernelArgumentError(
-                    f"{kernel.name}: a list-of-arrays argument needs a descriptor buffer in device "
-                    "memory, which this backend does not build yet: pass the arrays as a tuple"
-                )
             image, symbol = tile.cubin("cuda", self.info.compute_capability)
             kind = "cubin"
         else:
@@ -292,6 +287,9 @@ class KernelsMixin(GraphsMixin):
         if type(function) is not CudaFunction or function.ctx is not self:
             raise _common.wrong_handle("function", function, CudaFunction, "CUDA", " from load_kernel")
         c = launch.config
+        tile = launch.kernel.tile
+        if tile is not None and tile.has_list and "cu.lists" not in launch.cache:
+            self._tile_lists(launch)
         key = (c, launch.plan)
         if key in function.ok:
             return
@@ -334,6 +332,33 @@ class KernelsMixin(GraphsMixin):
         if len(function.ok) >= 1024:
             function.ok.clear()
         function.ok[key] = None
+
+    def _tile_lists(self, launch: PreparedLaunch) -> None:
+        """Point a tile launch's list arguments at their descriptor buffers:
+        one device buffer per distinct content, uploaded once and kept until
+        the context closes (after the scope's drain), so no launch can
+        outlive it; the arena is patched in place (a launch's arrays, hence
+        its lists, belong to one context)."""
+        self._check_open()
+        fixups = launch.kernel.tile.list_descriptors(launch)
+        arena = bytearray(launch.arena)
+        with self._relaxed_capture():
+            cu.cuCtxSetCurrent(self._ctx)
+            for offset, data in fixups:
+                ptr = self._tile_descs.get(data)
+                if ptr is None:
+                    err, dptr = cu.cuMemAlloc(len(data))
+                    if err:
+                        raise cuda_error(err, f"cuMemAlloc({len(data)}) for a list argument's descriptors")
+                    ptr = int(dptr)
+                    (err,) = cu.cuMemcpyHtoD(ptr, data, len(data))
+                    if err:
+                        cu.cuMemFree(ptr)
+                        raise cuda_error(err, "cuMemcpyHtoD of a list argument's descriptors")
+                    self._tile_descs[data] = ptr
+                arena[offset : offset + 8] = ptr.to_bytes(8, "little")
+        launch.arena = bytes(arena)
+        launch.cache["cu.lists"] = True
 
     def _prepare_launch(
         self, stream: CudaStream, function: object, launch: PreparedLaunch

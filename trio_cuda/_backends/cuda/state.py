@@ -83,6 +83,7 @@ class ContextState:
     # staging, kernels, graphs
     _staging: _StagingPool
     _functions: dict[CudaFunction, None]
+    _tile_descs: dict[bytes, int]
     _capturing: CudaStream | None
     _graph_execs: dict[CudaGraphExec, None]
 

@@ -1,0 +1,172 @@
+"""The fast path of tile launches: a function generated per launch recipe.
+
+A tile kernel's launch (``trio_cuda._tile.kernel``) reads a signature from its
+arguments on its checked path. Launches whose arguments have the same
+*recipe* (each array's dtype, shape, order and address alignment modulo 16,
+each scalar's Python or NumPy type, each constant's value) share a
+specialisation, a parameter layout in which every shape and stride is a
+constant, and their accesses. :func:`compile_tile_fast` turns a recipe into a
+function ``fast(args, config)`` that checks exactly that recipe's guards and
+builds the launch the checked path would build, or returns None (then the
+checked path runs and raises the precise error or handles the case).
+
+Invariants:
+
+* The generated source comes from the recipe's kinds only; every value in
+  it is a name bound in its namespace (never text from the user).
+* A guard that fails returns None, never raises. Lists and tuples have no
+  fast path. Two arrays of one allocation, one of them written, return None:
+  the checked path compares their byte ranges.
+* The launch is built as ``_kernel._compile_fast`` builds a typed launch's.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ._array import AllocState, DeviceArray
+from ._launch import KernelLaunch, PreparedLaunch, _LaunchUnderConstruction, _merge_accesses
+from ._ops import Access
+
+__all__ = ["TileArg", "compile_tile_fast"]
+
+FastTileLauncher = Callable[[tuple[object, ...], Any], "KernelLaunch | None"]
+
+
+@attrs.frozen
+class TileArg:
+    """One argument of a recipe. ``kind`` is ``"array"`` (``dtype``,
+    ``shape``, ``order``, ``align`` = address modulo 16, ``access``, and
+    ``packed`` = the shape and strides packed after its pointer), ``"int"``,
+    ``"float"``, ``"bool"`` or ``"np"`` (a NumPy scalar of type ``type_``),
+    or ``"constant"`` (``value``, not packed)."""
+
+    kind: str
+    dtype: Any = None
+    shape: tuple[int, ...] = ()
+    order: str = "C"
+    align: int = 0
+    access: Access | None = None
+    packed: tuple[int, ...] = ()
+    type_: Any = None
+    value: Any = None
+
+
+_LIVE = AllocState.LIVE
+
+
+def compile_tile_fast(
+    kernel: Any, plan: Any, packer: struct.Struct, args: Sequence[TileArg]
+) -> FastTileLauncher:
+    """The fast path of one recipe of the specialisation kernel ``kernel``
+    (its parameter ``plan`` and the arena's ``packer``)."""
+    ns: dict[str, object] = {
+        "DeviceArray": DeviceArray,
+        "LIVE": _LIVE,
+        "StructError": struct.error,
+        "pack": packer.pack,
+        "merge": _merge_accesses,
+        "new": object.__new__,
+        "PreparedLaunch": PreparedLaunch,
+        "KernelLaunch": KernelLaunch,
+        "UnderConstruction": _LaunchUnderConstruction,
+        "kernel": kernel,
+        "plan": plan,
+        "bool_": np.bool_,
+    }
+    names = [f"a{i}" for i in range(len(args))]
+    if names:
+        body = [f"    try:\n        {', '.join(names)}, = args\n    except ValueError:\n        return None"]
+    else:
+        body = ["    if args:\n        return None"]
+    packed: list[str] = []
+    accesses: list[str] = []
+    allocs: list[tuple[str, bool]] = []
+    outputs: list[str] = []
+    for i, arg in enumerate(args):
+        a = names[i]
+        if arg.kind == "array":
+            m = f"m{i}"
+            ns[f"dt{i}"] = arg.dtype
+            ns[f"shape{i}"] = arg.shape
+            ns[f"order{i}"] = arg.order
+            ns[f"access{i}"] = arg.access
+            body.append(
+                f"    if type({a}) is not DeviceArray or {a}._closed:\n        return None\n"
+                f"    {m} = {a}._alloc\n"
+                f"    if {m}.state is not LIVE or {m}.scope._closed:\n        return None\n"
+                f"    p{i} = {m}.ptr + {a}._offset\n"
+                f"    d = {a}._dtype\n"
+                f"    if d is not dt{i} and d != dt{i}:\n        return None\n"
+                f"    if {a}._shape != shape{i} or {a}._order != order{i} or p{i} & 15 != {int(arg.align)}:\n"
+                "        return None"
+            )
+            if arg.access is Access.WRITE:
+                body.append(f"    if {a}._readonly:\n        return None")
+                outputs.append(a)
+            packed.append(f"p{i}")
+            packed.extend(str(int(v)) for v in arg.packed)
+            accesses.append(f"({a}, access{i})")
+            allocs.append((m, arg.access is Access.WRITE))
+        elif arg.kind == "constant":
+            ns[f"c{i}"] = arg.value
+            ns[f"ct{i}"] = type(arg.value)
+            body.append(f"    if type({a}) is not ct{i} or {a} != c{i}:\n        return None")
+        elif arg.kind == "int":
+            body.append(f"    if type({a}) is not int:\n        return None")
+            packed.append(a)
+        elif arg.kind == "float":
+            body.append(f"    if type({a}) is not float:\n        return None")
+            packed.append(a)
+        elif arg.kind == "bool":
+            body.append(f"    if type({a}) is not bool:\n        return None")
+            packed.append(a)
+        else:  # a NumPy scalar of exactly this type
+            ns[f"t{i}"] = arg.type_
+            body.append(f"    if type({a}) is not t{i}:\n        return None")
+            packed.append(a)
+    body.append(
+        f"    try:\n        arena = pack({', '.join(packed)})\n"
+        f"    except (StructError, OverflowError):\n        return None"
+    )
+    # two arrays of one allocation: the checked path compares byte ranges
+    # (and merges the accesses of identical extents)
+    n = len(allocs)
+    written = [
+        f"{allocs[i][0]} is {allocs[j][0]}"
+        for i in range(n)
+        for j in range(i + 1, n)
+        if allocs[i][1] or allocs[j][1]
+    ]
+    read = [
+        f"{allocs[i][0]} is {allocs[j][0]}"
+        for i in range(n)
+        for j in range(i + 1, n)
+        if not (allocs[i][1] or allocs[j][1])
+    ]
+    if written:
+        body.append(f"    if {' or '.join(written)}:\n        return None")
+    body.append(f"    accesses = ({''.join(x + ', ' for x in accesses)})")
+    if read:  # reads of one allocation: one lease per extent
+        body.append(f"    if {' or '.join(read)}:\n        accesses = merge(accesses)")
+    output = "None" if not outputs else outputs[0] if len(outputs) == 1 else f"({', '.join(outputs)},)"
+    body.append(
+        "    p = new(PreparedLaunch)\n"
+        "    p.kernel = kernel\n    p.config = config\n    p.plan = plan\n"
+        "    p.arena = arena\n    p.args = None\n    p.values = args\n    p.cache = {}\n"
+        "    launch = new(UnderConstruction)\n"
+        "    launch.prepared = p\n    launch._accesses = accesses\n    launch._lease_plan = None\n"
+        f"    launch._output = {output}\n"
+        "    launch.__class__ = KernelLaunch\n"
+        "    return launch"
+    )
+    source = "def fast(args, config):\n" + "\n".join(body) + "\n"
+    exec(compile(source, f"<trio_cuda fast tile launch of {kernel.name}>", "exec"), ns)
+    fast: FastTileLauncher = ns["fast"]  # type: ignore[assignment]
+    fast.__doc__ = source
+    return fast
