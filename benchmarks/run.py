@@ -7,7 +7,8 @@ raw cuda.bindings launches (and the argument-packing variants), the library's
 launch paths (unsafe.async_on, safe submit, await run), many-task throughput,
 idle CPU while awaiting a long kernel, the completion strategies A/B, the
 cross-stream wait A/B, graph replay, the stream policy, disjoint chunks of
-one buffer on 4 streams (``chunks``), and CuPy / Torch / cuda.core where
+one buffer on 4 streams (``chunks``), tile kernels (``tile``: against SIMT
+launches, the raw cubin and cuBLAS), and CuPy / Torch / cuda.core where
 installed.
 Needs a CUDA device; prints the reason and exits 0 without one.
 """
@@ -864,6 +865,30 @@ def table() -> list[dict[str, Any]]:
     ):
         if v(key) is not None:
             row(name, v(key), "us/launch", lm_raw, "(vs raw, same section)", None)
+    row(
+        "tile typed launch + submit",
+        v("tile:typed_launch+submit"),
+        "us/launch",
+        v("tile:simt_typed_launch+submit"),
+        "<= 1.2 x SIMT, same arity",
+        lambda r: r <= 1.2,
+    )
+    row(
+        "tile device time, trio vs raw cubin",
+        v("tile:device_trio"),
+        "ms/launch",
+        v("tile:device_raw"),
+        "<= 1.02 x raw",
+        lambda r: r <= 1.02,
+    )
+    row(
+        "tile GEMM f16 8192^3",
+        v("tile:example_tflops"),
+        "TFLOP/s",
+        v("tile:cublas_tflops"),
+        ">= 0.8 x cuBLAS (CuPy)",
+        lambda r: r >= 0.8,
+    )
     for key, name in (
         ("cupy_rawkernel", "CuPy RawKernel"),
         ("torch_add", "torch.add"),
@@ -907,6 +932,16 @@ def _bench_chunks() -> None:
     bench_chunks(record, reps)
 
 
+def _bench_tile() -> None:
+    """Tile kernels (cuTile) against SIMT launches, raw launches of the same
+    cubin and cuBLAS (``benchmarks/tile.py``; needs cuda-tile and the cubins
+    in the tile cache)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tile import bench_tile
+
+    bench_tile(record, reps)
+
+
 def _bench_policy() -> None:
     """The default stream policy against the others on independent work
     (``benchmarks/policy.py``)."""
@@ -942,7 +977,7 @@ def main() -> int:
         "--only",
         default="",
         help="comma-separated sections: raw,floor,lib,tasks,strategies,hops,graphs,peers,launchmodes,"
-        "multigpu,policy,chunks",
+        "multigpu,policy,chunks,tile",
     )
     args = ap.parse_args()
     QUICK = args.quick
@@ -979,6 +1014,7 @@ def main() -> int:
     sections.append(("multigpu", lambda: _bench_multigpu()))
     sections.append(("policy", lambda: _bench_policy()))
     sections.append(("chunks", lambda: _bench_chunks()))
+    sections.append(("tile", lambda: _bench_tile()))
     t0 = perf()
     for name, fn in sections:
         if not want(name):

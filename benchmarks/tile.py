@@ -8,9 +8,11 @@
   back-to-back launches of one f16 matmul cubin (4096^3), through trio_cuda
   (``gpu.submit`` on one stream) and through a raw ``cuLaunchKernel`` of the
   same cubin, each measured with CUDA events around the burst (target <= 1.02 x).
-* ``tile:gemm_tflops`` against ``tile:cublas_tflops``: the tile GEMM example
-  (128x128x64 tiles, f16 in, f32 accumulate, f16 out) at 8192^3 through
-  trio_cuda, and CuPy's ``matmul`` (cuBLAS) on the same inputs (target >= 0.8 x).
+* ``tile:example_tflops`` against ``tile:cublas_tflops``: the tile GEMM
+  example (``examples/tile_gemm.py``: f16 in, f32 accumulate, f16 out) at
+  8192^3 through trio_cuda, and CuPy's ``matmul`` (cuBLAS) on the same inputs
+  (target >= 0.8 x); then other tile shapes and hints of the same kernel
+  (``GEMM_VARIANTS``), the A/B behind the example's choice.
 
 The GPU host needs no tile compiler: ``python3 benchmarks/tile.py --fill DIR``
 compiles every specialisation this section launches for ``sm_90`` into the
@@ -38,6 +40,9 @@ import cuda.tile as ct
 
 import trio_cuda
 from trio_cuda import In, Kernel, Scalar
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from tile_gemm import launch_gemm  # the tile GEMM example
 
 ConstInt = ct.Constant[int]
 perf = time.perf_counter
@@ -74,8 +79,42 @@ def gemm(A, B, C, TM: ConstInt, TN: ConstInt, TK: ConstInt):
     ct.store(C, index=(bm, bn), tile=ct.astype(acc, C.dtype))
 
 
+def _gemm_grouped(A, B, C, TM: ConstInt, TN: ConstInt, TK: ConstInt, GROUP: ConstInt):
+    """``gemm`` on a 1-D grid whose blocks walk GROUP rows of tiles at a time
+    (neighbouring blocks share A and B tiles in L2)."""
+    pid = ct.bid(0)
+    num_m = ct.cdiv(A.shape[0], TM)
+    num_n = ct.cdiv(B.shape[1], TN)
+    per_group = GROUP * num_n
+    first_m = (pid // per_group) * GROUP
+    size_m = min(num_m - first_m, GROUP)
+    bm = first_m + (pid % per_group) % size_m
+    bn = (pid % per_group) // size_m
+    acc = ct.full((TM, TN), 0, dtype=ct.float32)
+    zero = ct.PaddingMode.ZERO
+    for k in range(ct.num_tiles(A, axis=1, shape=(TM, TK))):
+        a = ct.load(A, index=(bm, k), shape=(TM, TK), padding_mode=zero)
+        b = ct.load(B, index=(k, bn), shape=(TK, TN), padding_mode=zero)
+        acc = ct.mma(a, b, acc)
+    ct.store(C, index=(bm, bn), tile=ct.astype(acc, C.dtype))
+
+
+gemm_grouped = ct.kernel(_gemm_grouped)
+gemm_grouped_ctas2 = ct.kernel(num_ctas=2)(_gemm_grouped)
+gemm_grouped_occ2 = ct.kernel(occupancy=2)(_gemm_grouped)
+
 TILE_EMPTY = Kernel.from_tile(tile_empty)
 GEMM = Kernel.from_tile(gemm)
+GROUP = 8
+#: the GEMM variants timed (the row reports the best): tag -> (kernel, TM, TN, TK)
+GEMM_VARIANTS: dict[str, tuple[Kernel, int, int, int, int]] = {
+    "grouped_128x128x64": (Kernel.from_tile(gemm_grouped), 128, 128, 64, GROUP),
+    "grouped_256x128x64": (Kernel.from_tile(gemm_grouped), 256, 128, 64, GROUP),
+    "grouped_256x128x64_ctas2": (Kernel.from_tile(gemm_grouped_ctas2), 256, 128, 64, GROUP),
+    "grouped_128x128x64_occ2": (Kernel.from_tile(gemm_grouped_occ2), 128, 128, 64, GROUP),
+    "grouped16_128x128x64_occ2": (Kernel.from_tile(gemm_grouped_occ2), 128, 128, 64, 16),
+    "grouped_128x128x32_occ2": (Kernel.from_tile(gemm_grouped_occ2), 128, 128, 32, GROUP),
+}
 TM, TN, TK = 128, 128, 64
 DEVICE_N = 4096
 GEMM_N = 8192
@@ -114,6 +153,11 @@ def _launches(gpu: Any) -> dict[str, Any]:
         "device": GEMM.launch(A, B, C, TM, TN, TK, grid=(DEVICE_N // TM, DEVICE_N // TN)),
         "device_arrays": (A, B, C),
         "gemm": GEMM.launch(GA, GB, GC, TM, TN, TK, grid=(GEMM_N // TM, GEMM_N // TN)),
+        "example": launch_gemm(GA, GB, GC),
+        **{
+            tag: k.launch(GA, GB, GC, tm, tn, tk, group, grid=(GEMM_N // tm) * (GEMM_N // tn))
+            for tag, (k, tm, tn, tk, group) in GEMM_VARIANTS.items()
+        },
         "gemm_arrays": (GA, GB, GC),
     }
 
@@ -122,7 +166,7 @@ async def _fill(path: str) -> None:
     os.environ["TRIO_CUDA_TILE_CACHE"] = path
     async with trio_cuda.open_scope(device="sim") as gpu:
         ls = _launches(gpu)
-        await gpu.load(ls["empty"], ls["device"], ls["gemm"])
+        await gpu.load(ls["empty"], ls["device"], ls["example"], ls["gemm"], *(ls[t] for t in GEMM_VARIANTS))
     print(f"filled {path}: {trio_cuda._tile.compile.compile_statistics()}")
 
 
@@ -133,27 +177,17 @@ async def _bench(record: Callable[..., float], reps: Callable[[int], int]) -> No
         s = gpu.streams[0]
         ls = _launches(gpu)
         bufs = ls["bufs"]
-        await gpu.load(ls["empty"], ls["device"], ls["gemm"])
+        await gpu.load(ls["empty"], ls["device"], ls["example"], ls["gemm"], *(ls[t] for t in GEMM_VARIANTS))
         await gpu.run(ls["empty"], stream=s)
         await gpu.run(EMPTY.launch(*bufs, 256, grid=1, block=1), stream=s)
         B = reps(15)
         print("tile kernels (host µs per launch, bursts of 1000)")
-        record(
-            "tile:simt_typed_launch+submit",
-            await _submit_burst_of(gpu, lambda: EMPTY.launch(*bufs, 256, grid=1, block=1), s, B),
-            "us",
-        )
-        record(
-            "tile:typed_launch+submit",
-            await _submit_burst_of(gpu, lambda: TILE_EMPTY.launch(*bufs, 256, grid=1), s, B),
-            "us",
-        )
-        record(
-            "tile:simt_typed_launch+submit_again",
-            await _submit_burst_of(gpu, lambda: EMPTY.launch(*bufs, 256, grid=1, block=1), s, B),
-            "us",
-            "(interleaved)",
-        )
+        simt, tile = [], []
+        for _ in range(B):  # interleaved bursts: drift hits both alike
+            simt.append(await _submit_burst_of(gpu, lambda: EMPTY.launch(*bufs, 256, grid=1, block=1), s, 1))
+            tile.append(await _submit_burst_of(gpu, lambda: TILE_EMPTY.launch(*bufs, 256, grid=1), s, 1))
+        record("tile:simt_typed_launch+submit", _med(simt), "us", "(4 arrays + int, interleaved)")
+        record("tile:typed_launch+submit", _med(tile), "us", "(4 arrays + int)")
 
         # device time of one cubin, through trio_cuda and raw, with events
         A, Bm, _ = ls["device_arrays"]
@@ -213,11 +247,10 @@ async def _bench(record: Callable[..., float], reps: Callable[[int], int]) -> No
         big = rng.standard_normal((GEMM_N, GEMM_N)).astype(np.float16)
         await gpu.run(trio_cuda.ops.copy(GA, big))
         await gpu.run(trio_cuda.ops.copy(GB, big))
-        gemm_op = ls["gemm"]
         flops = 2.0 * GEMM_N**3
         G = 10
 
-        async def gemm_burst() -> float:
+        async def gemm_burst(gemm_op: Any) -> float:
             await gpu.run(gemm_op, stream=s)
             t0 = perf()
             for _ in range(G):
@@ -225,11 +258,12 @@ async def _bench(record: Callable[..., float], reps: Callable[[int], int]) -> No
             await fut.wait()
             return flops * G / (perf() - t0) / 1e12
 
-        await gemm_burst()
-        record(
-            "tile:gemm_tflops", max([await gemm_burst() for _ in range(reps(5))]), "TFLOP/s", "(8192^3 f16)"
-        )
-        # a spot check of the result: 64 entries against float64 on the host
+        for tag in ("example", "gemm", *GEMM_VARIANTS):  # the example, then the A/B of tile shapes and hints
+            await gemm_burst(ls[tag])
+            rate = max([await gemm_burst(ls[tag]) for _ in range(reps(5))])
+            record(f"tile:{tag}_tflops", rate, "TFLOP/s", "(8192^3 f16)")
+        await gpu.run(ls["example"], stream=s)
+        # a spot check of the example's result: 64 entries against float64 on the host
         out = await gpu.to_host(GC)
         idx = rng.integers(0, GEMM_N, (64, 2))
         want = np.array([np.dot(big[i].astype(np.float64), big[:, j].astype(np.float64)) for i, j in idx])
@@ -263,7 +297,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fill", metavar="DIR", required=True, help="compile the section's kernels into DIR")
     args = ap.parse_args()
-    trio.run(_fill, os.path.abspath(args.fill))
+    # the cache key names each kernel's module: fill it as benchmarks/run.py imports it
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tile
+
+    trio.run(tile._fill, os.path.abspath(args.fill))
     return 0
 
 

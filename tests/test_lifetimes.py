@@ -919,7 +919,7 @@ async def test_load_compiles_ahead_and_is_a_checkpoint(sim):
         x = await gpu.to_device(host())
         await gpu.run(add(x, 1.0))
         assert sim.statistics().kernel_loads == 2
-        with pytest.raises(TypeError, match=r"kernels\[0\]: expected a Kernel, got str"):
+        with pytest.raises(TypeError, match=r"kernels\[0\]: expected a Kernel or a DeviceOp, got str"):
             await gpu.load("add_f4")
 
 

@@ -402,8 +402,6 @@ class Kernel:
                     f"shared memory and cluster shape are compiled into it), got {', '.join(given)}"
                 )
             return _tile().launch(self, args, grid, pdl)
-        if block is None:
-            raise TypeError(f"{self.name}: launch() missing the keyword argument 'block'")
         config = cached_config(
             grid,
             block,

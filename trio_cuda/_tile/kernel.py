@@ -169,11 +169,13 @@ def _check_access(access: object, params: Sequence[_Param]) -> dict[str, str]:
     return out
 
 
-def _check_cache(cache: object) -> TileCache | None:
+def _check_cache(cache: object) -> TileCache | Literal["default"] | None:
+    """``"default"`` stays so: :meth:`TileKernel.disk_cache` reads the
+    environment at each compile (a program may set it after making kernels)."""
     if cache is None:
         return None
     if isinstance(cache, str) and cache == "default":
-        return TileCache.default()
+        return "default"
     if isinstance(cache, TileCache):
         return cache
     if isinstance(cache, str | os.PathLike):
@@ -199,7 +201,7 @@ class TileKernel:
         params: tuple[_Param, ...],
         access: dict[str, str],
         arch: str | None,
-        cache: TileCache | None,
+        cache: TileCache | Literal["default"] | None,
     ) -> None:
         self.fn = fn
         self.pyfunc = pyfunc
@@ -210,7 +212,7 @@ class TileKernel:
         self.name = pyfunc.__name__
         self.digest = kernel_digest(fn)
         self._lock = threading.Lock()
-        self._specs: dict[tuple[ParamSpec, ...], Kernel] = {}
+        self._specs: dict[tuple[object, ...], Kernel] = {}  # by _exact(params)
         self._recipes: dict[tuple[object, ...], _Recipe] = {}
         #: the fast paths of the most recently used recipes, newest first
         self._fast: tuple[FastTileLauncher, ...] = ()
@@ -220,19 +222,39 @@ class TileKernel:
     def __repr__(self) -> str:
         return f"<tile kernel {self.pyfunc.__module__}.{self.pyfunc.__qualname__}, {len(self._specs)} specialisations>"
 
+    # A kernel pickles as its definition (Kernel.__getstate__). A @ct.kernel
+    # object does not pickle, so the function goes by reference (module and
+    # qualified name, as pickle sends functions); the user-facing Kernel goes
+    # along (pickle's memo resolves the cycle), so that reference= still
+    # reaches the specialisations made after unpickling.
     def __getstate__(self) -> dict[str, object]:
-        return {"fn": self.fn, "access": self.access, "arch": self.arch, "cache": self.cache}
+        return {
+            "fn": _kernel_ref(self.fn, self.pyfunc),
+            "access": self.access,
+            "arch": self.arch,
+            "cache": self.cache,
+            "kernel": self.kernel,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         ct = _ct()
         fn = state["fn"]
+        if isinstance(fn, tuple):
+            fn = _resolve_kernel_ref(*fn)
         pyfunc = _pyfunc(ct, fn)
         self.__init__(fn, pyfunc, _params_of(ct, pyfunc), state["access"], state["arch"], state["cache"])  # type: ignore[misc]
+        self.kernel = state.get("kernel")
+
+    def disk_cache(self) -> TileCache | None:
+        """The cache compiles use: the one given, or the default one now."""
+        cache = self.cache
+        return TileCache.default() if cache == "default" else cache
 
     def specialisation(self, params: tuple[ParamSpec, ...]) -> Kernel:
         """The specialisation kernel of ``params`` (made once)."""
+        key = _exact(params)
         with self._lock:
-            found = self._specs.get(params)
+            found = self._specs.get(key)
         if found is not None:
             return found
         spec = TileSpecialisation(self, params)  # the analysis runs here, outside the lock
@@ -242,12 +264,48 @@ class TileKernel:
         # treat its launches as typed ones (the cuda backend's first-launch path)
         made._plan = spec.plan
         with self._lock:
-            return self._specs.setdefault(params, made)
+            return self._specs.setdefault(key, made)
 
     def specialisations(self) -> tuple[Kernel, ...]:
         """The specialisation kernels made so far."""
         with self._lock:
             return tuple(self._specs.values())
+
+
+def _exact(params: tuple[ParamSpec, ...]) -> tuple[object, ...]:
+    """``params`` as a key that tells apart constants Python calls equal: 1,
+    True and 1.0, 0.0 and -0.0 (``ConstantSpec`` compares by ``==``, cuTile
+    types and folds them apart). Tuple items are never constants."""
+    return tuple(_constant_key(p.value) if isinstance(p, ConstantSpec) else p for p in params)
+
+
+def _constant_key(value: object) -> tuple[object, ...]:
+    # the type tells 1, True and 1.0 apart; repr a float's sign (-0.0)
+    return ("c", type(value), repr(value) if isinstance(value, float | np.floating) else value)
+
+
+def _kernel_ref(fn: object, pyfunc: types.FunctionType) -> tuple[str, str]:
+    """(module, qualified name) of a @ct.kernel that unpickling can import."""
+    module, qualname = pyfunc.__module__, pyfunc.__qualname__
+    try:
+        found = _resolve_kernel_ref(module, qualname)
+    except (ImportError, AttributeError):
+        found = None
+    if found is not fn:
+        raise TypeError(
+            f"tile kernel {module}.{qualname}: a tile kernel pickles by reference to its @ct.kernel "
+            "function, which must be importable at module level by that name"
+        )
+    return (module, qualname)
+
+
+def _resolve_kernel_ref(module: str, qualname: str) -> object:
+    import importlib
+
+    obj: object = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _pyfunc(ct: Any, fn: object) -> types.FunctionType:
@@ -393,7 +451,7 @@ class TileSpecialisation:
             return found
         from .compile import compile_tile
 
-        made = compile_tile(self.owner.fn, TileSignature(self.params, arch), cache=self.owner.cache)
+        made = compile_tile(self.owner.fn, TileSignature(self.params, arch), cache=self.owner.disk_cache())
         with self._lock:
             return self._images.setdefault(arch, made)
 
@@ -594,8 +652,17 @@ def _check_scalar(value: object, dtype: np.dtype[Any], label: str) -> object:
     return f
 
 
-def _array_spec(arr: DeviceArray, label: str) -> ArraySpec:
+def _check_array(arr: DeviceArray, label: str) -> None:
+    # a closed array (or one whose scope exited) is a bad argument, as a SIMT
+    # launch reports it (KernelArgumentError, not ScopeClosedError); a
+    # quarantined one keeps its CompletionUnknownError
+    if arr.closed:
+        raise KernelArgumentError(f"{label}: the array is closed")
     arr._check_usable(label)
+
+
+def _array_spec(arr: DeviceArray, label: str) -> ArraySpec:
+    _check_array(arr, label)
     return spec_of_array(arr.dtype, arr.shape, _strides(arr), alignment=address_alignment(arr.ptr, _ALIGN_CAP))
 
 
@@ -789,7 +856,7 @@ def _launch_checked(tk: TileKernel, args: tuple[object, ...], config: Any) -> Ke
         )
     try:
         quick: tuple[object, ...] | None = tuple(
-            ("c", type(v), v) if p.constant else _quick_key(v) for v, p in zip(args, params, strict=True)
+            _constant_key(v) if p.constant else _quick_key(v) for v, p in zip(args, params, strict=True)
         )
         hash(quick)
     except TypeError:
@@ -815,7 +882,7 @@ def _launch_checked(tk: TileKernel, args: tuple[object, ...], config: Any) -> Ke
             continue
         _flatten(value, pspec, mode, label, leaves, packed)
     for label, arr, written in leaves:
-        arr._check_usable(f"{name}: {label}")
+        _check_array(arr, f"{name}: {label}")
         if written and arr.readonly:
             raise KernelArgumentError(
                 f"{name}: {label}: the kernel writes it (its stores or atomics), got a read-only array "
