@@ -38,7 +38,7 @@ from ._version import __version__
 
 __all__ = ["main"]
 
-_DISTRIBUTIONS = ("trio", "attrs", "numpy", "cuda-bindings", "cuda-pathfinder")
+_DISTRIBUTIONS = ("trio", "attrs", "numpy", "cuda-bindings", "cuda-pathfinder", "cuda-tile")
 
 
 def _driver_version(version: int) -> str:
@@ -127,6 +127,17 @@ def compile_check_line() -> str:
     return f"sim compile check: {'on' if on else 'off'} ({why})"
 
 
+def tile_line() -> str:
+    """``info``'s line on tile kernels (cuTile). Never raises."""
+    try:
+        from ._tile.compile import toolchain_status
+
+        status = toolchain_status()
+    except Exception as exc:  # pragma: no cover - a broken install
+        status = f"{type(exc).__name__}: {exc}"
+    return f"tile kernels: {status}"
+
+
 def info_lines() -> list[str]:
     """What ``trio-cuda info`` prints."""
     from ._backends import _cuda_backend_available, probe_cuda
@@ -154,6 +165,7 @@ def info_lines() -> list[str]:
         lines.append("  (no CUDA device)")
     lines.append("  sim: the simulated device (device='sim'), always available")
     lines.append(compile_check_line())
+    lines.append(tile_line())
     lines.append("versions:")
     width = max(len(name) for name, _ in _versions())
     lines.extend(f"  {name:<{width}}  {version}" for name, version in _versions())

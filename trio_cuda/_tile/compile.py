@@ -87,6 +87,7 @@ __all__ = [
     "kernel_digest",
     "param_layout",
     "spec_of_array",
+    "toolchain_status",
 ]
 
 #: the cuda-tile minor version whose internals this module relies on
@@ -265,6 +266,32 @@ def _tileiras_version() -> str | None:
         return None
     found = re.search(r"release [0-9.]+, V[0-9.]+", text)
     return found.group(0) if found else " ".join(text.split())
+
+
+def toolchain_status(arch: str = "sm_90") -> str:
+    """One line on what tile kernels can do here (``python -m trio_cuda
+    info``): compile for ``arch``, run cached cubins only, or nothing. Never
+    raises."""
+    try:
+        version = _cutile_version()
+    except TileToolchainError:
+        return f"not available (cuda.tile is not installed: {_INSTALL})"
+    except Exception as exc:  # pragma: no cover - a broken install
+        return f"not available ({type(exc).__name__}: {exc})"
+    cache = TileCache.default()
+    where = f"cache {cache.path}" if cache is not None else "no disk cache"
+    try:
+        _preflight(arch)
+    except TileToolchainError as exc:
+        return (
+            f"cuda-tile {version} without a working compiler ({exc.reason}): runs cubins found in the "
+            f"cache only ({where}); {_INSTALL} compiles"
+        )
+    except Exception as exc:  # pragma: no cover - a broken install
+        return f"cuda-tile {version}, compiler check failed ({type(exc).__name__}: {exc})"
+    tileiras = _tileiras_version()
+    compiler = f"tileiras {tileiras}" if tileiras else "tileiras"
+    return f"cuda-tile {version}, {compiler}: compiles for {arch} ({where})"
 
 
 def _cache_key(kernel: object, signature: TileSignature, compiler_version: str | None) -> str:

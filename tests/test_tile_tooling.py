@@ -1,0 +1,76 @@
+"""Tile kernels around the runtime: ``python -m trio_cuda info``'s tile line,
+and the tile GEMM example on the simulator."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+pytest.importorskip("cuda.tile", reason="cuda-tile is not installed: pip install 'trio_cuda[tile]'")
+
+from trio_cuda.__main__ import tile_line
+from trio_cuda._tile import compile as tc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_info_says_the_toolchain_compiles_here(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TRIO_CUDA_TILE_CACHE", str(tmp_path))
+    line = tile_line()
+    assert line.startswith("tile kernels: cuda-tile 1.7"), line
+    assert "compiles for sm_90" in line
+    assert str(tmp_path) in line
+
+
+def test_info_without_cuda_tile_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing() -> str:
+        raise tc.TileToolchainError("cuda.tile is not importable: No module named 'cuda.tile'")
+
+    monkeypatch.setattr(tc, "_cutile_version", missing)
+    assert (
+        tile_line()
+        == "tile kernels: not available (cuda.tile is not installed: pip install 'trio_cuda[tile]')"
+    )
+
+
+def test_info_without_a_compiler_runs_cached_cubins_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_compiler(arch: str) -> None:
+        raise tc.TileToolchainError("the tileiras compiler is not installed")
+
+    monkeypatch.setattr(tc, "_preflight", no_compiler)
+    monkeypatch.setenv("TRIO_CUDA_TILE_CACHE", "")
+    line = tile_line()
+    assert "without a working compiler (the tileiras compiler is not installed)" in line, line
+    assert "runs cubins found in the cache only (no disk cache)" in line
+    assert line.endswith("pip install 'trio_cuda[tile]' compiles")
+
+
+def _load_example(name: str) -> object:
+    path = ROOT / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_example_{name}", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module
+
+
+async def test_tile_gemm_example_on_the_simulator(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TRIO_CUDA_TILE_CACHE", str(tmp_path))
+    example = _load_example("tile_gemm")
+    assert await example.main(256, "sim") == 0  # type: ignore[attr-defined]
+    out = capsys.readouterr().out
+    assert "tile GEMM 256 x 256 x 256" in out
+    assert "(sim)" in out
+    assert "OK" in out
+    assert any(p.suffix == ".cubin" for p in await trio.Path(tmp_path).iterdir()), "nothing was cached"
