@@ -784,7 +784,11 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
                 continue
             tile = kernel.tile
             if tile is not None and not tile.ready(info.backend, info.compute_capability):
-                await trio.to_thread.run_sync(tile.prepare, info.backend, info.compute_capability)
+                # a compile takes up to seconds: a cancelled caller leaves at
+                # once, and the compile finishes in its thread for the next use
+                await trio.to_thread.run_sync(
+                    tile.prepare, info.backend, info.compute_capability, abandon_on_cancel=True
+                )
                 if kernel in self._functions:
                     continue
                 self._check_open("load")
