@@ -74,3 +74,46 @@ async def test_tile_gemm_example_on_the_simulator(
     assert "(sim)" in out
     assert "OK" in out
     assert any(p.suffix == ".cubin" for p in await trio.Path(tmp_path).iterdir()), "nothing was cached"
+
+
+async def test_a_cancelled_run_leaves_while_the_compile_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run`` compiles in a worker thread; a cancelled caller leaves at once,
+    with nothing submitted, and the compile ends in its thread."""
+    import threading
+    import time
+
+    import cuda.tile as ct
+    import numpy as np
+
+    import trio_cuda
+    from trio_cuda._tile.kernel import TileSpecialisation
+
+    @ct.kernel
+    def copy16(a, b):
+        ct.store(b, index=(ct.bid(0),), tile=ct.load(a, index=(ct.bid(0),), shape=(16,)))
+
+    started, done = threading.Event(), threading.Event()
+    real = TileSpecialisation.prepare
+
+    def slow(self: TileSpecialisation, backend: str, cc: tuple[int, int]) -> None:
+        started.set()
+        time.sleep(0.5)
+        real(self, backend, cc)
+        done.set()
+
+    monkeypatch.setattr(TileSpecialisation, "prepare", slow)
+    k = trio_cuda.Kernel.from_tile(copy16)
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x = gpu.zeros(64, np.float32)
+        y = gpu.zeros(64, np.float32)
+        launch = k.launch(x, y, grid=4)  # the access analysis runs here, once per signature
+        t0 = time.perf_counter()
+        with trio.move_on_after(0.05) as cs:
+            await gpu.run(launch)
+        assert cs.cancelled_caught
+        assert time.perf_counter() - t0 < 0.4
+        assert started.is_set()
+        assert gpu.statistics().submitted == 0
+        await trio.to_thread.run_sync(done.wait, 5.0)
+        assert done.is_set()
+        assert await gpu.run(k.launch(x, y, grid=4)) is y  # prepared by the abandoned thread
