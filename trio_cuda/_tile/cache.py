@@ -24,6 +24,10 @@ Invariants:
   length, SHA-256, ELF magic); a damaged entry reads as missing (and counts
   as a disk error); a cache that cannot be written (read-only, full) is not
   an error.
+* Beside the cubins, a kernel's exact access plans (which arrays it reads
+  and writes, per access signature; :func:`access_key`, arch-independent) are
+  stored as ``KEY.access.json``, so that a machine with the cache runs no
+  analysis either; a malformed one reads as missing.
 * The counters (:func:`compile_statistics`) are per process and thread-safe.
 """
 
@@ -44,7 +48,7 @@ import attrs
 from .._cachefile import write_atomic
 from .signature import CCONV, TileSignature
 
-__all__ = ["TileCache", "cache_key", "compile_statistics", "count", "kernel_digest", "pyfunc"]
+__all__ = ["TileCache", "access_key", "cache_key", "compile_statistics", "count", "kernel_digest", "pyfunc"]
 
 _FORMAT = 1
 _MAGIC = b"trio_cuda tile cubin\n"
@@ -206,6 +210,37 @@ def cache_key(
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def access_key(kernel: object, signature_key: str, *, cutile_version: str) -> str:
+    """The key of ``kernel``'s access plan for an access signature (its
+    ``signature_key``, a stable text): the plan is the same for every arch."""
+    fn = pyfunc(kernel)
+    payload = json.dumps(
+        {
+            "format": _FORMAT,
+            "what": "access plan",
+            "kernel": f"{fn.__module__}.{fn.__qualname__}",
+            "code": kernel_digest(kernel),
+            "signature": signature_key,
+            "cuda_tile": cutile_version,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _modes(value: object) -> object:
+    """A plan's modes from JSON (lists back to tuples), or None if malformed."""
+    if isinstance(value, str):
+        return value if value in _ACCESS_MODES else None
+    if isinstance(value, list):
+        items = [_modes(v) for v in value]
+        return None if any(i is None for i in items) else tuple(items)
+    return None
+
+
+_ACCESS_MODES = frozenset({"read", "write", "read_write", "none", "scalar", "constant"})
+
+
 # --------------------------------------------------------------------------- disk cache
 
 
@@ -274,6 +309,31 @@ class TileCache:
             return None
         header["cubin"] = cubin
         return header
+
+    def load_plan(self, key: str) -> tuple[object, ...] | None:
+        """The access modes stored under ``key`` (see :func:`access_key`), or
+        None when missing or damaged."""
+        try:
+            data = (self.path / f"{key}.access.json").read_bytes()
+        except OSError:
+            return None
+        try:
+            entry = json.loads(data.decode())
+            modes = _modes(entry["modes"]) if isinstance(entry, dict) and entry.get("key") == key else None
+        except (ValueError, KeyError, UnicodeDecodeError):
+            modes = None
+        if not isinstance(modes, tuple):
+            count("disk_errors")
+            return None
+        return modes
+
+    def store_plan(self, key: str, modes: tuple[object, ...]) -> bool:
+        """Write an exact access plan's modes under ``key``, atomically."""
+        data = json.dumps({"key": key, "modes": modes}, sort_keys=True).encode()
+        if not write_atomic(self.path / f"{key}.access.json", data):
+            count("disk_errors")
+            return False
+        return True
 
     def store(self, key: str, cubin: bytes, header: dict[str, Any]) -> bool:
         """Write the entry atomically; ``False`` (and nothing written) where the

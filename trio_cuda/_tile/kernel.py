@@ -37,6 +37,7 @@ Invariants:
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import struct
@@ -57,7 +58,7 @@ from .._core._launch import ArgView, KernelLaunch, PreparedLaunch, _merge_access
 from .._core._ops import Access
 from .._core._tilefast import FastTileLauncher, TileArg, compile_tile_fast
 from . import access as _access
-from .cache import TileCache, kernel_digest
+from .cache import TileCache, access_key, kernel_digest
 from .signature import (
     ArraySpec,
     ConstantSpec,
@@ -364,6 +365,28 @@ def _override(mode: _access.ParamAccess, declared: str) -> _access.ParamAccess:
     return mode if mode in ("scalar", "constant") else declared  # type: ignore[return-value]
 
 
+def _access_plan(
+    owner: TileKernel, params: tuple[ParamSpec, ...]
+) -> tuple[tuple[_access.ParamAccess, ...], bool, str | None]:
+    """(modes, exact, reason) of the kernel for ``params``: from the disk
+    cache where it holds the plan, else from :func:`.access.analyze` (an
+    exact plan is then stored there)."""
+    aparams = _access_params(params)
+    cache = owner.disk_cache()
+    key = None
+    if cache is not None:
+        from .compile import _cutile_version
+
+        key = access_key(owner.fn, json.dumps([repr(p) for p in aparams]), cutile_version=_cutile_version())
+        stored = cache.load_plan(key)
+        if stored is not None and len(stored) == len(params):
+            return stored, True, None  # type: ignore[return-value]
+    plan = _access.analyze(owner.fn, aparams)
+    if plan.exact and cache is not None and key is not None:
+        cache.store_plan(key, plan.modes)
+    return plan.modes, plan.exact, plan.reason
+
+
 @final
 class TileSpecialisation:
     """The ``tile`` of one specialisation kernel: its signature's parameter
@@ -376,15 +399,13 @@ class TileSpecialisation:
     def __init__(self, owner: TileKernel, params: tuple[ParamSpec, ...]) -> None:
         self.owner = owner
         self.params = params
-        plan = _access.analyze(owner.fn, _access_params(params))
-        modes = list(plan.modes)
+        derived, self.exact, self.reason = _access_plan(owner, params)
+        modes = list(derived)
         for i, p in enumerate(owner.params):
             declared = owner.access.get(p.name)
             if declared is not None:
                 modes[i] = _override(modes[i], declared)
         self.modes: tuple[_access.ParamAccess, ...] = tuple(modes)
-        self.exact = plan.exact
-        self.reason = plan.reason
         layout, size = param_layout(TileSignature(params, SIM_ARCH))
         self.layout = layout
         self.size = size
