@@ -406,15 +406,8 @@ async def test_constants_equal_in_python_are_different_specialisations(sim: SimD
         np.testing.assert_array_equal(await gpu.to_host(out), host(dtype=I4) * 2)
 
 
-@pytest.mark.xfail(
-    reason="trio_cuda/_core/_tilefast.py guards a constant with `type(a) is not ct or a != c`: "
-    "-0.0 == 0.0, so a launch with -0.0 takes the fast path of the 0.0 recipe (its specialisation "
-    "compiled with +0.0)",
-    raises=AssertionError,
-    strict=True,
-)
 def test_signed_zero_constants_are_different_specialisations() -> None:
-    # a plain test running trio.run: the xfail sees the AssertionError itself
+    # a plain test running trio.run (the fast path is what it checks)
     sim = SimDevice()
 
     async def main() -> tuple[Any, Any]:
@@ -681,15 +674,8 @@ async def test_a_borrowed_alias_of_an_argument_is_refused(sim: SimDevice) -> Non
         await settle(gpu)  # the export's release reaches the loop
 
 
-@pytest.mark.xfail(
-    reason="trio_cuda/_core/_tilefast.py: the fast path of a recipe refuses two arrays of one "
-    "*allocation record* (`m_i is m_j`), so a borrowed handle to the same bytes, written, passes "
-    "once the recipe has a fast path",
-    raises=AssertionError,
-    strict=True,
-)
 def test_a_borrowed_alias_is_refused_on_the_fast_path_too() -> None:
-    # a plain test running trio.run: the xfail sees the AssertionError itself
+    # a plain test running trio.run (the fast path is what it checks)
     sim = SimDevice()
     refused: list[KernelArgumentError] = []
 

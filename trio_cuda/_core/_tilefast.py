@@ -15,8 +15,11 @@ Invariants:
 * The generated source comes from the recipe's kinds only; every value in
   it is a name bound in its namespace (never text from the user).
 * A guard that fails returns None, never raises. Lists and tuples have no
-  fast path. Two arrays of one allocation, one of them written, return None:
-  the checked path compares their byte ranges.
+  fast path. Two arrays of one allocation, one of them written, return None,
+  and so does any borrowed array among several with one written (two
+  borrows may cover the same bytes): the checked path compares byte ranges.
+* A float constant matches by its ``repr`` (``-0.0`` is not ``0.0``, and a
+  NaN constant matches itself).
 * The launch is built as ``_kernel._compile_fast`` builds a typed launch's.
 """
 
@@ -116,7 +119,11 @@ def compile_tile_fast(
         elif arg.kind == "constant":
             ns[f"c{i}"] = arg.value
             ns[f"ct{i}"] = type(arg.value)
-            body.append(f"    if type({a}) is not ct{i} or {a} != c{i}:\n        return None")
+            if isinstance(arg.value, float):  # -0.0 == 0.0 and nan != nan: compare the spelling
+                ns[f"c{i}"] = repr(arg.value)
+                body.append(f"    if type({a}) is not float or repr({a}) != c{i}:\n        return None")
+            else:
+                body.append(f"    if type({a}) is not ct{i} or {a} != c{i}:\n        return None")
         elif arg.kind == "int":
             body.append(f"    if type({a}) is not int:\n        return None")
             packed.append(a)
@@ -151,6 +158,8 @@ def compile_tile_fast(
     ]
     if written:
         body.append(f"    if {' or '.join(written)}:\n        return None")
+        # borrowed memory may be borrowed twice (two records, the same bytes)
+        body.append(f"    if {' or '.join(f'{m}.borrowed' for m, _ in allocs)}:\n        return None")
     body.append(f"    accesses = ({''.join(x + ', ' for x in accesses)})")
     if read:  # reads of one allocation: one lease per extent
         body.append(f"    if {' or '.join(read)}:\n        accesses = merge(accesses)")
