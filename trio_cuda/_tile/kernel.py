@@ -49,8 +49,8 @@ from typing import Any, Final, Literal, final
 
 import numpy as np
 
-from .._core._array import DeviceArray
 from .._core._arena import ParamPlan
+from .._core._array import DeviceArray
 from .._core._config import cached_config
 from .._core._errors import KernelArgumentError
 from .._core._kernel import Kernel, Reference, register_tile_support
@@ -159,7 +159,9 @@ def _check_access(access: object, params: Sequence[_Param]) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, mode in access.items():
         if key not in names:
-            raise ValueError(f"access: {key!r} is not a parameter of the kernel (its parameters: {', '.join(names)})")
+            raise ValueError(
+                f"access: {key!r} is not a parameter of the kernel (its parameters: {', '.join(names)})"
+            )
         if mode not in _MODES:
             raise ValueError(
                 f"access[{key!r}]: expected 'read', 'write', 'read_write' or 'none', got {mode!r}"
@@ -221,7 +223,8 @@ class TileKernel:
         self.kernel: Kernel | None = None
 
     def __repr__(self) -> str:
-        return f"<tile kernel {self.pyfunc.__module__}.{self.pyfunc.__qualname__}, {len(self._specs)} specialisations>"
+        where = f"{self.pyfunc.__module__}.{self.pyfunc.__qualname__}"
+        return f"<tile kernel {where}, {len(self._specs)} specialisations>"
 
     # A kernel pickles as its definition (Kernel.__getstate__). A @ct.kernel
     # object does not pickle, so the function goes by reference (module and
@@ -243,7 +246,7 @@ class TileKernel:
         if isinstance(fn, tuple):
             fn = _resolve_kernel_ref(*fn)
         pyfunc = _pyfunc(ct, fn)
-        self.__init__(fn, pyfunc, _params_of(ct, pyfunc), state["access"], state["arch"], state["cache"])  # type: ignore[misc]
+        self.__init__(fn, pyfunc, _params_of(ct, pyfunc), state["access"], state["arch"], state["cache"])
         self.kernel = state.get("kernel")
 
     def disk_cache(self) -> TileCache | None:
@@ -406,7 +409,7 @@ class TileSpecialisation:
             if declared is not None:
                 modes[i] = _override(modes[i], declared)
         self.modes: tuple[_access.ParamAccess, ...] = tuple(modes)
-        layout, size = param_layout(TileSignature(params, SIM_ARCH))
+        layout, size = param_layout(TileSignature(params, SIM_ARCH))  # type: ignore[arg-type]
         self.layout = layout
         self.size = size
         slots = [s for pl in layout for s in pl.slots]
@@ -472,7 +475,8 @@ class TileSpecialisation:
             return found
         from .compile import compile_tile
 
-        made = compile_tile(self.owner.fn, TileSignature(self.params, arch), cache=self.owner.disk_cache())
+        signature = TileSignature(self.params, arch)  # type: ignore[arg-type]
+        made = compile_tile(self.owner.fn, signature, cache=self.owner.disk_cache())
         with self._lock:
             return self._images.setdefault(arch, made)
 
@@ -555,7 +559,8 @@ class TileSpecialisation:
             elif isinstance(spec, ScalarSpec):
                 out.append(ArgView("scalar", dtype=spec.dtype, value=spec.dtype.type(value)))
             elif isinstance(spec, TupleSpec):
-                assert isinstance(value, tuple) and isinstance(mode, tuple)
+                assert isinstance(value, tuple)
+                assert isinstance(mode, tuple)
                 for v, s, m in zip(value, spec.items, mode, strict=True):
                     walk(v, s, m)
 
@@ -684,7 +689,9 @@ def _check_array(arr: DeviceArray, label: str) -> None:
 
 def _array_spec(arr: DeviceArray, label: str) -> ArraySpec:
     _check_array(arr, label)
-    return spec_of_array(arr.dtype, arr.shape, _strides(arr), alignment=address_alignment(arr.ptr, _ALIGN_CAP))
+    return spec_of_array(
+        arr.dtype, arr.shape, _strides(arr), alignment=address_alignment(arr.ptr, _ALIGN_CAP)
+    )
 
 
 def _list_spec(items: list[Any], label: str) -> ListSpec:
@@ -712,7 +719,9 @@ def _list_spec(items: list[Any], label: str) -> ListSpec:
         dtype=first.dtype,
         ndim=ndim,
         index_dtype="int64" if wide else "int32",
-        strides=tuple(1 if all(s.strides and s.strides[d] == 1 for s in specs) else None for d in range(ndim)),
+        strides=tuple(
+            1 if all(s.strides and s.strides[d] == 1 for s in specs) else None for d in range(ndim)
+        ),
         base_align=min(s.base_align for s in specs),
         shape_divisible_by=per_dim("shape_divisible_by"),
         stride_divisible_by=per_dim("stride_divisible_by"),
@@ -735,7 +744,7 @@ def _spec_of(value: object, param: _Param | None, label: str) -> ParamSpec:
     if isinstance(value, list):
         return _list_spec(value, label)
     if isinstance(value, tuple):
-        return TupleSpec([_spec_of(v, None, f"{label}[{j}]") for j, v in enumerate(value)])
+        return TupleSpec([_spec_of(v, None, f"{label}[{j}]") for j, v in enumerate(value)])  # type: ignore[misc]
     dtype = _scalar_dtype(value, param.declared if param is not None else None, label)
     _check_scalar(value, dtype, label)
     return ScalarSpec(dtype)
@@ -797,7 +806,8 @@ def _flatten(
     elif isinstance(spec, ScalarSpec):
         packed.append(value)
     elif isinstance(spec, TupleSpec):
-        assert isinstance(value, tuple) and isinstance(mode, tuple)
+        assert isinstance(value, tuple)
+        assert isinstance(mode, tuple)
         for j, (v, s, m) in enumerate(zip(value, spec.items, mode, strict=True)):
             _flatten(v, s, m, f"{label}[{j}]", leaves, packed)
 
@@ -834,7 +844,9 @@ def launch(kernel: Kernel, args: tuple[object, ...], grid: object, pdl: bool) ->
     return _launch_checked(tk, args, config)
 
 
-def _recipe_args(args: Sequence[object], specs: Sequence[ParamSpec], modes: Sequence[Any]) -> list[TileArg] | None:
+def _recipe_args(
+    args: Sequence[object], specs: Sequence[ParamSpec], modes: Sequence[Any]
+) -> list[TileArg] | None:
     """The fast path's description of these arguments, or None (lists and tuples)."""
     out: list[TileArg] = []
     for value, spec, mode in zip(args, specs, modes, strict=True):
@@ -885,7 +897,8 @@ def _launch_checked(tk: TileKernel, args: tuple[object, ...], config: Any) -> Ke
     recipe = tk._recipes.get(quick) if quick is not None else None
     if recipe is None:
         specs = tuple(
-            _spec_of(v, p, f"{name}: argument {i} ({p.name})") for i, (v, p) in enumerate(zip(args, params, strict=True))
+            _spec_of(v, p, f"{name}: argument {i} ({p.name})")
+            for i, (v, p) in enumerate(zip(args, params, strict=True))
         )
         spec_kernel = tk.specialisation(specs)
         recipe = _Recipe(spec_kernel, spec_kernel.tile)

@@ -572,7 +572,7 @@ class SimEngine:
         try:
             if tile is not None:
                 tile.run_on_cpu(launch, args)  # the reference, or the kernel on NumPy tiles
-            else:
+            elif callable(reference):
                 reference(*args)
         except OutOfBounds:
             pass  # recorded in check
