@@ -1006,8 +1006,12 @@ async def test_unchecked_access_past_the_extent_is_an_out_of_bounds_violation(si
         assert await gpu.run(UNCHECKED.launch(x, y, grid=2)) is y  # in bounds: clean
         np.testing.assert_array_equal(await gpu.to_host(y), np.arange(16, 32, dtype=F4))
         assert sim.violations == []
-        with pytest.raises(trio_cuda.LaunchError, match="CUDA_ERROR_ILLEGAL_ADDRESS"):
+        with pytest.raises(trio_cuda.LaunchError, match="CUDA_ERROR_ILLEGAL_ADDRESS") as info:
             await gpu.run(UNCHECKED.launch(x, y, grid=3))  # block 2 reads [32:48] of 40
+        assert (
+            "tile kernel unchecked_load: its execution on NumPy tiles accessed memory out of bounds"
+            in str(info.value)
+        )
         assert [v.kind for v in sim.violations] == ["out_of_bounds"]
         assert "unchecked_load" in sim.violations[0].op
         sim.clear_violations()

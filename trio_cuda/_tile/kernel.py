@@ -480,19 +480,30 @@ class TileSpecialisation:
         with self._lock:
             return self._images.setdefault(arch, made)
 
+    def _warn_calling_thread(self, backend: str, cc: tuple[int, int]) -> None:
+        """Once per specialisation: a backend is about to compile it on the
+        calling thread (the event loop's, when ``submit`` loaded it first)."""
+        if self._warned or self.ready(backend, cc):
+            return
+        self._warned = True
+        logger.warning(
+            "tile kernel %r: compiling a specialisation on the calling thread (submit() or a "
+            "then-chain loaded it first); await gpu.load(launch) or gpu.run(launch) compile it in a "
+            "worker thread",
+            self.owner.name,
+        )
+
+    def prepare_here(self, backend: str, cc: tuple[int, int]) -> None:
+        """:meth:`prepare` on the calling thread (a backend's load), saying so
+        once where it compiles."""
+        self._warn_calling_thread(backend, cc)
+        self.prepare(backend, cc)
+
     def cubin(self, backend: str, cc: tuple[int, int]) -> tuple[bytes, str]:
         """The cubin and kernel symbol for a device (the cuda backend's load).
         Compiles on the calling thread when not prepared, saying so once."""
-        arch = self.arch_for(backend, cc)
-        if arch not in self._images and not self._warned:
-            self._warned = True
-            logger.warning(
-                "tile kernel %r: compiling a specialisation on the calling thread (submit() or a "
-                "then-chain loaded it first); await gpu.load(launch) or gpu.run(launch) compile it in a "
-                "worker thread",
-                self.owner.name,
-            )
-        img = self.image(arch)
+        self._warn_calling_thread(backend, cc)
+        img = self.image(self.arch_for(backend, cc))
         return img.cubin, img.symbol
 
     # -------------------------------------------------------------- launches

@@ -271,7 +271,7 @@ class SimContext:
             # the toolchain (or a cached image) is there
             if tile.kind != "specialisation":
                 raise TypeError(f"kernel: tile kernel {kernel.name} is loaded through a launch of it")
-            tile.prepare("sim", self.info.compute_capability)
+            tile.prepare_here("sim", self.info.compute_capability)
         else:
             _nvrtc.check_kernel(kernel, self.info.compute_capability)
             if kernel.reference is None:

@@ -591,7 +591,7 @@ class SimEngine:
         if check.first is not None and (error is None or isinstance(error, Exception)):
             # an out-of-bounds access is the kernel's fault, whatever the
             # reference did next (it may have caught OutOfBounds)
-            error = illegal_address(check, fault)
+            error = illegal_address(check, fault, tile=tile is not None and not callable(reference))
         if error is not None:
             s._add_error(error)
         # The error's traceback holds this frame: drop what would make cycles
@@ -743,13 +743,15 @@ def tile_failed(kernel: Kernel, exc: Exception) -> LaunchError:
     return error
 
 
-def illegal_address(check: LaunchCheck, fault: OutOfBounds | None) -> LaunchError:
-    """The error of a launch whose reference accessed an argument out of bounds,
-    as a GPU reports an illegal address (not sticky here)."""
+def illegal_address(check: LaunchCheck, fault: OutOfBounds | None, *, tile: bool = False) -> LaunchError:
+    """The error of a launch whose reference (``tile``: the tile kernel's own
+    execution on NumPy tiles) accessed an argument out of bounds, as a GPU
+    reports an illegal address (not sticky here)."""
     more = f" ({check.more} more out-of-bounds access(es) after it)" if check.more else ""
+    who, it = ("tile kernel", "its execution on NumPy tiles") if tile else ("kernel", "its reference")
     text = (
-        f"kernel {check.kernel}: its reference accessed memory out of bounds: {check.first}{more}; "
-        f"the simulator stopped the reference there and recorded an out_of_bounds violation "
+        f"{who} {check.kernel}: {it} accessed memory out of bounds: {check.first}{more}; "
+        f"the simulator stopped {it} there and recorded an out_of_bounds violation "
         f"(SimDevice.violations)"
     )
     error = LaunchError(700, "CUDA_ERROR_ILLEGAL_ADDRESS", text, call="")
