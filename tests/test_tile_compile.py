@@ -594,3 +594,19 @@ def test_other_cutile_versions_use_only_the_public_api(monkeypatch: pytest.Monke
     assert image.compiler_version is None
     assert image.cutile_version == "1.8.0"
     assert image.symbol in _symbols(image.cubin)
+
+
+def test_key_does_not_name_the_kernels_own_module(tmp_path: Path) -> None:
+    """A program run as ``__main__`` and the same file imported by name (a
+    test, a service) share cache entries; another module's helper stays named."""
+    text = KERNEL_SRC.format(size=16, op="+")
+    keys = []
+    for name in ("__tile_main_like__", "tile_imported_by_name"):
+        directory = tmp_path / name
+        directory.mkdir()
+        try:
+            module = _write_module(directory, name, text)
+            keys.append(tc._cache_key(module.k, TileSignature([F32, F32]), None))
+        finally:
+            sys.modules.pop(name, None)
+    assert keys[0] == keys[1]

@@ -9,10 +9,12 @@ Invariants:
   given, so a cache filled on a machine with the toolchain serves a machine
   without it.
 * The key (:func:`cache_key`) is the SHA-256 of: a format number, the
-  kernel's module-qualified name, the source text of the kernel and of the
-  Python helpers, module-level constants and closure values it refers to
-  (source text, not bytecode, so the key does not depend on the Python
-  version or on where the file lives), the signature's key, the arch, the
+  kernel's qualified name, the source text of the kernel and of the Python
+  helpers, module-level constants and closure values it refers to (source
+  text, not bytecode, so the key does not depend on the Python version or on
+  where the file lives; the kernel's own module is not named, so a script run
+  as ``__main__`` and the same file imported by name share entries), the
+  signature's key, the arch, the
   kernel's compiler options for that arch, the calling convention, the
   ``cuda-tile`` version, and the cache's ``compiler_version`` tag (``None``
   unless configured). The ``tileiras`` version that built an entry is
@@ -50,7 +52,7 @@ from .signature import CCONV, TileSignature
 
 __all__ = ["TileCache", "access_key", "cache_key", "compile_statistics", "count", "kernel_digest", "pyfunc"]
 
-_FORMAT = 1
+_FORMAT = 2
 _MAGIC = b"trio_cuda tile cubin\n"
 _stats_lock = threading.Lock()
 _stats = {"compiled": 0, "memory_hits": 0, "disk_hits": 0, "disk_writes": 0, "disk_errors": 0}
@@ -127,22 +129,28 @@ def kernel_digest(kernel: object) -> str:
     fn = pyfunc(kernel)
     parts: list[str] = []
     seen: set[int] = set()
+    home = fn.__module__
+
+    def where(module: str | None) -> str:
+        # the kernel's own module is named by a placeholder: a program run as
+        # __main__ and the same file imported by name make one digest
+        return "." if module == home else str(module)
 
     def value_text(value: object, names: set[str]) -> str:
         inner = _inner_function(value)
         if inner is not None and not _is_tile_module(inner.__module__ or ""):
             visit(inner)
-            return f"function {inner.__module__}.{inner.__qualname__}"
+            return f"function {where(inner.__module__)}.{inner.__qualname__}"
         if isinstance(value, types.ModuleType):
             if not _is_tile_module(value.__name__):
                 for attr in sorted(names):
                     sub = getattr(value, attr, None)
                     if sub is not None and not isinstance(sub, types.ModuleType):
-                        parts.append(f"{value.__name__}.{attr}={value_text(sub, set())}")
-            return f"module {value.__name__}"
+                        parts.append(f"{where(value.__name__)}.{attr}={value_text(sub, set())}")
+            return f"module {where(value.__name__)}"
         if _plain(value):
             return repr(value)
-        return f"object {type(value).__module__}.{type(value).__qualname__}"
+        return f"object {where(type(value).__module__)}.{type(value).__qualname__}"
 
     def visit(f: types.FunctionType) -> None:
         if id(f) in seen:
@@ -152,7 +160,7 @@ def kernel_digest(kernel: object) -> str:
             text = inspect.getsource(f)
         except (OSError, TypeError):
             text = "code:" + _code_text(f.__code__)
-        parts.append(f"def {f.__module__}.{f.__qualname__}\n{text}")
+        parts.append(f"def {where(f.__module__)}.{f.__qualname__}\n{text}")
         names = _code_names(f.__code__)
         for name in sorted(names):
             if name in f.__globals__:
@@ -196,7 +204,7 @@ def cache_key(
     payload = json.dumps(
         {
             "format": _FORMAT,
-            "kernel": f"{fn.__module__}.{fn.__qualname__}",
+            "kernel": fn.__qualname__,
             "code": kernel_digest(kernel),
             "signature": signature.key(),
             "arch": signature.arch,
@@ -218,7 +226,7 @@ def access_key(kernel: object, signature_key: str, *, cutile_version: str) -> st
         {
             "format": _FORMAT,
             "what": "access plan",
-            "kernel": f"{fn.__module__}.{fn.__qualname__}",
+            "kernel": fn.__qualname__,
             "code": kernel_digest(kernel),
             "signature": signature_key,
             "cuda_tile": cutile_version,
