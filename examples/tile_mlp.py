@@ -11,11 +11,14 @@ through the same launch API, leases and streams.
 Each request uploads its input, allocates its activations and submits its
 layers one after another. Every ``--cancel-every``-th request has a deadline,
 from its upload on, of half a forward pass (``trio.move_on_after``): it is
-cancelled while a layer is in flight (or queued), leaves at once and closes its
-buffers; the scope keeps that work and its memory until the device has
-finished it, then retires it.
+cancelled, leaves at once and closes its buffers; work it left in flight stays
+with the scope, with its memory, until the device has finished it, and the
+scope retires it. (On the simulator the deadline always lands while a layer
+runs or waits its turn; on a GPU, where a small layer takes microseconds, it
+may land between layers: the output counts both.)
 One whole forward pass is captured as a graph (``gpu.capture``) and replayed
-on new inputs. Every answer is checked against NumPy.
+on new inputs. The answers are checked against NumPy (all of them, or 32 of a
+large run).
 
     python examples/tile_mlp.py [--requests 32] [--batch 16] [--size 64] [--dtype f16|f32]
                                 [--cancel-every 4] [--device auto|sim|cuda:N] [--trace OUT.html]
@@ -181,7 +184,9 @@ async def serve(
     rng = np.random.default_rng(1)
     inputs = [rng.standard_normal((batch, size)).astype(np.float32) for _ in range(requests + 6)]
     facts: dict[str, Any] = {"requests": requests, "dims": model.dims, "tiles": model.tiles}
-    async with trio_cuda.open_scope(device=device, trace=trace if trace is not None else False) as gpu:
+    # The trace says, among the rest, which awaits were cancelled with their work in flight.
+    recorder = trace if trace is not None else trio_cuda.trace.Trace()
+    async with trio_cuda.open_scope(device=device, trace=recorder) as gpu:
         facts["backend"], facts["device"] = gpu.backend, gpu.device.name
         await model.upload(gpu)
 
@@ -213,7 +218,7 @@ async def serve(
 
         answers: dict[int, np.ndarray] = {}
         cancelled: list[int] = []
-        abandoned: list[trio_cuda.DeviceFuture[Any]] = []  # in flight when their task left
+        abandoned: list[trio_cuda.DeviceFuture[Any]] = []  # the cancelled requests' last layers
 
         async def request(i: int) -> None:
             impatient = cancel_every > 0 and i % cancel_every == cancel_every - 1
@@ -230,7 +235,7 @@ async def serve(
                     answers[i] = await gpu.to_host(h)
                 if cs.cancelled_caught:
                     cancelled.append(i)
-                    if fut is not None and not fut.done():
+                    if fut is not None:
                         abandoned.append(fut)
             finally:
                 for buf in buffers:  # safe with work in flight: freed once it has retired
@@ -243,7 +248,7 @@ async def serve(
         facts["t_requests"] = time.perf_counter() - start
         facts["answered"] = len(answers)
         facts["cancelled"] = len(cancelled)
-        facts["cancelled_in_flight"] = len(abandoned)
+        facts["cancelled_in_flight"] = len([e for e in recorder.events if e.cat == "cancel"])
         facts["deadline"] = deadline
 
         # Nobody awaits the cancelled requests' layers any more: the scope retires them.
@@ -251,7 +256,11 @@ async def serve(
             while gpu.statistics().in_flight or gpu.statistics().live_allocations > baseline:  # noqa: ASYNC110
                 await trio.sleep(0.001)
         facts["retired"] = all(fut.done() for fut in abandoned)
-        errors += [error(answers[i], model.on_cpu(inputs[i])) for i in sorted(answers)]
+        # NumPy's answers, in a worker thread (every answer; at most 32 of a large run)
+        checked = sorted(answers)[:: max(1, -(-len(answers) // 32))]
+        expected = await trio.to_thread.run_sync(lambda: [model.on_cpu(inputs[i]) for i in checked])
+        errors += [error(answers[i], e) for i, e in zip(checked, expected)]
+        facts["checked"] = len(checked)
 
         # One whole forward pass as a graph, replayed on new inputs.
         x, hs = gpu.empty((batch, size), np.float32), model.activations(gpu)
@@ -266,7 +275,7 @@ async def serve(
         facts["replays"] = replays
         facts["max_error"] = max(errors)
         facts["verified"] = (
-            len(errors) == 3 + len(answers) + replays and facts["max_error"] < TOLERANCE[dtype]
+            len(errors) == 3 + len(checked) + replays and facts["max_error"] < TOLERANCE[dtype]
         )
         facts["retired_by_waiters"] = gpu.statistics().retired_by_waiters
         facts["completed"] = gpu.statistics().completed
@@ -331,7 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"the scope retired the work the cancelled requests left in flight: {f['retired']}")
     print(f"graph: one forward pass captured, replayed {f['replays']} times")
-    print(f"max error against NumPy: {f['max_error']:.2e} (tolerance {TOLERANCE[args.dtype]:g})")
+    print(
+        f"max error against NumPy ({f['checked']} of {f['answered']} answers, the warm-up passes and the "
+        f"replays): {f['max_error']:.2e} (tolerance {TOLERANCE[args.dtype]:g})"
+    )
     if "memcheck" in f:
         print(f"simulator memcheck clean, nothing left allocated: {f['memcheck']}")
     if trace is not None:
