@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 MAIN_PAGES = (
     "index", "install", "tutorial", "lifetimes", "api", "interop", "traces", "launch", "graphs", "multigpu",
-    "testing", "deployment",
+    "testing", "deployment", "tile",
 )  # fmt: skip
 WINDOW = (1280, 900)
 

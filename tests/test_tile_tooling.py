@@ -118,3 +118,32 @@ async def test_a_cancelled_run_leaves_while_the_compile_goes_on(monkeypatch: pyt
         await trio.to_thread.run_sync(done.wait, 5.0)
         assert done.is_set()
         assert await gpu.run(k.launch(x, y, grid=4)) is y  # prepared by the abandoned thread
+
+
+async def test_a_kernel_without_source_file_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """cuTile reads a kernel's source: one made under exec has none. The
+    compile error says so, and the fallback leases (every array written) are
+    logged."""
+    import numpy as np
+
+    import trio_cuda
+
+    code = (
+        "import cuda.tile as ct\n"
+        "@ct.kernel\n"
+        "def sourceless(a, b):\n"
+        "    ct.store(b, index=(0,), tile=ct.load(a, index=(0,), shape=(16,)))\n"
+    )
+    namespace: dict[str, object] = {}
+    exec(compile(code, "<no file>", "exec"), namespace)
+    k = trio_cuda.Kernel.from_tile(namespace["sourceless"], cache=tmp_path)
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x = gpu.zeros(16, np.float32)
+        y = gpu.zeros(16, np.float32)
+        with caplog.at_level("WARNING", logger="trio_cuda"):
+            launch = k.launch(x, y, grid=1)
+        assert launch._accesses[0][1] is launch._accesses[1][1]  # both written: the fallback
+        assert "sourceless': the access analysis could not answer" in caplog.text
+        assert "leased as written" in caplog.text
+        with pytest.raises(trio_cuda.TileCompileError, match="define @ct.kernel functions in a file"):
+            await gpu.run(launch)

@@ -42,6 +42,7 @@ __all__ = [
     "ScalarParam",
     "TupleParam",
     "analyze",
+    "warm_up",
 ]
 
 Access: TypeAlias = Literal["read", "write", "read_write", "none", "scalar", "constant"]
@@ -291,6 +292,16 @@ def _check_usable() -> str:
     with _lock:
         _unusable = problem or ""
         return _unusable
+
+
+def warm_up() -> None:
+    """Import what :func:`analyze` needs and run the self-test now (once per
+    process; never raises): ``Kernel.from_tile`` calls it, so that the first
+    launch does not pay for it."""
+    try:
+        _check_usable()
+    except Exception:  # pragma: no cover - analyze() falls back and says why
+        pass
 
 
 def analyze(kernel: object, signature: Sequence[ParamSpec]) -> AccessPlan:

@@ -496,6 +496,12 @@ def _load_or_compile(
         raise
     except FileNotFoundError as exc:
         raise TileToolchainError(f"the tileiras compiler is not installed: {exc}") from None
+    except OSError as exc:  # inspect could not find the source (python -c, exec, a prompt)
+        raise TileCompileError(
+            f"cuTile reads a kernel's source to compile it, and could not ({exc}): define "
+            "@ct.kernel functions in a file (not under python -c, exec or an interactive prompt)",
+            kernel=fn.__name__,
+        ) from exc
     count("compiled")
     cubin = out.getvalue()
     tileiras = _tileiras_version()

@@ -387,6 +387,13 @@ def _access_plan(
     plan = _access.analyze(owner.fn, aparams)
     if plan.exact and cache is not None and key is not None:
         cache.store_plan(key, plan.modes)
+    if not plan.exact:
+        logger.warning(
+            "tile kernel %r: the access analysis could not answer (%s), so every array it takes is "
+            "leased as written; access={...} on Kernel.from_tile declares the real modes",
+            owner.name,
+            plan.reason,
+        )
     return plan.modes, plan.exact, plan.reason
 
 
@@ -980,6 +987,10 @@ class _Support:
         if arch is not None:
             TileSignature((), arch)  # type: ignore[arg-type]  # checks the spelling
         params = _params_of(ct, pyfunc)
+        # cuTile's front end (the access analysis) imports its compiler modules and
+        # self-tests once per process (about 1 s): here, where kernels are made
+        # (usually at import), rather than in the first launch, on the event loop
+        _access.warm_up()
         tk = TileKernel(fn, pyfunc, params, _check_access(access, params), arch, _check_cache(cache))  # type: ignore[arg-type]
         k = Kernel(name=tk.name, params=(), image_kind="tile", reference=reference, tile=tk)
         tk.kernel = k
