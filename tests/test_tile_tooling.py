@@ -147,3 +147,28 @@ async def test_a_kernel_without_source_file_says_so(tmp_path: Path, caplog: pyte
         assert "leased as written" in caplog.text
         with pytest.raises(trio_cuda.TileCompileError, match="define @ct.kernel functions in a file"):
             await gpu.run(launch)
+
+
+async def test_a_device_pool_runs_tile_launches_and_compiles_off_the_loop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``pool.run`` is its scope's ``run``: the specialisation compiles in a
+    worker thread (no calling-thread warning), on the scope owning the arrays."""
+    import cuda.tile as ct
+    import numpy as np
+
+    import trio_cuda
+
+    @ct.kernel
+    def double(a, out):
+        i = ct.bid(0)
+        ct.store(out, index=(i,), tile=ct.load(a, index=(i,), shape=(16,)) * 2)
+
+    k = trio_cuda.Kernel.from_tile(double, cache=tmp_path)
+    async with trio_cuda.open_device_pool(trio_cuda.testing.SimHost(2)) as pool:
+        x = await pool.to_device(np.arange(64, dtype=np.float32))
+        y = x.scope.empty(64, np.float32)
+        with caplog.at_level("WARNING", logger="trio_cuda"):
+            assert await pool.run(k.launch(x, y, grid=4)) is y
+        assert "calling thread" not in caplog.text
+        np.testing.assert_array_equal(await x.scope.to_host(y), 2 * np.arange(64, dtype=np.float32))

@@ -410,28 +410,31 @@ class DevicePool(metaclass=NoPublicConstructor):
             )
         return scope
 
-    def submit(self, op: DeviceOp[T], *, stream: Stream | None = None) -> DeviceFuture[T]:
-        """Submit ``op`` on the scope :meth:`choose` picks (``stream`` pins it
-        to a stream, and so to that stream's scope); returns its future."""
+    def _scope_for(self, op: object, stream: Stream | None) -> ResourceScope:
         if stream is not None:
             scope = getattr(stream, "scope", None)
             if scope not in self._scopes:
                 raise ValueError(f"stream: expected a stream of one of the pool's scopes, got {stream!r}")
-            return scope.submit(op, stream=stream)  # type: ignore[no-any-return]
+            return scope  # type: ignore[no-any-return]
         if not isinstance(op, DeviceOp):
             raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
-        return self.choose(op).submit(op)
+        return self.choose(op)
+
+    def submit(self, op: DeviceOp[T], *, stream: Stream | None = None) -> DeviceFuture[T]:
+        """Submit ``op`` on the scope :meth:`choose` picks (``stream`` pins it
+        to a stream, and so to that stream's scope); returns its future."""
+        return self._scope_for(op, stream).submit(op, stream=stream)
 
     @overload
     async def run(self, op: DeviceOp[HostResult[U]], *, stream: Stream | None = None) -> U: ...
     @overload
     async def run(self, op: DeviceOp[T], *, stream: Stream | None = None) -> T: ...
     async def run(self, op: DeviceOp[Any], *, stream: Stream | None = None) -> Any:
-        """Submit ``op`` as :meth:`submit` does and wait for its output
-        (cancelling the wait leaves the work to its scope, as ``scope.run``)."""
+        """Run ``op`` on the scope :meth:`submit` would pick, with that
+        scope's ``run`` (which loads its kernels first, compiling off the loop;
+        cancelling the wait leaves the work to its scope)."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        fut = self.submit(op, stream=stream)
-        return await fut.wait()
+        return await self._scope_for(op, stream).run(op, stream=stream)
 
     async def to_device(self, host: object, **kwargs: Any) -> DeviceArray:
         """Copy a NumPy array to a new array on the device the policy picks
