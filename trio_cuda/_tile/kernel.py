@@ -49,7 +49,7 @@ from typing import Any, Final, Literal, final
 
 import numpy as np
 
-from .._core._arena import ParamPlan
+from .._core._arena import ParamPlan, _code
 from .._core._array import DeviceArray
 from .._core._config import cached_config
 from .._core._errors import KernelArgumentError
@@ -321,25 +321,6 @@ def _pyfunc(ct: Any, fn: object) -> types.FunctionType:
 
 
 # --------------------------------------------------------------------------- specialisations
-
-_STRUCT: Final = {
-    "i1": "b",
-    "u1": "B",
-    "i2": "h",
-    "u2": "H",
-    "i4": "i",
-    "u4": "I",
-    "i8": "q",
-    "u8": "Q",
-    "f2": "e",
-    "f4": "f",
-    "f8": "d",
-    "b1": "?",
-}
-
-
-def _code(dtype: np.dtype[Any]) -> str | None:
-    return _STRUCT.get(f"{dtype.kind}{dtype.itemsize}")
 
 
 def _access_params(params: Sequence[ParamSpec]) -> list[_access.ParamSpec]:
