@@ -939,7 +939,7 @@ def _bench_tile() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from tile import bench_tile
 
-    bench_tile(record, reps)
+    bench_tile(record, reps, _submit_burst_of)
 
 
 def _bench_policy() -> None:
