@@ -27,7 +27,7 @@ import logging
 import warnings
 from collections import deque
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 from trio.lowlevel import (
@@ -46,6 +46,7 @@ from ._driver import MarkerState, Poll
 from ._errors import CompletionUnknownError
 from ._multi import release_foreign
 from ._submit import TERMINAL, HostStep, Submission, SubState
+from ._trio_internals import others_runnable
 
 if TYPE_CHECKING:
     from ._driver import DeviceContext
@@ -56,28 +57,6 @@ if TYPE_CHECKING:
 __all__ = ["Completion", "others_runnable"]
 
 log = logging.getLogger("trio_cuda")
-
-
-def _find_run_context() -> Any:
-    """Trio's run context, to read the run queue without the ~2 µs of
-    ``current_statistics()``; None on Trio versions without it."""
-    try:
-        from trio._core import _run
-    except ImportError:  # pragma: no cover
-        return None
-    return getattr(_run, "GLOBAL_RUN_CONTEXT", None)
-
-
-_RUN_CONTEXT: Any = _find_run_context()
-
-
-def others_runnable() -> bool:
-    """True when other Trio tasks are ready to run (then an awaiting task
-    checkpoints between looks instead of busy-polling its marker)."""
-    try:
-        return bool(_RUN_CONTEXT.runner.runq)
-    except AttributeError:  # pragma: no cover - another Trio layout: assume busy
-        return True
 
 
 class Completion:

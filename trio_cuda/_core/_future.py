@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, final, overload
 import attrs
 import trio
 
-from ._completion import _RUN_CONTEXT
 from ._final import NoPublicConstructor
 from ._ops import HostResult, resolve_output
 from ._submit import TERMINAL, Submission, SubState
+from ._trio_internals import current_run
 
 if TYPE_CHECKING:
     from ._scope import ResourceScope
@@ -56,20 +56,6 @@ class FutureStatistics:
     retained_bytes: int
 
 
-def _current_runner() -> object:
-    """The Trio run of the calling thread (an opaque identity), or None in a
-    thread with no Trio run (a worker thread, or outside ``trio.run``)."""
-    if _RUN_CONTEXT is not None:
-        try:
-            return _RUN_CONTEXT.runner
-        except AttributeError:
-            return None
-    try:  # pragma: no cover - Trio without the run context
-        return trio.lowlevel.current_trio_token()
-    except RuntimeError:  # pragma: no cover
-        return None
-
-
 def wrong_caller(what: str, scope: ResourceScope, *, how: str | None = None) -> RuntimeError:
     """The error for a scope (or one of its futures or graphs) used outside
     the Trio run that opened it. ``what`` names the call; the message names
@@ -81,7 +67,7 @@ def wrong_caller(what: str, scope: ResourceScope, *, how: str | None = None) -> 
     names = {t.ident: t.name for t in threading.enumerate()}
     loop = names.get(scope._thread, f"thread {scope._thread}")
     mine = threading.current_thread().name
-    if _current_runner() is not None:
+    if current_run() is not None:
         where = (
             f"another Trio run, on thread {mine!r}; a scope belongs to the run (and thread) that opened it"
         )

@@ -27,6 +27,7 @@ import trio
 
 from ..._core._driver import Marker
 from ..._core._errors import CudaError
+from ..._core._trio_internals import runnable_tasks as _runnable_tasks
 from .bindings import cu
 from .errors import NOT_READY, cuda_error
 from .streams import _HALF, _M32, CudaMarker, CudaStream, StreamsMixin
@@ -39,23 +40,6 @@ log = logging.getLogger("trio_cuda")
 _STRATEGIES: Final = ("adaptive", "sleep", "event", "thread")
 
 perf_counter = time.perf_counter
-
-
-def _runnable_tasks() -> int:
-    """How many Trio tasks are ready to run (decides whether an inline spin
-    would delay anyone). Uses the runner's queue when reachable, else the
-    public (slower) statistics."""
-    try:
-        return len(_GLOBAL_RUN_CONTEXT.runner.runq)
-    except AttributeError:
-        return int(trio.lowlevel.current_statistics().tasks_runnable)
-
-
-_GLOBAL_RUN_CONTEXT: Any
-try:
-    from trio._core._run import GLOBAL_RUN_CONTEXT as _GLOBAL_RUN_CONTEXT
-except ImportError:  # pragma: no cover - other Trio layouts
-    _GLOBAL_RUN_CONTEXT = None
 
 
 class CompletionMixin(StreamsMixin):
