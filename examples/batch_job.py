@@ -16,14 +16,15 @@ Ctrl-C cancels the rest of the batch the way the deadline does. Exit status:
 0 every check passed, 1 a check failed, 2 the job could not run (a bad option,
 or the CUDA device asked for is not there), 130 interrupted; --help says more.
 
-The job itself lives in ``trio_cuda._demo`` (also ``python -m trio_cuda demo``).
+The job itself lives in ``trio_cuda._demo.batch``, its command line in
+``trio_cuda._demo.cli`` (also ``python -m trio_cuda demo``).
 """
 
 from __future__ import annotations
 
 import sys
 
-from trio_cuda._demo_cli import main
+from trio_cuda._demo.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import logging
@@ -18,12 +19,10 @@ import pytest
 from _sigint import python
 
 import trio_cuda
-import trio_cuda._demo as _demo_module
-import trio_cuda._demo_cli as _demo_cli
-import trio_cuda._demo_output as _demo_output
-from trio_cuda._demo import BatchConfig, DeviceUnavailableError, make_kernels, run_batch
-from trio_cuda._demo_cli import main
-from trio_cuda._demo_output import Output
+from trio_cuda._demo import batch, cli, output
+from trio_cuda._demo.batch import BatchConfig, DeviceUnavailableError, make_kernels, run_batch
+from trio_cuda._demo.cli import main
+from trio_cuda._demo.output import Output
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -411,7 +410,7 @@ async def test_bar_mode_without_tqdm_draws_the_built_in_bar(monkeypatch: pytest.
 
 def test_the_built_in_bar_writes_lines_above_itself_and_closes_once() -> None:
     err, out = io.StringIO(), io.StringIO()
-    bar = _demo_output.PlainBar(4, err, mininterval=3600.0)
+    bar = output.PlainBar(4, err, mininterval=3600.0)
     bar.update()  # not redrawn: too soon
     assert err.getvalue().count("\r") == 1
     bar.write("a line", file=out)
@@ -428,7 +427,7 @@ def test_the_built_in_bar_writes_lines_above_itself_and_closes_once() -> None:
     assert out.getvalue() == "a line\nafter\n"
 
     gone = io.StringIO()
-    bar = _demo_output.PlainBar(2, gone)
+    bar = output.PlainBar(2, gone)
     gone.close()  # the terminal went away: the bar stops drawing, the job goes on
     bar.update(2)
     bar.set_postfix_str("x")
@@ -533,14 +532,14 @@ def test_edge_values_run_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
 def test_failed_inputs_are_reported_together_and_the_exit_status_is_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real = _demo_module.input_vectors
+    real = batch.input_vectors
 
     def flaky(seed: int, index: int, size: int) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[type-arg]
         if index in (2, 5):
             raise MemoryError("no room for the inputs")
         return real(seed, index, size)
 
-    monkeypatch.setattr(_demo_module, "input_vectors", flaky)
+    monkeypatch.setattr(batch, "input_vectors", flaky)
     status = main(
         ["--device", "sim", "--inputs", "8", "--size", "64", "--kernel-ms", "0", "--deadline", "none"]
     )
@@ -609,9 +608,9 @@ def test_the_demo_trace_keeps_the_documented_number_of_events(
     )
     assert status == 0
     doc = json.loads(target.read_text())
-    assert doc["otherData"]["limit"] == _demo_cli.TRACE_LIMIT == 100_000
+    assert doc["otherData"]["limit"] == cli.TRACE_LIMIT == 100_000
     assert doc["otherData"]["dropped"] == 0
-    assert "the last 100,000 events are kept" in " ".join(_demo_cli.build_parser().format_help().split())
+    assert "the last 100,000 events are kept" in " ".join(cli.build_parser().format_help().split())
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child is POSIX")
@@ -689,7 +688,7 @@ def test_plain_progress_lines_every_eighth_and_when_completions_are_slow(
     assert [int(line.split()[1].split("/")[0]) for line in lines] == [13, 26, 39, 52, 65, 78, 91, 100]
     assert all(line.startswith("progress: ") and ", 3 in flight, " in line for line in lines)
 
-    monkeypatch.setattr(_demo_output, "LINE_INTERVAL", 0.0)  # every completion is "slow"
+    monkeypatch.setattr(output, "LINE_INTERVAL", 0.0)  # every completion is "slow"
     out = io.StringIO()
     printer = Output(out, io.StringIO(), progress="lines")
     printer.start_progress(100)
@@ -721,3 +720,50 @@ def test_the_printer_restores_the_logger_on_an_error() -> None:
     assert "not at -v" not in err.getvalue()
     with pytest.raises(ValueError, match="^progress: expected 'bar', 'lines' or 'none', got 'fancy'$"):
         Output(io.StringIO(), io.StringIO(), progress="fancy")
+
+
+# --------------------------------------------------------------------------- the package
+
+
+#: trio_cuda/_demo's modules, each importing only modules after it (its docstring's order)
+DEMO_ORDER = ("cli", "ray", "shard", "batch", "output")
+
+
+def _relative_imports(path: Path) -> list[tuple[int, str]]:
+    """(level, module) of each relative import in ``path``; ``from . import x`` is (1, "x")."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            names = [node.module] if node.module else [a.name for a in node.names]
+            found += [(node.level, name) for name in names]
+    return found
+
+
+def test_the_demo_package_imports_one_way() -> None:
+    package = ROOT / "trio_cuda" / "_demo"
+    assert sorted(p.stem for p in package.glob("*.py")) == sorted(("__init__", *DEMO_ORDER))
+    assert _relative_imports(package / "__init__.py") == []
+    for rank, name in enumerate(DEMO_ORDER):
+        inside = [m for level, m in _relative_imports(package / f"{name}.py") if level == 1]
+        assert inside or name == DEMO_ORDER[-1], name  # the scan sees each module's imports
+        below = set(DEMO_ORDER[rank + 1 :])
+        assert set(inside) <= below, f"{name} imports {sorted(set(inside) - below)}, not below it"
+
+
+def test_the_library_does_not_import_the_demo() -> None:
+    """Only ``__main__`` imports the demo (when it builds its parser or runs it), and
+    ``import trio_cuda, trio_cuda.__main__`` loads none of it."""
+    importers = []
+    for path in sorted((ROOT / "trio_cuda").rglob("*.py")):
+        if path.parent.name != "_demo" and any("_demo" in m for _, m in _relative_imports(path)):
+            importers.append(path.name)
+    assert importers == ["__main__.py"]
+    code = (
+        "import sys, trio_cuda, trio_cuda.__main__\n"
+        "print(sorted(n for n in sys.modules if n.startswith('trio_cuda._demo')))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT, env=_env()
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -32,11 +32,11 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'trio
 
 import trio_cuda.ray as tray  # noqa: E402
 from trio_cuda._backends import probe_cuda  # noqa: E402
-from trio_cuda._demo import BatchConfig  # noqa: E402
-from trio_cuda._demo_cli import main  # noqa: E402
-from trio_cuda._demo_output import Output  # noqa: E402
-from trio_cuda._demo_ray import run_on_ray  # noqa: E402
-from trio_cuda._demo_shard import (  # noqa: E402
+from trio_cuda._demo.batch import BatchConfig  # noqa: E402
+from trio_cuda._demo.cli import main  # noqa: E402
+from trio_cuda._demo.output import Output  # noqa: E402
+from trio_cuda._demo.ray import run_on_ray  # noqa: E402
+from trio_cuda._demo.shard import (  # noqa: E402
     SUMMARY,
     RayReport,
     ShardResult,
@@ -175,7 +175,7 @@ def test_importing_trio_cuda_and_the_demo_does_not_import_ray() -> None:
         "import sys\n"
         "import trio_cuda\n"
         "assert 'ray' not in sys.modules, 'import trio_cuda imported ray'\n"
-        "import trio_cuda._demo_ray, trio_cuda.__main__ as m\n"
+        "import trio_cuda._demo.ray, trio_cuda._demo.cli, trio_cuda.__main__ as m\n"
         "m.build_parser().parse_args(['demo', '--ray', '--ray-kill-worker', '1'])\n"
         "bad = sorted(n for n in sys.modules if n == 'ray' or n.startswith('ray.'))\n"
         "assert not bad, bad\n"
@@ -234,9 +234,9 @@ def test_an_address_that_takes_the_connection_but_never_answers_is_bounded() -> 
         silent.listen(8)
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         code = (
-            "import sys, trio_cuda._demo_ray as r\n"
+            "import sys, trio_cuda._demo.ray as r\n"
             "r.CONNECT_TIMEOUT = 2.0\n"
-            "from trio_cuda._demo_cli import main\n"
+            "from trio_cuda._demo.cli import main\n"
             f"sys.exit(main(['--ray', {address!r}, '--device', 'sim']))\n"
         )
         t0 = time.perf_counter()

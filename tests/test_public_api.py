@@ -201,7 +201,7 @@ import sys
 import trio_cuda, trio_cuda.ops, trio_cuda.unsafe, trio_cuda.testing, trio_cuda.interop, trio_cuda.trace
 import trio_cuda.testing.pytest_plugin
 from trio_cuda.__main__ import main
-from trio_cuda._demo_cli import build_parser
+from trio_cuda._demo.cli import build_parser
 assert main(["info"]) == 0
 build_parser()  # the demo's options, --ray's included
 imported = [name for name in {optional!r} if sys.modules.get(name) is not None]

@@ -179,7 +179,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ._demo_cli import run_from_args
+    from ._demo.cli import run_from_args
 
     return run_from_args(args)
 
@@ -235,8 +235,8 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ._demo_cli import build_parser as demo_parser
-    from ._demo_cli import trace_file
+    from ._demo.cli import build_parser as demo_parser
+    from ._demo.cli import trace_file
 
     parser = argparse.ArgumentParser(
         prog="trio-cuda",

@@ -19,7 +19,7 @@ arrives, so host memory stays bounded however many inputs a run has. A CUDA
 device that is asked for and not there is refused before anything is printed
 or run. Cancelling the batch (the deadline, or the first Ctrl-C on the command
 line) never skips the checks: the scope still retires what is in flight. What
-the job prints, and where, is ``_demo_output``'s business.
+the job prints, and where, is ``output``'s business.
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ import attrs
 import numpy as np
 import trio
 
-from ._core._array import DeviceArray
-from ._core._errors import DeviceUnavailableError
-from ._core._kernel import Kernel
-from ._core._params import In, InOut, Out, Scalar
-from ._core._scope import ResourceScope
-from ._core._statistics import ScopeStatistics
-from ._demo_output import Output
-from ._open import open_scope
-from .testing import SimAllocation, SimDevice, Violation
+from .._core._array import DeviceArray
+from .._core._errors import DeviceUnavailableError
+from .._core._kernel import Kernel
+from .._core._params import In, InOut, Out, Scalar
+from .._core._scope import ResourceScope
+from .._core._statistics import ScopeStatistics
+from .._open import open_scope
+from ..testing import SimAllocation, SimDevice, Violation
+from .output import Output
 
 __all__ = [
     "BatchConfig",
@@ -286,7 +286,7 @@ class BatchReport:
 def check_device(device: str) -> str:
     """Why ``device`` was chosen, or :class:`DeviceUnavailableError` saying
     why it cannot be used. Asks the CUDA driver (never raises anything else)."""
-    from ._backends import _cuda_backend_available, probe_cuda
+    from .._backends import _cuda_backend_available, probe_cuda
 
     m = _DEVICE.fullmatch(device)
     if m is None:
@@ -337,7 +337,7 @@ def _describe(gpu: ResourceScope, config: BatchConfig, spin_ns: int) -> list[str
         f"{info.multiprocessor_count} SMs, up to {info.max_threads_per_block} threads per block"
     )
     if info.backend == "cuda":
-        from ._backends import probe_cuda
+        from .._backends import probe_cuda
 
         version = probe_cuda().driver_version
         if version > 0:

@@ -6,7 +6,8 @@ field, so a bad value is an argparse error (exit status 2) before anything
 runs; a CUDA device that is asked for and not there is one error line and
 exit status 2; the first Ctrl-C cancels the batch like the deadline (its
 checks still run; exit status 130), a second one interrupts at once. The job
-itself is ``_demo``'s, the Ray mode ``_demo_ray``'s.
+itself is ``batch``'s, the Ray mode ``ray``'s (its options are defined there,
+and this module turns the arguments into the ``BatchConfig`` it is given).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any, TextIO
 import attrs
 import trio
 
-from . import trace
-from ._demo import (
+from .. import trace
+from .batch import (
     PROGRESS_MODES,
     BatchConfig,
     BatchReport,
@@ -32,7 +33,8 @@ from ._demo import (
     check_device,
     run_batch,
 )
-from ._demo_output import to_devnull
+from .output import to_devnull
+from .ray import add_options, maybe_run_on_ray  # neither imports Ray
 
 __all__ = ["TRACE_LIMIT", "build_parser", "config_from_args", "main", "run_from_args", "trace_file"]
 
@@ -164,9 +166,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="record the run's lifetime trace and write it to FILE (.html: a timeline page; "
         f".json: Chrome trace-event JSON for ui.perfetto.dev); the last {TRACE_LIMIT:,} events are kept",
     )
-    from ._demo_ray import add_options  # Ray itself is imported only when --ray is given
-
-    add_options(parser)
+    add_options(parser)  # Ray itself is imported only when --ray is given
     parser.set_defaults(demo_prog=parser.prog)
     return parser
 
@@ -228,12 +228,10 @@ def _interrupted(exc: BaseException) -> bool:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the job for parsed arguments; the exit status (see ``EPILOG``)."""
-    from ._demo_ray import maybe_run_on_ray
-
-    if (ray_status := maybe_run_on_ray(args)) is not None:
+    config = config_from_args(args)
+    if (ray_status := maybe_run_on_ray(args, config)) is not None:
         return ray_status
     prog = getattr(args, "demo_prog", "batch_job")
-    config = config_from_args(args)
     try:
         check_device(config.device)
     except DeviceUnavailableError as exc:

@@ -2,8 +2,9 @@
 
 The inputs of the batch are split into contiguous shards, one per GPU of the
 cluster (or one per CPU worker, on the simulator). Each shard is a
-:mod:`trio_cuda.ray` job running ``_demo``'s batch engine in its worker's
-one scope (``_demo_shard``); this module connects, runs and collects.
+:mod:`trio_cuda.ray` job running ``batch``'s engine in its worker's one
+scope (``shard``); this module connects, runs and collects. (``import ray``
+here is Ray itself; the library's :mod:`trio_cuda.ray` is ``..ray``.)
 
 Invariants:
 
@@ -15,7 +16,7 @@ Invariants:
   by force) bounds how long it waits for a report.
 * The driver keeps one report per shard (a shard that Ray retried after its
   worker died is redone from its start: shards are idempotent) and checks
-  each input once (``_demo_shard.verify``). A shard that never reports is a
+  each input once (``shard.verify``). A shard that never reports is a
   failed check, never a silent loss.
 * Connecting is bounded: an address that does not take a TCP connection is
   refused at once, and ``ray.init`` gets :data:`CONNECT_TIMEOUT` seconds.
@@ -38,11 +39,10 @@ import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from ._core._errors import TrioCudaError
-from ._demo import BatchConfig
-from ._demo_cli import config_from_args
-from ._demo_output import Output
-from ._demo_shard import (
+from .._core._errors import TrioCudaError
+from .batch import BatchConfig
+from .output import Output
+from .shard import (
     RayReport,
     ShardResult,
     ShardSpec,
@@ -304,7 +304,7 @@ def _run(
 ) -> RayReport:
     import ray
 
-    from . import ray as trio_cuda_ray
+    from .. import ray as trio_cuda_ray
 
     say = output.say
     use_gpus, count, resources = _plan(config, shards)
@@ -553,10 +553,12 @@ def _positive(text: str) -> int:
     return value
 
 
-def maybe_run_on_ray(args: argparse.Namespace) -> int | None:
+def maybe_run_on_ray(args: argparse.Namespace, config: BatchConfig) -> int | None:
     """``demo --ray ...``: connect, run, summarize; the exit status (0 ok, 1 a
     check failed, 2 the job could not run, 130 interrupted). None without
-    ``--ray`` (the demo runs here)."""
+    ``--ray`` (the demo runs here). ``args``: the parsed command line (the
+    options :func:`add_options` adds among them); ``config``: the batch its
+    other options describe."""
     prog = getattr(args, "demo_prog", "batch_job")
     address: str | None = getattr(args, "ray", None)
 
@@ -570,7 +572,6 @@ def maybe_run_on_ray(args: argparse.Namespace) -> int | None:
 
     if getattr(args, "trace", None) is not None:
         return error("--trace: not available with --ray (the scopes live in the Ray workers)")
-    config = config_from_args(args)
     if config.device.startswith("cuda:"):
         return error(f"--device {config.device}: Ray assigns each shard its GPU; use auto, cuda or sim")
     try:

@@ -6,7 +6,7 @@ Invariants:
 * Nothing here imports Ray: the worker side runs under
   :func:`trio_cuda.ray.run_job` (in a Ray worker, or in-process), and the
   checks read :class:`trio_cuda.ray.WorkerReport` values.
-* A shard runs ``_demo``'s batch engine unchanged on its inputs, in the
+* A shard runs ``batch``'s engine unchanged on its inputs, in the
   job's one scope. A completed result is emitted under its input index (it
   comes back even when the shard is cancelled); the shard's counters are
   emitted under :data:`SUMMARY`. The worker checks nothing: the driver
@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 import trio
 
-from ._demo import (
+from .batch import (
     ATOL,
     RTOL,
     BatchConfig,
@@ -44,10 +44,10 @@ from ._demo import (
     input_vectors,
     make_kernels,
 )
-from ._demo_output import Output
+from .output import Output
 
 if TYPE_CHECKING:
-    from .ray import WorkerContext, WorkerReport
+    from ..ray import WorkerContext, WorkerReport
 
 __all__ = [
     "SUMMARY",
