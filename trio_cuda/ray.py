@@ -47,7 +47,7 @@ import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Literal, TypeVar, final
+from typing import Any, Literal, TypeVar
 
 import attrs
 import trio
@@ -61,7 +61,7 @@ except ModuleNotFoundError as exc:
     ) from exc
 
 from ._core._errors import TrioCudaError
-from ._core._final import NoPublicConstructor
+from ._core._final import NoPublicConstructor, final
 from ._core._scope import ResourceScope
 from ._core._statistics import ScopeStatistics
 from ._open import open_scope, sim_options_from_env

@@ -38,16 +38,18 @@ import json
 import os
 import sys
 import threading
-from typing import Any, final
+from typing import Any
 
 import attrs
 
+from ._core._final import final
 from ._core._trace import CATEGORIES, Snapshot, Tracer, process_tracer, set_process_tracer
 from ._version import __version__
 
 __all__ = ["Trace", "TraceEvent", "current", "disable", "enable"]
 
 
+@final
 @attrs.frozen
 class TraceEvent:
     """One recorded lifetime event (:attr:`Trace.events`).

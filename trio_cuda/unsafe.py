@@ -7,9 +7,10 @@ caller keeps every array alive and orders every access itself.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar, final
+from typing import Any, TypeVar
 
 from ._core._array import DeviceArray
+from ._core._final import final
 from ._core._ops import DeviceOp
 from ._core._stream import Stream
 

@@ -42,13 +42,13 @@ import math
 import sys
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Literal, final
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from trio.lowlevel import enable_ki_protection
 
 from ._errors import CompletionUnknownError, ScopeClosedError
-from ._final import NoPublicConstructor
+from ._final import NoPublicConstructor, final
 from ._ops import Access
 
 if TYPE_CHECKING:
@@ -237,6 +237,7 @@ def _basic_index(
     )
 
 
+@final
 class DeviceArray(metaclass=NoPublicConstructor):
     """A typed, contiguous (C or F order) handle to device memory owned by a scope.
 

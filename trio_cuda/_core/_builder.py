@@ -18,7 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from ._arena import _POINTER, ParamPlan, _pack, _scalar_bytes
 from ._array import DeviceArray
 from ._config import cached_config
 from ._errors import KernelArgumentError
-from ._final import NoPublicConstructor
+from ._final import NoPublicConstructor, final
 from ._launch import ArgView, KernelLaunch, PreparedLaunch, _merge_accesses
 from ._ops import Access
 from ._params import AccessName, _access_from_name, _align_up, _param_dtype_problem, dtype_alignment

@@ -24,12 +24,13 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 
 from ._errors import KernelArgumentError
+from ._final import final
 
 if TYPE_CHECKING:
     from ._driver import DeviceInfo

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import numpy as np
 
+from ._final import final
+
 if TYPE_CHECKING:
     from ._kernel import Kernel
     from ._launch import PreparedLaunch
@@ -70,6 +72,7 @@ class Gate(Protocol):
 Finisher = Callable[[], None]
 
 
+@final
 @attrs.frozen
 class DeviceInfo:
     """Static facts about the device a context runs on."""

@@ -18,12 +18,12 @@ import threading
 import weakref
 from _thread import get_ident
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, final, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import attrs
 import trio
 
-from ._final import NoPublicConstructor
+from ._final import NoPublicConstructor, final
 from ._ops import HostResult, resolve_output
 from ._submit import TERMINAL, Submission, SubState
 from ._trio_internals import current_run
@@ -39,6 +39,7 @@ U = TypeVar("U")
 T_co = TypeVar("T_co", covariant=True)
 
 
+@final
 @attrs.frozen
 class FutureStatistics:
     """A snapshot of one submission (``fut.statistics()``)."""

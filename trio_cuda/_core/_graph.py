@@ -65,7 +65,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, cast, final
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, cast
 
 import attrs
 import numpy as np
@@ -74,7 +74,7 @@ from trio.lowlevel import enable_ki_protection
 
 from ._array import Allocation, DeviceArray, h2d_source
 from ._errors import CudaError, GraphCaptureError, ScopeClosedError
-from ._final import NoPublicConstructor
+from ._final import NoPublicConstructor, final
 from ._ops import RUN, Access, DeviceOp
 from ._submit import EnqueueContext, take_leases
 
@@ -140,6 +140,7 @@ class OpenGraphs:
                 self.scope._orphan_errors.append(exc)
 
 
+@final
 @attrs.frozen
 class GraphStatistics:
     """A snapshot of one graph (``graph.statistics()``)."""

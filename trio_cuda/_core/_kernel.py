@@ -33,7 +33,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Final, Literal, Protocol, TypeAlias, final
+from typing import Any, Final, Literal, Protocol, TypeAlias
 
 import attrs
 import numpy as np
@@ -54,6 +54,7 @@ from ._array import AllocState, DeviceArray
 from ._builder import LaunchBuilder
 from ._config import LaunchConfig, cached_config
 from ._errors import KernelArgumentError
+from ._final import final
 from ._launch import ArgView, KernelLaunch, PreparedLaunch, _LaunchUnderConstruction, _merge_accesses
 from ._ops import Access, DeviceOp, _Map, _Shared, _Then, _Zip
 from ._params import In, InOut, Out, Param, Scalar, Slice, _check_array, _convert_scalar, _param_label

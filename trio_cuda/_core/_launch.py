@@ -17,13 +17,13 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, final
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import attrs
 import numpy as np
 
 from ._array import DeviceArray
-from ._final import NoPublicConstructor
+from ._final import NoPublicConstructor, final
 from ._ops import Access, DeviceOp
 from ._params import Param, Scalar, Slice
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, final, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import attrs
 import trio
@@ -55,7 +55,7 @@ from ._asynclib import require_trio
 from ._driver import MarkerState
 from ._errors import CompletionUnknownError, KernelArgumentError, ScopeClosedError, TrioCudaError
 from ._extent import array_extent
-from ._final import NoPublicConstructor
+from ._final import NoPublicConstructor, final
 from ._ops import Access, DeviceOp, HostResult
 
 if TYPE_CHECKING:
@@ -304,6 +304,7 @@ class RoundRobinDevices:
         return scopes[i % len(scopes)]
 
 
+@final
 @attrs.frozen
 class DevicePoolStatistics:
     """A snapshot of a pool (``pool.statistics()``)."""

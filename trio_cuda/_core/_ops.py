@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, final, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 import numpy as np
+
+from ._final import final
 
 if TYPE_CHECKING:
     from ._array import DeviceArray

@@ -34,6 +34,7 @@ import numpy as np
 
 from ._array import DeviceArray, split_dtype
 from ._errors import KernelArgumentError
+from ._final import final
 from ._ops import Access
 
 DTypeLike = Any
@@ -137,6 +138,7 @@ def _check_align(inst: Scalar, _attr: object, value: int | None) -> None:
         )
 
 
+@final
 @attrs.frozen
 class Scalar:
     """A by-value parameter: a NumPy scalar type (``"f2"``, ``"f4"``, ``"i8"``,
@@ -181,6 +183,7 @@ class _ArrayParam:
     access: Access = attrs.field(init=False, default=Access.READ)
 
 
+@final
 @attrs.frozen
 class In(_ArrayParam):
     """A device array the kernel only reads (shared read lease). ``dtype``
@@ -193,6 +196,7 @@ class In(_ArrayParam):
     access: Access = attrs.field(init=False, default=Access.READ)
 
 
+@final
 @attrs.frozen
 class Out(_ArrayParam):
     """A device array the kernel writes (exclusive lease). ``dtype`` is the
@@ -205,6 +209,7 @@ class Out(_ArrayParam):
     access: Access = attrs.field(init=False, default=Access.WRITE)
 
 
+@final
 @attrs.frozen
 class InOut(_ArrayParam):
     """A device array the kernel reads and writes (exclusive lease). ``dtype``
@@ -231,6 +236,7 @@ def _check_len_dtype(_inst: object, _attr: object, value: np.dtype[Any]) -> None
         raise TypeError(f"len_dtype: expected a native integer dtype (e.g. 'u8' for size_t), got {value}")
 
 
+@final
 @attrs.frozen
 class Slice:
     """A device array passed as two parameters: a pointer and its length

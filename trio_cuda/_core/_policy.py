@@ -20,11 +20,12 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, final
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from ._extent import array_extent, overlaps
+from ._final import final
 from ._launch import KernelLaunch
 from ._leases import candidates
 

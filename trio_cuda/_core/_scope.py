@@ -29,7 +29,7 @@ from _thread import get_ident
 from collections import deque
 from collections.abc import Callable
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, final, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 import numpy as np
 import trio
@@ -43,7 +43,7 @@ from ._driver import DeviceContext, DeviceInfo
 from ._errors import ScopeClosedError
 from ._export import finish_releases
 from ._extension import ScopeExtension
-from ._final import NoPublicConstructor
+from ._final import NoPublicConstructor, final
 from ._future import DeviceFuture, wrong_caller
 from ._kernel import Kernel, static_launches
 from ._launch import KernelLaunch

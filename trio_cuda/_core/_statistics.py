@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import attrs
 
+from ._final import final
+
 __all__ = ["ScopeStatistics"]
 
 
+@final
 @attrs.frozen
 class ScopeStatistics:
     """A snapshot of a scope (``gpu.statistics()``).

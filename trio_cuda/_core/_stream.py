@@ -12,12 +12,12 @@ Invariants:
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING
 
 import attrs
 
 from ._errors import ScopeClosedError
-from ._final import NoPublicConstructor
+from ._final import NoPublicConstructor, final
 
 if TYPE_CHECKING:
     from ._driver import StreamHandle
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["Stream", "StreamStatistics"]
 
 
+@final
 @attrs.frozen
 class StreamStatistics:
     """Counters of one stream."""

@@ -29,12 +29,13 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from typing import Any, final
+from typing import Any
 
 import attrs
 import trio
 
 from ..._core._driver import DeviceInfo
+from ..._core._final import final
 from .clock import SimClock
 from .context import SimContext
 from .engine import SimEngine, _Alloc

@@ -33,10 +33,11 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ..._core._final import final
 from .. import _common
 from .clock import SimClock
 from .context import SimContext
@@ -55,6 +56,7 @@ _SPAN = 1 << 40
 _MAX_DEVICES = 64
 
 
+@final
 @attrs.frozen
 class SimHostStatistics:
     """Counters of a :class:`SimHost` (a snapshot)."""

@@ -11,12 +11,15 @@ from typing import Literal
 
 import attrs
 
+from ..._core._final import final
+
 __all__ = ["FaultKind", "SimAllocation", "SimCommandRecord", "SimStatistics", "Violation", "ViolationKind"]
 
 ViolationKind = Literal["use_after_free", "unallocated", "out_of_bounds", "double_free", "invalid_free"]
 FaultKind = Literal["launch_error", "out_of_memory", "kernel_fault", "completion_unknown"]
 
 
+@final
 @attrs.frozen
 class SimAllocation:
     """A live allocation: its device address (an int, shown in hex as
@@ -26,6 +29,7 @@ class SimAllocation:
     nbytes: int  #: its size in bytes
 
 
+@final
 @attrs.frozen
 class Violation:
     """One memcheck record. ``kind`` is ``"use_after_free"`` (freed memory, an
@@ -45,6 +49,7 @@ class Violation:
     stream: int | None  #: the index of the stream it ran on; None for ``free``
 
 
+@final
 @attrs.frozen
 class SimCommandRecord:
     """One command the simulated device executed (an entry of
@@ -68,6 +73,7 @@ class SimCommandRecord:
     t_end: float  #: when it finished executing (``t_start`` plus its simulated time)
 
 
+@final
 @attrs.frozen
 class SimStatistics:
     """Counters of a :class:`SimDevice` (executed commands, memory, memcheck)."""
