@@ -1,5 +1,6 @@
 """Every public namespace: its classes are final at runtime unless they are
-meant for subclassing (an explicit list, each entry with its reason).
+meant for subclassing (an explicit list, each entry with its reason), and each
+public submodule exposes only its ``__all__`` (and modules).
 
 The public namespaces are found, not listed: ``trio_cuda`` and every module
 under it whose dotted name has no component starting with ``_``
@@ -50,6 +51,9 @@ SUBCLASSABLE = {
     "trio_cuda.DeviceOp",
 }
 
+#: a module that pytest loads by name finds its hooks by their names too
+PLUGIN = "trio_cuda.testing.pytest_plugin"
+
 
 def _public(name: str) -> bool:
     return not any(part.startswith("_") for part in name.split("."))
@@ -93,7 +97,7 @@ CLASSES = _public_classes()
 def test_the_namespaces_are_found() -> None:
     names = {mod.__name__ for mod in MODULES}
     expected = {"trio_cuda", "trio_cuda.ops", "trio_cuda.unsafe", "trio_cuda.interop", "trio_cuda.trace"}
-    assert expected | {"trio_cuda.testing", "trio_cuda.testing.pytest_plugin"} <= names, names
+    assert expected | {"trio_cuda.testing", PLUGIN} <= names, names
     assert len(CLASSES) > 40, sorted(CLASSES)
 
 
@@ -113,6 +117,22 @@ def test_the_subclassable_list_names_public_classes() -> None:
     loaded = {mod.__name__ for mod in MODULES}  # trio_cuda.ray only where Ray is installed
     stale = sorted(name for name in SUBCLASSABLE - set(CLASSES) if name.rpartition(".")[0] in loaded)
     assert stale == [], f"not public classes: {stale}"
+
+
+@pytest.mark.parametrize("mod", [m for m in MODULES if m is not trio_cuda], ids=lambda m: m.__name__)
+def test_a_public_submodule_exposes_only_its_all(mod: types.ModuleType) -> None:
+    assert isinstance(getattr(mod, "__all__", None), list), f"{mod.__name__} has no __all__"
+    missing = [name for name in mod.__all__ if not hasattr(mod, name)]
+    assert missing == [], f"{mod.__name__}.__all__ names what it lacks: {missing}"
+    extra = sorted(
+        name
+        for name, value in vars(mod).items()
+        if not name.startswith("_")
+        and name not in mod.__all__
+        and not isinstance(value, types.ModuleType)
+        and not (mod.__name__ == PLUGIN and name.startswith("pytest_") and callable(value))
+    )
+    assert extra == [], f"{mod.__name__} exposes names outside its __all__: {extra}"
 
 
 # --------------------------------------------------------------------------- the final decorator

@@ -28,40 +28,27 @@ Invariants:
   pointer) before its producer's stream is fenced (``_cai_layout``).
 """
 
-from __future__ import annotations
+from __future__ import annotations as _annotations  # (aliased: this module exposes only __all__)
 
 import math
-from typing import Any, Literal
+import typing
 
 import numpy as np
 
-from ._core._array import (
-    MAX_EXTENT,
-    Allocation,
-    DeviceArray,
-    Order,
-    _trivial,
-    check_span,
-    contiguous_strides,
-    split_dtype,
-)
-from ._core._dlpack import (
-    ImportedTensor,
-    device_name,
-    kDLCPU,
-    kDLCUDAHost,
-    kDLCUDAManaged,
-    kDLExtDev,
-    np_dtype,
-)
-from ._core._ops import DeviceOp
-from ._core._scope import ResourceScope, current_scope
-from ._core._stream import Stream
+from ._core import _array, _dlpack, _ops, _scope
+from ._core._array import _trivial
+
+if typing.TYPE_CHECKING:
+    from typing import Any, Literal
+
+    from ._core._array import DeviceArray, Order
+    from ._core._scope import ResourceScope
+    from ._core._stream import Stream
 
 __all__ = ["borrow"]
 
 
-class _Borrow(DeviceOp[None]):
+class _Borrow(_ops.DeviceOp[None]):
     __slots__ = ()
 
     def __repr__(self) -> str:
@@ -75,9 +62,9 @@ def _layout(what: str, shape: tuple[int, ...], strides: tuple[int, ...] | None, 
     """The order of a layout given in byte strides (None: C-contiguous)."""
     if strides is None or _trivial(shape):
         return "C"
-    if tuple(strides) == contiguous_strides(shape, itemsize, "C"):
+    if tuple(strides) == _array.contiguous_strides(shape, itemsize, "C"):
         return "C"
-    if tuple(strides) == contiguous_strides(shape, itemsize, "F"):
+    if tuple(strides) == _array.contiguous_strides(shape, itemsize, "F"):
         return "F"
     raise ValueError(
         f"{what}: expected C- or F-contiguous memory, got strides {tuple(strides)} (bytes) for shape "
@@ -97,29 +84,29 @@ def _from_dlpack(
     ours = scope._driver.dlpack_device
     device = tuple(int(x) for x in obj.__dlpack_device__())
     mine = tuple(ours())
-    if device[0] in (kDLCPU, kDLCUDAHost):
+    if device[0] in (_dlpack.kDLCPU, _dlpack.kDLCUDAHost):
         raise ValueError(
             f"{what}: expected device memory, got a host array ({type(obj).__name__} on "
-            f"{device_name(device[0])}); copy host data with 'await gpu.to_device(array)'"
+            f"{_dlpack.device_name(device[0])}); copy host data with 'await gpu.to_device(array)'"
         )
-    managed_ok = mine[0] == 2 and device[0] == kDLCUDAManaged
+    managed_ok = mine[0] == 2 and device[0] == _dlpack.kDLCUDAManaged
     if device != mine and not managed_ok:
         raise ValueError(
-            f"{what}: expected memory of this scope's device ({device_name(mine[0])}, id {mine[1]}), "
-            f"got {type(obj).__name__} on {device_name(device[0])}, id {device[1]}"
+            f"{what}: expected memory of this scope's device ({_dlpack.device_name(mine[0])}, id {mine[1]}), "
+            f"got {type(obj).__name__} on {_dlpack.device_name(device[0])}, id {device[1]}"
         )
     consumer = scope._driver.stream_address(stream.handle)
-    if device[0] == kDLExtDev:  # simulated memory: exported only to a consumer that names its device
+    if device[0] == _dlpack.kDLExtDev:  # simulated memory: exported only to a consumer that names its device
         capsule = obj.__dlpack__(stream=consumer, max_version=(1, 1), dl_device=device)
     else:
         try:
             capsule = obj.__dlpack__(stream=consumer, max_version=(1, 1))
         except TypeError:  # a producer of DLPack < 1.0 (no max_version)
             capsule = obj.__dlpack__(stream=consumer)
-    tensor = ImportedTensor(capsule)
+    tensor = _dlpack.ImportedTensor(capsule)
     try:
         code, bits, lanes = tensor.dtype
-        dt = np_dtype(code, bits, lanes)
+        dt = _dlpack.np_dtype(code, bits, lanes)
         if dt is None:
             raise TypeError(
                 f"{what}: expected a DLPack dtype NumPy has (bool, int, uint, float, complex; one lane), "
@@ -167,7 +154,7 @@ def _cai_layout(cai: dict[str, Any], what: str) -> tuple[int, tuple[int, ...], n
     shape = _cai_ints(what, "shape", cai["shape"])
     if any(d < 0 for d in shape):
         raise ValueError(f"{what}: {_CAI} shape: expected non-negative dimensions, got {shape}")
-    if any(d > MAX_EXTENT for d in shape):
+    if any(d > _array.MAX_EXTENT for d in shape):
         raise ValueError(
             f"{what}: {_CAI} shape: expected dimensions of at most 2**63 - 1 (int64), got {shape}"
         )
@@ -180,11 +167,11 @@ def _cai_layout(cai: dict[str, Any], what: str) -> tuple[int, tuple[int, ...], n
             f"{what}: expected a dtype NumPy understands, got {cai.get('typestr')!r} ({exc})"
         ) from None
     try:
-        dt, sub = split_dtype(given)
+        dt, sub = _array.split_dtype(given)
     except TypeError as exc:
         raise TypeError(f"{what}: {_CAI} {exc}") from None
     full = (*shape, *sub)
-    check_span(full, dt, label=f"{what}: {_CAI} shape")
+    _array.check_span(full, dt, label=f"{what}: {_CAI} shape")
     strides: tuple[int, ...] | None = None
     if cai.get("strides") is not None:
         strides = _cai_ints(what, "strides", cai["strides"])
@@ -192,7 +179,7 @@ def _cai_layout(cai: dict[str, Any], what: str) -> tuple[int, tuple[int, ...], n
             raise ValueError(
                 f"{what}: {_CAI} strides: expected one stride per dimension of shape {shape}, got {strides}"
             )
-        if any(not _INT64_MIN <= st <= MAX_EXTENT for st in strides):
+        if any(not _INT64_MIN <= st <= _array.MAX_EXTENT for st in strides):
             raise ValueError(
                 f"{what}: {_CAI} strides: expected values that fit int64 (from -2**63 to 2**63 - 1), "
                 f"got {strides}"
@@ -265,8 +252,8 @@ def borrow(
     if access not in ("read", "write"):
         raise ValueError(f"borrow: access: expected 'read' or 'write', got {access!r}")
     if scope is None:
-        scope = current_scope()
-    elif not isinstance(scope, ResourceScope):
+        scope = _scope.current_scope()
+    elif not isinstance(scope, _scope.ResourceScope):
         raise TypeError(f"borrow: scope: expected a ResourceScope, got {type(scope).__name__}")
     scope._check_open("borrow")
     if scope._enqueuing:
@@ -305,10 +292,10 @@ def borrow(
         nbytes = math.prod(shape) * dt.itemsize  # bounded: at most 2**63 - 1
         _check_device(scope, what, ptr, nbytes)
     except BaseException:
-        if isinstance(owner, ImportedTensor):
+        if isinstance(owner, _dlpack.ImportedTensor):
             owner.close()
         raise
-    alloc = Allocation(scope, ptr, nbytes)
+    alloc = _array.Allocation(scope, ptr, nbytes)
     alloc.borrowed = access
     alloc.owner = owner
     # Publish the producer's fence: work on other streams orders after `s`.

@@ -33,7 +33,7 @@ Invariants:
   back.
 """
 
-from __future__ import annotations
+from __future__ import annotations as _annotations  # (aliased: this module exposes only __all__)
 
 import contextlib
 import inspect
@@ -46,8 +46,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Literal, TypeVar
+import typing
 
 import attrs
 import trio
@@ -60,30 +59,32 @@ except ModuleNotFoundError as exc:
         f"trio_cuda.ray needs Ray ({exc}): pip install 'trio_cuda[ray]'{note}", name=exc.name, path=exc.path
     ) from exc
 
-from ._core._errors import TrioCudaError
-from ._core._final import NoPublicConstructor, final
-from ._core._scope import ResourceScope
-from ._core._statistics import ScopeStatistics
-from ._open import open_scope, sim_options_from_env
-from .testing import SimDevice
+from . import _open
+from . import testing as _testing
+from ._core import _errors, _final, _statistics
+
+if typing.TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Mapping
+    from typing import Any, Literal
+
+    from ._core._scope import ResourceScope
+    from ._core._statistics import ScopeStatistics
+
+    #: what ended a job early
+    CancelReason = Literal["deadline", "ray.cancel"]
 
 __all__ = ["JobCancelledError", "RemoteJob", "WorkerContext", "WorkerReport", "remote", "run_job"]
-
-R = TypeVar("R")
-
-#: what ended a job early
-CancelReason = Literal["deadline", "ray.cancel"]
 
 #: options of :func:`remote` and :meth:`RemoteJob.options` that are trio_cuda's, not Ray's
 _OWN_OPTIONS = frozenset({"device", "deadline", "sim", "scope_options"})
 
 
-class JobCancelledError(TrioCudaError):
+class JobCancelledError(_errors.TrioCudaError):
     """:meth:`WorkerReport.result` of a job that was cancelled before it
     returned (its deadline passed, or Ray cancelled the task)."""
 
 
-@final
+@_final.final
 @attrs.frozen
 class WorkerReport:
     """What one call of a job sent back from its Ray worker."""
@@ -97,7 +98,7 @@ class WorkerReport:
     #: that did not survive pickling replaced by a RuntimeError naming it)
     emitted: dict[Any, Any]
     #: "deadline" or "ray.cancel" when the job was cancelled, else None
-    cancelled: CancelReason | None
+    cancelled: Literal["deadline", "ray.cancel"] | None
     #: the scope's statistics after it closed
     statistics: ScopeStatistics
     #: "cuda" or "sim"
@@ -152,8 +153,8 @@ class WorkerReport:
         return self.value
 
 
-@final
-class WorkerContext(metaclass=NoPublicConstructor):
+@_final.final
+class WorkerContext(metaclass=_final.NoPublicConstructor):
     """What a job gets as its first argument: the scope, and a way to send
     results back that survive cancellation. Made by the worker for each call."""
 
@@ -212,11 +213,11 @@ def _pick_device(
     if device == "auto":
         device = "cuda:0" if gpu_ids else "sim"
     if device == "sim":
-        options: dict[str, Any] = dict(sim_options_from_env())
+        options: dict[str, Any] = dict(_open.sim_options_from_env())
         options.update(sim or {})
-        made = SimDevice(**options)
+        made = _testing.SimDevice(**options)
         return made, made
-    if isinstance(device, SimDevice):
+    if isinstance(device, _testing.SimDevice):
         return device, device
     return device, None
 
@@ -228,7 +229,7 @@ _visible_at_first_gpu_job: list[str | None] = []
 
 def _check_same_gpus(where: object) -> None:
     """A reused worker process must be given the GPUs its driver already saw."""
-    if where is None or isinstance(where, SimDevice) or where == "sim":
+    if where is None or isinstance(where, _testing.SimDevice) or where == "sim":
         return
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not _visible_at_first_gpu_job:
@@ -367,7 +368,7 @@ async def _run(
     with receiver as signals:
         try:
             _check_same_gpus(where)
-            async with open_scope(device=where, **scope_options) as gpu:
+            async with _open.open_scope(device=where, **scope_options) as gpu:
                 scope = gpu
                 backend, name = gpu.device.backend, gpu.device.name
                 ctx = WorkerContext._create(gpu, deadline, emitted, attempt, gpu_ids)
@@ -434,8 +435,8 @@ async def _run(
 
 
 def _empty_statistics(backend: str, device: str) -> ScopeStatistics:
-    fields = {f.name: 0 for f in attrs.fields(ScopeStatistics) if f.type in (int, "int")}
-    return ScopeStatistics(backend=backend, device=device, **fields)
+    fields = {f.name: 0 for f in attrs.fields(_statistics.ScopeStatistics) if f.type in (int, "int")}
+    return _statistics.ScopeStatistics(backend=backend, device=device, **fields)
 
 
 def run_job(
@@ -474,7 +475,7 @@ def _worker(
 # --------------------------------------------------------------------------- the driver side
 
 
-@final
+@_final.final
 class RemoteJob:
     """A Trio job that runs as a Ray task: ``job.remote(*args)`` returns a
     Ray ``ObjectRef`` of a :class:`WorkerReport`. Made by :func:`remote`."""

@@ -32,24 +32,28 @@ trace SCRIPT`` does that). Invariants:
   waits only while it is copied (about a millisecond per 100,000 events).
 """
 
-from __future__ import annotations
+from __future__ import annotations as _annotations  # (aliased: this module exposes only __all__)
 
 import json
 import os
 import sys
 import threading
-from typing import Any
+import typing
 
 import attrs
 
-from ._core._final import final
-from ._core._trace import CATEGORIES, Snapshot, Tracer, process_tracer, set_process_tracer
+from ._core import _final, _trace
 from ._version import __version__
+
+if typing.TYPE_CHECKING:
+    from typing import Any
+
+    from ._core._trace import Snapshot
 
 __all__ = ["Trace", "TraceEvent", "current", "disable", "enable"]
 
 
-@final
+@_final.final
 @attrs.frozen
 class TraceEvent:
     """One recorded lifetime event (:attr:`Trace.events`).
@@ -88,7 +92,7 @@ class TraceEvent:
     args: dict[str, Any] | None
 
 
-@final
+@_final.final
 class Trace:
     """A bounded recording of lifetime events, from one or more scopes.
 
@@ -108,7 +112,7 @@ class Trace:
             raise ValueError(f"limit: expected an int >= 1 and at most sys.maxsize, got {limit!r}")
         if not isinstance(timing, bool):
             raise TypeError(f"timing: expected a bool, got {timing!r}")
-        self._tracer = Tracer(limit, timing)
+        self._tracer = _trace.Tracer(limit, timing)
 
     @property
     def events(self) -> list[TraceEvent]:
@@ -178,7 +182,7 @@ def enable(*, limit: int = 100_000, timing: bool = False) -> Trace:
     any thread, into a new process-wide :class:`Trace`, and return it."""
     trace = Trace(limit=limit, timing=timing)
     with _switch:
-        set_process_tracer(trace._tracer)
+        _trace.set_process_tracer(trace._tracer)
         _current[0] = trace
     return trace
 
@@ -188,7 +192,7 @@ def disable() -> Trace | None:
     Scopes already open go on recording into it until they exit."""
     with _switch:
         trace = current()
-        set_process_tracer(None)
+        _trace.set_process_tracer(None)
         _current[0] = None
     return trace
 
@@ -196,7 +200,7 @@ def disable() -> Trace | None:
 def current() -> Trace | None:
     """The process-wide trace, if :func:`enable` turned one on."""
     trace = _current[0]
-    if trace is not None and process_tracer() is not trace._tracer:
+    if trace is not None and _trace.process_tracer() is not trace._tracer:
         return None
     return trace
 
@@ -469,7 +473,7 @@ class _Chrome:
                 "flows": flows,
                 "backend": "/".join(sorted(backends)) or "none",
                 "device_time": "/".join(sorted(clocks)) or "host-observed",
-                "categories": list(CATEGORIES),
+                "categories": list(_trace.CATEGORIES),
             },
         }
 

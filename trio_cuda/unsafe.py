@@ -5,16 +5,20 @@ When a function returns (or raises), the runtime holds nothing of the work; the
 caller keeps every array alive and orders every access itself.
 """
 
-from __future__ import annotations
+from __future__ import annotations as _annotations  # (aliased: this module exposes only __all__)
 
-from typing import Any, TypeVar
+import typing
 
-from ._core._array import DeviceArray
-from ._core._final import final
-from ._core._ops import DeviceOp
-from ._core._stream import Stream
+from ._core import _array, _final, _stream
 
-T = TypeVar("T")
+if typing.TYPE_CHECKING:
+    from typing import Any, TypeVar
+
+    from ._core._array import DeviceArray
+    from ._core._ops import DeviceOp
+    from ._core._stream import Stream
+
+    T = TypeVar("T")
 
 __all__ = ["CudaView", "async_on", "cuda_view"]
 
@@ -28,12 +32,12 @@ def async_on(op: DeviceOp[T], stream: Stream) -> T:
     bookkeeping run (the scope is open; the launch fits the device).
     ``ops.host_closure`` is refused (it needs the completion handoff).
     """
-    if type(stream) is not Stream:
+    if type(stream) is not _stream.Stream:
         raise TypeError(f"stream: expected a Stream, got {type(stream).__name__}")
     return stream.scope._enqueue_unsafe(op, stream)
 
 
-@final
+@_final.final
 class CudaView:
     """A lease-free CUDA Array Interface (v3) view of a :class:`DeviceArray`,
     from :func:`cuda_view`. It keeps the array's handle alive, nothing more."""
@@ -63,7 +67,7 @@ def cuda_view(arr: DeviceArray) -> CudaView:
     the places no lease covers, where the caller orders every access and keeps
     the scope open while the consumer uses the memory.
     Only on the ``cuda`` backend (simulated memory has no CUDA address)."""
-    if not isinstance(arr, DeviceArray):
+    if not isinstance(arr, _array.DeviceArray):
         raise TypeError(f"arr: expected a DeviceArray, got {type(arr).__name__}")
     backend = arr.scope.device.backend
     if backend != "cuda":

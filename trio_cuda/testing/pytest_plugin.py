@@ -48,19 +48,21 @@ Invariants:
   them (the same error type, its message prefixed with the marker).
 """
 
-from __future__ import annotations
+from __future__ import annotations as _annotations  # (aliased: only __all__ and hooks are public)
 
 import argparse
 import contextlib
 import importlib.util
 import inspect
 import math
-from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+import typing
 
 import pytest
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterator
+    from typing import Any
+
     from .._backends import CudaProbe
     from .._core._scope import ResourceScope
     from . import SimDevice
