@@ -31,13 +31,13 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-import struct
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, Literal, Protocol, TypeAlias
 
 import attrs
 import numpy as np
 
+from . import _fastgen
 from ._arena import (
     _K_ARRAY,
     _K_FLOAT,
@@ -50,12 +50,12 @@ from ._arena import (
     _scalar_bytes,
     _slots_for,
 )
-from ._array import AllocState, DeviceArray
+from ._array import DeviceArray
 from ._builder import LaunchBuilder
 from ._config import LaunchConfig, cached_config
 from ._errors import KernelArgumentError
 from ._final import final
-from ._launch import ArgView, KernelLaunch, PreparedLaunch, _LaunchUnderConstruction, _merge_accesses
+from ._launch import ArgView, KernelLaunch, PreparedLaunch, _merge_accesses
 from ._ops import Access, DeviceOp, _Map, _Shared, _Then, _Zip
 from ._params import In, InOut, Out, Param, Scalar, Slice, _check_array, _convert_scalar, _param_label
 
@@ -499,7 +499,6 @@ def static_launches(op: DeviceOp[Any]) -> Iterator[PreparedLaunch]:
 
 # --------------------------------------------------------------------------- fast path
 
-_LIVE = AllocState.LIVE
 #: every int of this magnitude converts to a double exactly, so NumPy and
 #: ``struct`` round it to a narrower float the same way
 _EXACT_INT_FLOAT = 2**53
@@ -522,26 +521,10 @@ def _compile_fast(kernel: Kernel) -> FastLauncher | None:
     table, packer = _fast_packer(kernel.params, kernel._plan)
     if table is None or packer is None:
         return None
-    ns: dict[str, object] = {
-        "DeviceArray": DeviceArray,
-        "LIVE": _LIVE,
-        "StructError": struct.error,
-        "pack": packer.pack,
-        "prod": math.prod,
-        "merge": _merge_accesses,
-        "new": object.__new__,
-        "PreparedLaunch": PreparedLaunch,
-        "KernelLaunch": KernelLaunch,
-        "UnderConstruction": _LaunchUnderConstruction,
-        "kernel": kernel,
-        "plan": kernel._plan,
-    }
+    ns = _fastgen.namespace(kernel, kernel._plan, packer)
+    ns["prod"] = math.prod
     names = [f"a{i}" for i in range(len(table))]
-    # (a wrong number of arguments: the checked path names it)
-    if names:
-        body = [f"    try:\n        {', '.join(names)}, = args\n    except ValueError:\n        return None"]
-    else:
-        body = ["    if args:\n        return None"]
+    body = [_fastgen.unpack(names)]
     packed: list[str] = []
     accesses: list[str] = []
     allocs: list[str] = []
@@ -551,13 +534,7 @@ def _compile_fast(kernel: Kernel) -> FastLauncher | None:
         ns[f"dt{i}"] = dt
         if kind in (_K_ARRAY, _K_SLICE):
             m = f"m{i}"
-            body.append(
-                f"    if type({a}) is not DeviceArray or {a}._closed:\n        return None\n"
-                f"    {m} = {a}._alloc\n"
-                f"    if {m}.state is not LIVE or {m}.scope._closed:\n        return None\n"
-                f"    d = {a}._dtype\n"
-                f"    if d is not dt{i} and d != dt{i}:\n        return None"
-            )
+            body.append(_fastgen.array_guard(a, m, i))
             if access is Access.WRITE:
                 body.append(f"    if {a}._readonly:\n        return None")
                 outputs.append(a)
@@ -587,10 +564,7 @@ def _compile_fast(kernel: Kernel) -> FastLauncher | None:
         else:
             body.append(f"    if t is not bool and t is not dt{i}:\n        return None")
         packed.append(a)
-    body.append(
-        f"    try:\n        arena = pack({', '.join(packed)})\n"
-        f"    except (StructError, OverflowError):\n        return None"
-    )
+    body.append(_fastgen.pack(packed))
     body.append(f"    accesses = ({''.join(x + ', ' for x in accesses)})")
     n = len(allocs)
     if n > 1:
@@ -599,20 +573,6 @@ def _compile_fast(kernel: Kernel) -> FastLauncher | None:
         else:
             same = f"len({{{', '.join(f'id({m})' for m in allocs)}}}) < {n}"
         body.append(f"    if {same}:\n        accesses = merge(accesses)")
-    output = "None" if not outputs else outputs[0] if len(outputs) == 1 else f"({', '.join(outputs)},)"
-    body.append(
-        "    p = new(PreparedLaunch)\n"
-        "    p.kernel = kernel\n    p.config = config\n    p.plan = plan\n"
-        "    p.arena = arena\n    p.args = None\n    p.values = args\n    p.cache = {}\n"
-        # (as ``_launch._make_launch`` does)
-        "    launch = new(UnderConstruction)\n"
-        "    launch.prepared = p\n    launch._accesses = accesses\n    launch._lease_plan = None\n"
-        f"    launch._output = {output}\n"
-        "    launch.__class__ = KernelLaunch\n"
-        "    return launch"
-    )
-    source = "def fast(args, config):\n" + "\n".join(body) + "\n"
-    exec(compile(source, f"<trio_cuda fast launch of {kernel.name}>", "exec"), ns)
-    fast: FastLauncher = ns["fast"]  # type: ignore[assignment]
-    fast.__doc__ = source  # for debugging: the generated source
+    body.append(_fastgen.launch_tail(outputs))
+    fast: FastLauncher = _fastgen.build(body, ns, f"fast launch of {kernel.name}")
     return fast

@@ -30,10 +30,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 
-from ._array import AllocState, DeviceArray
-from ._launch import KernelLaunch, PreparedLaunch, _LaunchUnderConstruction, _merge_accesses
+from . import _fastgen
+from ._launch import KernelLaunch
 from ._ops import Access
 
 __all__ = ["TileArg", "compile_tile_fast"]
@@ -60,33 +59,14 @@ class TileArg:
     value: Any = None
 
 
-_LIVE = AllocState.LIVE
-
-
 def compile_tile_fast(
     kernel: Any, plan: Any, packer: struct.Struct, args: Sequence[TileArg]
 ) -> FastTileLauncher:
     """The fast path of one recipe of the specialisation kernel ``kernel``
     (its parameter ``plan`` and the arena's ``packer``)."""
-    ns: dict[str, object] = {
-        "DeviceArray": DeviceArray,
-        "LIVE": _LIVE,
-        "StructError": struct.error,
-        "pack": packer.pack,
-        "merge": _merge_accesses,
-        "new": object.__new__,
-        "PreparedLaunch": PreparedLaunch,
-        "KernelLaunch": KernelLaunch,
-        "UnderConstruction": _LaunchUnderConstruction,
-        "kernel": kernel,
-        "plan": plan,
-        "bool_": np.bool_,
-    }
+    ns = _fastgen.namespace(kernel, plan, packer)
     names = [f"a{i}" for i in range(len(args))]
-    if names:
-        body = [f"    try:\n        {', '.join(names)}, = args\n    except ValueError:\n        return None"]
-    else:
-        body = ["    if args:\n        return None"]
+    body = [_fastgen.unpack(names)]
     packed: list[str] = []
     accesses: list[str] = []
     allocs: list[tuple[str, bool]] = []
@@ -99,13 +79,9 @@ def compile_tile_fast(
             ns[f"shape{i}"] = arg.shape
             ns[f"order{i}"] = arg.order
             ns[f"access{i}"] = arg.access
+            body.append(_fastgen.array_guard(a, m, i))
             body.append(
-                f"    if type({a}) is not DeviceArray or {a}._closed:\n        return None\n"
-                f"    {m} = {a}._alloc\n"
-                f"    if {m}.state is not LIVE or {m}.scope._closed:\n        return None\n"
                 f"    p{i} = {m}.ptr + {a}._offset\n"
-                f"    d = {a}._dtype\n"
-                f"    if d is not dt{i} and d != dt{i}:\n        return None\n"
                 f"    if {a}._shape != shape{i} or {a}._order != order{i} or p{i} & 15 != {int(arg.align)}:\n"
                 "        return None"
             )
@@ -137,10 +113,7 @@ def compile_tile_fast(
             ns[f"t{i}"] = arg.type_
             body.append(f"    if type({a}) is not t{i}:\n        return None")
             packed.append(a)
-    body.append(
-        f"    try:\n        arena = pack({', '.join(packed)})\n"
-        f"    except (StructError, OverflowError):\n        return None"
-    )
+    body.append(_fastgen.pack(packed))
     # two arrays of one allocation: the checked path compares byte ranges
     # (and merges the accesses of identical extents)
     n = len(allocs)
@@ -163,19 +136,6 @@ def compile_tile_fast(
     body.append(f"    accesses = ({''.join(x + ', ' for x in accesses)})")
     if read:  # reads of one allocation: one lease per extent
         body.append(f"    if {' or '.join(read)}:\n        accesses = merge(accesses)")
-    output = "None" if not outputs else outputs[0] if len(outputs) == 1 else f"({', '.join(outputs)},)"
-    body.append(
-        "    p = new(PreparedLaunch)\n"
-        "    p.kernel = kernel\n    p.config = config\n    p.plan = plan\n"
-        "    p.arena = arena\n    p.args = None\n    p.values = args\n    p.cache = {}\n"
-        "    launch = new(UnderConstruction)\n"
-        "    launch.prepared = p\n    launch._accesses = accesses\n    launch._lease_plan = None\n"
-        f"    launch._output = {output}\n"
-        "    launch.__class__ = KernelLaunch\n"
-        "    return launch"
-    )
-    source = "def fast(args, config):\n" + "\n".join(body) + "\n"
-    exec(compile(source, f"<trio_cuda fast tile launch of {kernel.name}>", "exec"), ns)
-    fast: FastTileLauncher = ns["fast"]  # type: ignore[assignment]
-    fast.__doc__ = source
+    body.append(_fastgen.launch_tail(outputs))
+    fast: FastTileLauncher = _fastgen.build(body, ns, f"fast tile launch of {kernel.name}")
     return fast
