@@ -352,16 +352,16 @@ async def test_borrow_refuses_a_cuda_array_interface_beyond_int64_before_anythin
     ],
 )
 def test_a_valid_cuda_array_interface_layout_is_taken_as_given(fields, layout):
-    from trio_cuda import interop
+    from trio_cuda._core import _borrow
 
     cai = _AnyCAI(**fields).__cuda_array_interface__
-    _ptr, shape, dt, order, read_only = interop._cai_layout(cai, "borrow: obj")
+    _ptr, shape, dt, order, read_only = _borrow.cai_layout(cai, "borrow: obj")
     assert (shape, dt.name, order) == layout
     assert read_only is False
 
 
 def test_a_sub_array_cuda_array_interface_in_f_order_is_refused():
-    from trio_cuda import interop
+    from trio_cuda._core import _borrow
 
     cai = _AnyCAI(shape=(2, 3), typestr="(2,)<f4", strides=(8, 16)).__cuda_array_interface__
     with pytest.raises(
@@ -369,7 +369,7 @@ def test_a_sub_array_cuda_array_interface_in_f_order_is_refused():
         match=r"^borrow: obj: a sub-array dtype adds trailing dimensions \(2,\), which an F-order array "
         r"cannot take and stay contiguous; got \('<f4', \(2,\)\) for an F-order array of shape \(2, 3\)$",
     ):
-        interop._cai_layout(cai, "borrow: obj")
+        _borrow.cai_layout(cai, "borrow: obj")
 
 
 class _RawDLPack:

@@ -45,8 +45,8 @@ SUBCLASSABLE = {
     # which they may also subclass explicitly.
     "trio_cuda.SchedulingPolicy",
     "trio_cuda.DevicePolicy",
-    # The base of every op: the library's own ops subclass it (in its private modules and
-    # in trio_cuda.interop), and a subclass that implements _enqueue is accepted as an op
+    # The base of every op: the library's own ops subclass it (in its private modules),
+    # and a subclass that implements _enqueue is accepted as an op
     # (see the TypeError of check_op).
     "trio_cuda.DeviceOp",
 }

@@ -389,10 +389,13 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         *,
         track: bool = False,
         dirty: bool = False,
+        readonly: bool = False,
     ) -> DeviceArray:
         """Register new memory (allocated here, or borrowed) and its first
         handle, and publish it as written on ``stream``: work on other streams
-        orders after that point. ``dirty``: the publication enqueued work."""
+        orders after that point. ``dirty``: the publication enqueued work.
+        ``readonly``: the handle is read-only once published (the publication
+        itself writes)."""
         self._allocs[alloc] = None
         tr = self._tracer
         if tr is not None:
@@ -402,6 +405,8 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         take_leases(self, stream, sub, ((arr, Access.WRITE),), what)
         sub.dirty = dirty
         self._finish_submission(sub, None)
+        if readonly:
+            arr._readonly = True
         return arr
 
     def zeros(
