@@ -42,6 +42,7 @@ from _kernels import ADD, COPY, add, copy, stub_source
 
 import trio_cuda
 from trio_cuda import InOut, Scalar, ops
+from trio_cuda._backends.sim.engine import SimEngine
 from trio_cuda.testing import SimDevice, SimHost
 
 F4 = np.float32
@@ -326,15 +327,15 @@ def test_sync_api_from_a_worker_thread_is_refused(sim, call):
 
 
 def test_array_close_from_a_worker_thread_frees_on_the_loop_thread(monkeypatch: pytest.MonkeyPatch):
-    # SimDevice is final: record the thread of every free by patching the class for this test
+    # SimDevice is final: record the thread of every free by patching its engine's class for this test
     frees: list[tuple[int, int]] = []
-    real_free = SimDevice._free
+    real_free = SimEngine.free
 
-    def recording_free(self: SimDevice, ptr: int, nbytes: int) -> None:
+    def recording_free(self: SimEngine, ptr: int, nbytes: int) -> None:
         frees.append((ptr, threading.get_ident()))
         real_free(self, ptr, nbytes)
 
-    monkeypatch.setattr(SimDevice, "_free", recording_free)
+    monkeypatch.setattr(SimEngine, "free", recording_free)
     sim = SimDevice()
     record: dict[str, object] = {}
 

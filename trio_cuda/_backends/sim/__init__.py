@@ -8,9 +8,10 @@ Invariants:
   outside), ``records`` (what the device records and reports), ``views``
   (the bounds-checked views a reference gets), ``handles`` (streams,
   markers, gates, loaded kernels, graphs), ``engine`` (memory, memcheck,
-  faults and the command queue), ``context`` (:class:`SimContext`, the
-  DeviceContext of one scope), ``device`` (:class:`SimDevice`: settings and
-  test controls), ``host`` (:class:`SimHost`: several devices of one machine).
+  faults and the command queue: all of a device's mutable state),
+  ``context`` (:class:`SimContext`, the DeviceContext of one scope),
+  ``device`` (:class:`SimDevice`: settings and test controls; it holds its
+  engine as a field), ``host`` (:class:`SimHost`: several devices of one machine).
   ``engine`` and ``context`` reach ``host`` only through imports inside the
   functions that need it (peer copies, cross-device waits).
 * Checks and errors the cuda backend raises alike come from

@@ -16,7 +16,7 @@ Invariants:
   current run's clock (for ``trio.move_on_at``), rounded down by a few units
   in the last place: never late (a MockClock jumped exactly to a due time
   fires it), maybe a hair early, so whoever waited for a due time executes
-  the work due by it (``SimEngine._pump(until=...)``) instead of reading the
+  the work due by it (``SimEngine.pump(until=...)``) instead of reading the
   clock again.
 * The devices of one SimHost share one clock, so their times compare.
 """

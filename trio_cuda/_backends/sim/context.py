@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from ..._core._kernel import Kernel
     from ..._core._launch import PreparedLaunch
     from .device import SimDevice
+    from .engine import SimEngine
 
 __all__ = ["DLPACK_SIM_DEVICE", "SimContext"]
 
@@ -87,13 +88,17 @@ class SimContext:
     """One scope's view of a :class:`SimDevice` (the DeviceContext protocol).
     Commands from every context of a device share the device's engine."""
 
-    __slots__ = ("_capturing", "_closed", "_device", "_streams", "info")
+    __slots__ = ("_capturing", "_closed", "_device", "_streams", "engine", "info")
 
     info: DeviceInfo
+    #: the device's engine (``engine``'s internal interface), which every
+    #: context of the device shares
+    engine: SimEngine
 
-    def __init__(self, device: SimDevice) -> None:
+    def __init__(self, device: SimDevice, engine: SimEngine) -> None:
         self._device = device
-        self.info = device._info
+        self.engine = engine
+        self.info = engine.info
         self._streams: dict[SimStream, None] = {}
         self._closed = False
         self._capturing: SimStream | None = None
@@ -114,7 +119,7 @@ class SimContext:
 
     # ------------------------------------------------------------------ traces
     def last_command(self) -> int | None:
-        return self._device._seq
+        return self.engine.last_seq()
 
     def timing_start(self, stream: StreamHandle) -> None:
         pass  # the simulator's commands carry their own times (command_times)
@@ -127,7 +132,7 @@ class SimContext:
 
     def command_times(self, ids: Sequence[int]) -> dict[int, tuple[float, float]]:
         wanted = set(ids)
-        return {e.seq: (e.t_start, e.t_end) for e in self._device._trace if e.seq in wanted}
+        return {e.seq: (e.t_start, e.t_end) for e in self.engine.trace() if e.seq in wanted}
 
     @property
     def closed(self) -> bool:
@@ -155,8 +160,8 @@ class SimContext:
     def _marker(self, marker: Marker) -> SimMarker:
         if not isinstance(marker, SimMarker):
             raise _common.not_a("marker", marker, SimMarker)
-        dev = marker.stream._context._device
-        if dev is not self._device and (dev._host is None or dev._host is not self._device._host):
+        eng = marker.stream._context.engine
+        if eng is not self.engine and (eng.host is None or eng.host is not self.engine.host):
             raise ValueError(
                 f"marker: {marker!r} was recorded on another simulated device, not of this one's SimHost"
             )
@@ -189,17 +194,19 @@ class SimContext:
         self._stream(stream)
         if self._capturing is not None:
             raise _common.capture_refuses_alloc(nbytes, self._capturing.index)
-        return self._device._alloc(nbytes)
+        return self.engine.alloc(nbytes)
 
     def free(self, ptr: int, nbytes: int) -> None:
-        self._device._free(ptr, nbytes)
+        self.engine.free(ptr, nbytes)
 
     def copy_h2d(self, stream: StreamHandle, dst: int, src: np.ndarray[Any, Any]) -> object | None:
         s = self._stream(stream)
-        dev = self._device
+        eng = self.engine
         staged = np.frombuffer(np.ascontiguousarray(src).tobytes(), dtype=np.uint8)
         n = staged.nbytes
-        dev._enqueue(s, _Cmd("h2d", dev._next_seq(), f"h2d {n} B", dev.copy_time, staged, dst=dst, nbytes=n))
+        eng.enqueue(
+            s, _Cmd("h2d", eng.next_seq(), f"h2d {n} B", self._device.copy_time, staged, dst=dst, nbytes=n)
+        )
         return None
 
     def copy_d2h(
@@ -209,17 +216,28 @@ class SimContext:
         _common.check_host_dst(dst)
         if direct and s._capture is not None:
             raise _common.sync_copy_in_capture(s.index)
-        dev = self._device
+        eng = self.engine
         n = dst.nbytes
-        dev._enqueue(s, _Cmd("d2h", dev._next_seq(), f"d2h {n} B", dev.copy_time, dst, src=src, nbytes=n))
+        eng.enqueue(
+            s, _Cmd("d2h", eng.next_seq(), f"d2h {n} B", self._device.copy_time, dst, src=src, nbytes=n)
+        )
         return None
 
     def copy_d2d(self, stream: StreamHandle, dst: int, src: int, nbytes: int) -> None:
         s = self._stream(stream)
         nbytes = _common.check_count("nbytes", nbytes)
-        dev = self._device
-        dev._enqueue(
-            s, _Cmd("d2d", dev._next_seq(), f"d2d {nbytes} B", dev.copy_time, dst=dst, src=src, nbytes=nbytes)
+        eng = self.engine
+        eng.enqueue(
+            s,
+            _Cmd(
+                "d2d",
+                eng.next_seq(),
+                f"d2d {nbytes} B",
+                self._device.copy_time,
+                dst=dst,
+                src=src,
+                nbytes=nbytes,
+            ),
         )
 
     def copy_peer(
@@ -251,10 +269,10 @@ class SimContext:
         s = self._stream(stream)
         pattern = _common.check_pattern(pattern)
         count = _common.check_count("count", count)
-        dev = self._device
+        eng = self.engine
         n = len(pattern) * count
-        dev._enqueue(
-            s, _Cmd("fill", dev._next_seq(), f"fill {n} B", dev.copy_time, pattern, dst=dst, nbytes=n)
+        eng.enqueue(
+            s, _Cmd("fill", eng.next_seq(), f"fill {n} B", self._device.copy_time, pattern, dst=dst, nbytes=n)
         )
 
     # ------------------------------------------------------------------ kernels
@@ -276,21 +294,19 @@ class SimContext:
             _nvrtc.check_kernel(kernel, self.info.compute_capability)
             if kernel.reference is None:
                 raise missing_reference(kernel)
-        dev = self._device
-        dev._kernel_loads += 1
-        return SimFunction(kernel, self, _MODULE_BASE + dev._kernel_loads * _ALIGN)
+        return SimFunction(kernel, self, _MODULE_BASE + self.engine.kernel_loaded() * _ALIGN)
 
     def unload_kernel(self, function: object) -> None:
         """Unload a module from :meth:`load_kernel`. A launch of it that executes
         later is a ``use_after_free`` violation; unloading twice a ``double_free``."""
         if not isinstance(function, SimFunction):
             raise _common.not_a("function", function, SimFunction, " from load_kernel")
-        dev = self._device
+        eng = self.engine
         if function.unloaded:
-            dev._violations.append(Violation("double_free", function.handle, 0, "unload_kernel", None))
+            eng.record_violation(Violation("double_free", function.handle, 0, "unload_kernel", None))
             return
         function.unloaded = True
-        dev._kernel_unloads += 1
+        eng.kernel_unloaded()
 
     def check_launch(self, function: object, launch: PreparedLaunch) -> None:
         """The simulator's share of the up-front launch checks: a cooperative
@@ -328,12 +344,21 @@ class SimContext:
                 f"{info.max_threads_per_block} threads / {info.max_shared_memory_per_block_optin} bytes",
                 call="cuLaunchKernel",
             )
-        dev = self._device
+        eng = self.engine
         fault: str | None = None
-        if dev._faults and s._capture is None:  # a capture runs nothing: faults wait for a replay
-            fault = dev._launch_fault(f"kernel {kernel.name}", "cuLaunchKernel")
-        dev._enqueue(
-            s, _Cmd("launch", dev._next_seq(), kernel.name, dev.kernel_time, launch, fault=fault, fn=function)
+        if s._capture is None:  # a capture runs nothing: faults wait for a replay
+            fault = eng.launch_fault("kernel", kernel.name, "cuLaunchKernel")
+        eng.enqueue(
+            s,
+            _Cmd(
+                "launch",
+                eng.next_seq(),
+                kernel.name,
+                self._device.kernel_time,
+                launch,
+                fault=fault,
+                fn=function,
+            ),
         )
 
     # ------------------------------------------------------------------ ordering
@@ -343,9 +368,7 @@ class SimContext:
 
     def poll_marker(self, marker: Marker) -> Poll:
         m = self._marker(marker)
-        dev = self._device
-        if dev._timed_pending and not dev._held:
-            dev._pump()
+        self.engine.pump_due()
         s = m.stream
         if m.seq > s._done_seq:
             return PENDING
@@ -356,50 +379,45 @@ class SimContext:
     def wait_marker(self, stream: StreamHandle, marker: Marker) -> None:
         s = self._stream(stream)
         m = self._marker(marker)
-        dev = self._device
+        eng = self.engine
         label = f"wait stream {m.stream.index} marker {m.seq}"
-        dev._enqueue(s, _Cmd("wait_marker", dev._next_seq(), label, 0.0, m))
+        eng.enqueue(s, _Cmd("wait_marker", eng.next_seq(), label, 0.0, m))
 
     def create_gate(self, stream: StreamHandle) -> SimGate:
         s = self._stream(stream)
-        dev = self._device
+        eng = self.engine
         gate = SimGate(s)
-        dev._enqueue(s, _Cmd("gate", dev._next_seq(), "gate", 0.0, gate))
+        eng.enqueue(s, _Cmd("gate", eng.next_seq(), "gate", 0.0, gate))
         return gate
 
     def open_gate(self, gate: Gate) -> None:
         if not isinstance(gate, SimGate):
             raise _common.not_a("gate", gate, SimGate)
-        dev = self._device
-        if gate.stream._context._device is not dev:
+        if gate.stream._context.engine is not self.engine:
             raise ValueError(f"gate: {gate!r} was created on another simulated device")
         if gate.opened:
             return
         gate.opened = True
-        gate._opened_at = dev._time.now()
-        dev._dirty.append(gate.stream)
-        dev._pump()
+        self.engine.open_gate(gate)
 
     async def wait_for_progress(self, pending: Sequence[Marker]) -> None:
-        dev = self._device
+        eng = self.engine
         # Register for the wakeup before looking: polling can itself complete
         # timed work, and progress made while we look must not be lost.
-        event = dev._progress_event()
+        event = eng.progress_event()
         if (
-            (dev._timed_pending and not dev._held and dev._pump())
-            or any(self.poll_marker(m) is not PENDING for m in pending)
-            or event.is_set()
+            eng.pump_due() or any(self.poll_marker(m) is not PENDING for m in pending) or event.is_set()
         ):  # progress, or a marker that completed before the call
             await trio.lowlevel.checkpoint()
             return
-        due = dev._next_due()
+        due = eng.next_due()
         if due is None:
             await event.wait()
             return
         # Wait on the run's own clock (MockClock too): the device clock follows it.
-        with trio.move_on_at(dev._time.deadline(due)) as cs:
+        with trio.move_on_at(eng.deadline(due)) as cs:
             await event.wait()
-        dev._pump(due if cs.cancelled_caught else 0.0)
+        eng.pump(due if cs.cancelled_caught else 0.0)
 
     def notify_submitted(self) -> None:
         """Nothing to do: enqueueing already wakes timed waiters."""
@@ -413,16 +431,10 @@ class SimContext:
     def stream_address(self, stream: StreamHandle) -> int:
         """A fake handle naming ``stream`` to consumers (``__dlpack__(stream=)``)."""
         s = self._stream(stream)
-        dev = self._device
-        addr = dev._stream_addrs.get(s)
-        if addr is None:
-            addr = _STREAM_ADDRESS_BASE + 64 * (len(dev._stream_addrs) + 1)
-            dev._stream_addrs[s] = addr
-            dev._addr_streams[addr] = s
-        return addr
+        return self.engine.stream_address(s, _STREAM_ADDRESS_BASE)
 
     def _foreign_stream(self, address: object) -> SimStream:
-        s = self._device._addr_streams.get(address) if isinstance(address, int) else None
+        s = self.engine.stream_at(address) if isinstance(address, int) else None
         if s is None or s._destroyed:
             raise ValueError(
                 f"stream: expected the address of a live stream of simulated device "
@@ -437,10 +449,10 @@ class SimContext:
     def _mark(self, s: SimStream) -> SimMarker:
         if s._capture is not None:  # before the sequence number is taken
             raise _common.not_capturable(f"marker {s._marker_seq + 1}", s.index)
-        dev = self._device
+        eng = self.engine
         s._marker_seq += 1
         marker = SimMarker(s, s._marker_seq)
-        dev._enqueue(s, _Cmd("marker", dev._next_seq(), f"marker {marker.seq}", 0.0, marker.seq))
+        eng.enqueue(s, _Cmd("marker", eng.next_seq(), f"marker {marker.seq}", 0.0, marker.seq))
         return marker
 
     def foreign_wait(self, foreign: int, stream: StreamHandle) -> None:
@@ -449,18 +461,18 @@ class SimContext:
         s = self._stream(stream)
         fs = self._foreign_stream(foreign)
         marker = self._mark(s)
-        dev = self._device
+        eng = self.engine
         label = f"wait stream {s.index} marker {marker.seq}"
-        dev._enqueue(fs, _Cmd("wait_marker", dev._next_seq(), label, 0.0, marker))
+        eng.enqueue(fs, _Cmd("wait_marker", eng.next_seq(), label, 0.0, marker))
 
     def foreign_fence(self, foreign: int | None) -> tuple[SimMarker, ...]:
         """A point after the work enqueued so far on the foreign stream, or,
         for None, on every stream of the device (any context)."""
         self._check_open()
         if foreign is None:
-            streams = list(self._device._busy)
+            streams = self.engine.busy_streams()
         else:
-            fs = self._device._addr_streams.get(foreign)
+            fs = self.engine.stream_at(foreign)
             if fs is not None and fs._destroyed:
                 return ()  # a destroyed stream had no queued work left
             streams = [self._foreign_stream(foreign)]
@@ -471,10 +483,10 @@ class SimContext:
         s = self._stream(stream)
         if not isinstance(fence, tuple):
             raise TypeError(f"fence: expected what foreign_fence() returned, got {type(fence).__name__}")
-        dev = self._device
+        eng = self.engine
         for m in fence:
             label = f"wait stream {m.stream.index} marker {m.seq}"
-            dev._enqueue(s, _Cmd("wait_marker", dev._next_seq(), label, 0.0, m))
+            eng.enqueue(s, _Cmd("wait_marker", eng.next_seq(), label, 0.0, m))
 
     def drop_fence(self, fence: object) -> None:
         """Nothing to free on the simulator."""
@@ -488,15 +500,16 @@ class SimContext:
     def dlpack_device(self) -> tuple[int, int]:
         """``(kDLExtDev, n)``: simulated memory is no real device's; only
         ``trio_cuda.borrow`` on the same SimDevice accepts it."""
-        return (DLPACK_SIM_DEVICE, self._device._dl_id)
+        return (DLPACK_SIM_DEVICE, self.engine.dl_id)
 
     def pointer_device(self, ptr: int, nbytes: int) -> str | None:
         """None if ``[ptr, ptr + nbytes)`` is live memory of this device, else
         what it is instead."""
-        dev = self._device
-        if nbytes == 0 or dev._find_live(ptr, nbytes) is not None:
+        if nbytes == 0 or self.engine.find_live(ptr, nbytes) is not None:
             return None
-        return f"no live allocation of simulated device {dev.name!r} holds {nbytes} bytes at {ptr:#x}"
+        return (
+            f"no live allocation of simulated device {self._device.name!r} holds {nbytes} bytes at {ptr:#x}"
+        )
 
     # ------------------------------------------------------------------ graphs
 
@@ -537,10 +550,7 @@ class SimContext:
         dev = self._device
         if dev.graph_host_time:
             time.sleep(dev.graph_host_time)
-        with dev._graph_lock:
-            dev._graphs_made += 1
-            dev._graphs_live += 1
-            handle = _GRAPH_BASE + dev._graphs_made * _ALIGN
+        handle = _GRAPH_BASE + self.engine.graph_made() * _ALIGN
         return SimGraphExec(self, g.nodes, handle)
 
     def graph_upload(self, graph_exec: object) -> None:
@@ -549,22 +559,19 @@ class SimContext:
         so that tests see the core upload each graph once, before its first
         replay."""
         ge = self._exec(graph_exec)
-        dev = self._device
-        with dev._graph_lock:
-            ge.uploads += 1
-            dev._graph_uploads += 1
+        self.engine.graph_uploaded(ge)
 
     def graph_launch(self, stream: StreamHandle, graph_exec: object) -> None:
         s = self._stream(stream)
         ge = self._exec(graph_exec)
-        dev = self._device
+        eng = self.engine
         fault: str | None = None
-        if dev._faults and s._capture is None:
-            fault = dev._launch_fault(f"graph {ge.handle:#x}", "cuGraphLaunch")
+        if s._capture is None:
+            fault = eng.launch_fault("graph", f"{ge.handle:#x}", "cuGraphLaunch")
         nodes = ge.nodes  # a snapshot: graph_update only affects later launches
         duration = sum(n.duration for n in nodes)
         label = f"graph {ge.handle:#x} ({len(nodes)} commands)"
-        dev._enqueue(s, _Cmd("graph", dev._next_seq(), label, duration, (ge, nodes), fault=fault))
+        eng.enqueue(s, _Cmd("graph", eng.next_seq(), label, duration, (ge, nodes), fault=fault))
 
     def graph_update(self, graph_exec: object, graph: object) -> None:
         """Take the parameters of ``graph``: it must have the same topology (the
@@ -594,14 +601,12 @@ class SimContext:
         """Destroy an executable graph. A launch of it that still executes later
         is a ``use_after_free``; destroying it twice a ``double_free``."""
         ge = self._exec(graph_exec, destroyed_ok=True)
-        dev = self._device
         if ge.destroyed:
-            dev._violations.append(Violation("double_free", ge.handle, 0, "destroy_graph", None))
+            self.engine.record_violation(Violation("double_free", ge.handle, 0, "destroy_graph", None))
             return
         ge.destroyed = True
         ge.nodes = ()  # drop the captured launches (and the arrays they name)
-        with dev._graph_lock:
-            dev._graphs_live -= 1
+        self.engine.graph_destroyed()
 
     def _graph(self, graph: object) -> SimGraph:
         if not isinstance(graph, SimGraph) or graph.context is not self:

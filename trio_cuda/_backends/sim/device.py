@@ -3,7 +3,10 @@
 Invariants:
 
 * One :class:`SimDevice` is one address space and one engine, shared by every
-  :class:`~.context.SimContext` (one per scope) opened on it. Everything is
+  :class:`~.context.SimContext` (one per scope) opened on it. The device holds
+  its :class:`~.engine.SimEngine` as a field: the engine owns every piece of
+  mutable state, the device keeps its settings and the public controls, each
+  a call into the engine. Everything is
   called from one thread (the Trio loop, or synchronous test code); nothing
   here blocks.
 * The controls have fixed names, which tests and users rely on (see
@@ -21,26 +24,23 @@ Invariants:
 * The one exception to "one thread": with ``graph_host_time`` set, the core
   instantiates, uploads and updates graphs in worker threads (as on a GPU).
   Those calls touch only their own graph objects and the graph counters,
-  which ``_graph_lock`` guards.
+  which the engine's ``_graph_lock`` guards.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
-import trio
 
 from ..._core._driver import DeviceInfo
 from ..._core._final import final
-from .clock import SimClock
 from .context import SimContext
-from .engine import SimEngine, _Alloc
-from .handles import SimStream
-from .records import FaultKind, SimAllocation, SimCommandRecord, SimStatistics, Violation
+from .engine import SimEngine
+
+if TYPE_CHECKING:
+    from .records import FaultKind, SimAllocation, SimCommandRecord, SimStatistics, Violation
 
 __all__ = ["SimDevice"]
 
@@ -81,7 +81,7 @@ def _check_trace_limit(_inst: object, _attr: object, value: object) -> None:
 
 @final
 @attrs.define(eq=False, repr=False)
-class SimDevice(SimEngine):
+class SimDevice:
     """A simulated GPU, shared by every scope opened on it.
 
     ``memory`` is the total device memory in bytes. ``kernel_time`` and
@@ -125,50 +125,12 @@ class SimDevice(SimEngine):
     #: both in a worker thread, as it does on a GPU
     graph_host_time: float = attrs.field(default=0.0, kw_only=True, validator=_check_time)
 
-    _held: bool = attrs.field(init=False, default=False)
-    #: the device clock every time comes from (see ``clock``); a SimHost's
-    #: devices share one
-    _time: SimClock = attrs.field(init=False, factory=SimClock)
-    _next_ptr: int = attrs.field(init=False, default=_BASE_ADDRESS)
-    _bases: list[int] = attrs.field(init=False, factory=list)
-    _allocs: list[_Alloc] = attrs.field(init=False, factory=list)
-    _live: dict[int, _Alloc] = attrs.field(init=False, factory=dict)
-    _live_bytes: int = attrs.field(init=False, default=0)
-    _violations: list[Violation] = attrs.field(init=False, factory=list)
-    _trace: deque[SimCommandRecord] = attrs.field(init=False, factory=deque)
-    _faults: dict[str, int] = attrs.field(init=False, factory=dict)
-    _seq: int = attrs.field(init=False, default=0)
-    _busy: dict[SimStream, None] = attrs.field(init=False, factory=dict)
-    _dirty: deque[SimStream] = attrs.field(init=False, factory=deque)
-    _pending: int = attrs.field(init=False, default=0)
-    _timed_pending: int = attrs.field(init=False, default=0)
-    _event: trio.Event | None = attrs.field(init=False, default=None)
-    _pumping: bool = attrs.field(init=False, default=False)
-    _info: DeviceInfo = attrs.field(init=False)
-    _launches: int = attrs.field(init=False, default=0)
-    _copies: int = attrs.field(init=False, default=0)
-    _fills: int = attrs.field(init=False, default=0)
-    _bytes_copied: int = attrs.field(init=False, default=0)
-    _executed: int = attrs.field(init=False, default=0)
-    _kernel_loads: int = attrs.field(init=False, default=0)
-    _kernel_unloads: int = attrs.field(init=False, default=0)
-    _alloc_count: int = attrs.field(init=False, default=0)
-    _free_count: int = attrs.field(init=False, default=0)
-    #: interop: fake stream addresses, and this device's DLPack device id
-    _stream_addrs: dict[SimStream, int] = attrs.field(init=False, factory=dict)
-    _addr_streams: dict[int, SimStream] = attrs.field(init=False, factory=dict)
-    _dl_id: int = attrs.field(init=False, factory=lambda: next(_sim_device_ids))
-    _graphs_made: int = attrs.field(init=False, default=0)
-    _graphs_live: int = attrs.field(init=False, default=0)
-    _graph_launches: int = attrs.field(init=False, default=0)
-    _graph_uploads: int = attrs.field(init=False, default=0)
-    #: the graph counters, which a worker thread changes too (``graph_host_time``)
-    _graph_lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
-    #: the SimHost this device belongs to (see ``host``), or None
-    _host: Any = attrs.field(init=False, default=None)
+    #: the engine: all of the device's mutable state (memory, memcheck,
+    #: faults, streams' commands, counters), behind its internal interface
+    _engine: SimEngine = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._info = DeviceInfo(
+        info = DeviceInfo(
             backend="sim",
             name=self.name,
             ordinal=0,
@@ -181,13 +143,14 @@ class SimDevice(SimEngine):
             max_shared_memory_per_multiprocessor=233472,
             reserved_shared_memory_per_block=1024,
         )
-        self._trace = deque(maxlen=self.trace_limit)
+        self._engine = SimEngine(self, info, next(_sim_device_ids), _BASE_ADDRESS)
 
     def __repr__(self) -> str:
-        mode = "held" if self._held else "free-running"
+        stats = self._engine.statistics()
+        mode = "held" if self._engine.held else "free-running"
         return (
-            f"<SimDevice {self.name!r} {mode} pending={self._pending} "
-            f"live={len(self._live)} ({self._live_bytes} B) violations={len(self._violations)}>"
+            f"<SimDevice {self.name!r} {mode} pending={stats.pending} "
+            f"live={stats.live_allocations} ({stats.live_bytes} B) violations={stats.violations}>"
         )
 
     # ------------------------------------------------------------------ public
@@ -195,122 +158,91 @@ class SimDevice(SimEngine):
     @property
     def info(self) -> DeviceInfo:
         """Static facts about the simulated device."""
-        return self._info
+        return self._engine.info
+
+    @property
+    def _dl_id(self) -> int:
+        # this device's DLPack device id (the engine's)
+        return self._engine.dl_id
 
     def open_context(self) -> SimContext:
         """A new context (one per scope) on this device."""
-        return SimContext(self)
+        return SimContext(self, self._engine)
 
     @property
     def held(self) -> bool:
         """True while work commands only execute through complete_next/run_until_idle."""
-        return self._held
+        return self._engine.held
 
     @property
     def pending(self) -> int:
         """Commands enqueued on any stream and not executed yet."""
-        return self._pending
+        return self._engine.pending
 
     @property
     def violations(self) -> list[Violation]:
         """Memcheck records, oldest first (a snapshot); ``[]`` means clean."""
-        return list(self._violations)
+        return self._engine.violations()
 
     def clear_violations(self) -> None:
         """Forget the recorded memcheck violations."""
-        self._violations.clear()
+        self._engine.clear_violations()
 
     @property
     def live_allocations(self) -> list[SimAllocation]:
         """Allocations not yet freed, by address (a snapshot)."""
-        return [SimAllocation(a.ptr, a.nbytes) for a in self._live.values()]
+        return self._engine.live_allocations()
 
     @property
     def live_graphs(self) -> int:
         """Executable graphs instantiated and not yet destroyed."""
-        return self._graphs_live
+        return self._engine.graph_counts()[0]
 
     @property
     def graph_launches(self) -> int:
         """Graph replays executed so far (each runs all its captured commands)."""
-        return self._graph_launches
+        return self._engine.graph_counts()[1]
 
     @property
     def graph_uploads(self) -> int:
         """Executable graphs uploaded so far (``graph_upload``: the core
         uploads each one once, after instantiating it, before any replay)."""
-        return self._graph_uploads
+        return self._engine.graph_counts()[2]
 
     @property
     def trace(self) -> list[SimCommandRecord]:
         """Executed commands in execution order, as
         :class:`~trio_cuda.testing.SimCommandRecord` (a snapshot; the most
         recent ``trace_limit`` of them)."""
-        return list(self._trace)
+        return list(self._engine.trace())
 
     def clear_trace(self) -> None:
         """Forget the recorded trace."""
-        self._trace.clear()
+        self._engine.trace().clear()
 
     def statistics(self) -> SimStatistics:
         """Counters of the device (a snapshot)."""
-        return SimStatistics(
-            launches=self._launches,
-            copies=self._copies,
-            fills=self._fills,
-            bytes_copied=self._bytes_copied,
-            commands_executed=self._executed,
-            pending=self._pending,
-            live_allocations=len(self._live),
-            live_bytes=self._live_bytes,
-            violations=len(self._violations),
-            kernel_loads=self._kernel_loads,
-            kernel_unloads=self._kernel_unloads,
-            allocations=self._alloc_count,
-            frees=self._free_count,
-        )
+        return self._engine.statistics()
 
     def peek(self, ptr: int, nbytes: int) -> bytes:
         """Debug read of device memory, outside any stream order. The range must
         lie in one live allocation (ValueError otherwise); no violation is recorded."""
-        alloc = self._find_live(ptr, nbytes)
-        if alloc is None:
-            raise ValueError(
-                f"ptr: expected a range inside one live allocation, got {nbytes} bytes at {ptr:#x}"
-            )
-        off = ptr - alloc.ptr
-        return alloc.buf[off : off + nbytes].tobytes()
+        return self._engine.peek(ptr, nbytes)
 
     def hold(self) -> None:
         """Stop free-running: from now on work commands execute only through
         :meth:`complete_next` and :meth:`run_until_idle` (bookkeeping still runs)."""
-        self._held = True
+        self._engine.hold()
 
     def release(self) -> None:
         """Go back to free-running and execute everything runnable (timing allowing)."""
-        self._held = False
-        self._pump()
-        self._wake()  # waiters re-arm: their deadlines may have changed
+        self._engine.release()
 
     def complete_next(self) -> bool:
         """Execute exactly one runnable work command (the oldest by enqueue order
         among the stream heads) and the bookkeeping it unblocks. Ignores timing.
         Returns False if no work command was runnable."""
-        self._settle()
-        best: SimStream | None = None
-        best_seq = 0
-        for s in self._busy:
-            head = s._queue[0]
-            if head.work and (best is None or head.seq < best_seq):
-                best, best_seq = s, head.seq
-        if best is None:
-            return False
-        self._exec_work(best, None)
-        self._settle()
-        if not self._held:
-            self._pump()
-        self._wake()
-        return True
+        return self._engine.complete_next()
 
     def run_until_idle(self) -> int:
         """Execute runnable commands until none is runnable (even while held; the
@@ -324,7 +256,7 @@ class SimDevice(SimEngine):
         """Free-running: execute every command that is runnable and due now.
         Returns the number of commands executed (0 while held, apart from
         bookkeeping)."""
-        return self._pump()
+        return self._engine.pump()
 
     def inject_fault(self, kind: FaultKind, *, count: int = 1) -> None:
         """Make the next ``count`` launches (or allocations) fail.
@@ -347,4 +279,9 @@ class SimDevice(SimEngine):
             )
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"count: expected a positive int, got {count!r}")
-        self._faults[kind] = self._faults.get(kind, 0) + count
+        self._engine.add_fault(kind, count)
+
+
+def engine_of(device: SimDevice) -> SimEngine:
+    """The engine ``device`` holds (for the simulator's host, which joins devices)."""
+    return device._engine

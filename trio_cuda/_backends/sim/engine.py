@@ -23,7 +23,7 @@ Invariants:
   commands (launches, copies, fills, graph replays, peer copies) execute on
   enqueue when free-running, when due if ``kernel_time`` or ``copy_time`` is
   positive, and only through ``complete_next`` / ``run_until_idle`` while
-  held. ``_pump`` is not re-entrant.
+  held. ``pump`` is not re-entrant.
 * Every time (enqueue, due, start, end) is read from the device's
   :class:`~.clock.SimClock` (``_time``), and waiters wait for due work on
   the same clock (``SimContext.wait_for_progress``): under a Trio
@@ -38,35 +38,49 @@ Invariants:
   injected ``completion_unknown`` skips its launch and makes the stream's next
   marker poll ``UNKNOWN`` forever. The engine never raises into whoever pumps
   it.
-* :class:`SimEngine` is the base of :class:`~.device.SimDevice`, whose fields
-  it uses; it holds no state of its own.
+* :class:`SimEngine` owns all of a device's mutable state; the public
+  :class:`~.device.SimDevice` holds one as a field and keeps only its
+  settings, which the engine reads through ``device`` (so a setting changed on
+  the device takes effect as before). Nothing outside this module touches the
+  engine's underscored fields: the contexts, handles and host use its
+  internal interface, the methods without a leading underscore: memory
+  (``alloc``, ``free``, ``find_live``, ``resolve``), commands (``next_seq``,
+  ``enqueue``, ``launch_fault``, ``open_gate``, ``mark_ready``), running
+  (``pump``, ``pump_due``, ``settle``, ``progress_event``, ``next_due``,
+  ``deadline``), records and counters (``record_violation``,
+  ``kernel_loaded``, ``graph_made``, ``count_copy``, ...) and a host's
+  ``join_host``; ``info``, ``dl_id`` and ``host`` are plain attributes, set
+  once (``host`` and ``info`` by ``join_host``).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import threading
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 import trio
 
-from ..._core._driver import MarkerState, Poll
+from ..._core._driver import DeviceInfo, MarkerState, Poll
 from ..._core._errors import CompletionUnknownError, LaunchError, OutOfMemoryError
 from ..._core._kernel import NO_REFERENCE
 from ..._core._ops import Access
 from ..._core._params import In, InOut, Out, Param, Scalar, Slice
 from .. import _common
-from .records import SimCommandRecord, Violation, ViolationKind
+from .clock import SimClock
+from .records import SimAllocation, SimCommandRecord, SimStatistics, Violation, ViolationKind
 from .views import Describe, LaunchCheck, OutOfBounds, bounded
 
 if TYPE_CHECKING:
     from ..._core._kernel import Kernel
     from ..._core._launch import ArgView, PreparedLaunch
-    from .clock import SimClock
+    from .device import SimDevice
     from .handles import SimFunction, SimGate, SimGraphExec, SimMarker, SimStream
 
 __all__ = ["SimEngine"]
@@ -102,7 +116,7 @@ class _Cmd:
     """One queued command. ``data`` is the kind's payload: the staged bytes (h2d),
     the host array (d2h), the pattern (fill), the PreparedLaunch (launch), the
     marker sequence number (marker), the SimMarker (wait_marker) or the SimGate.
-    ``t_enqueue`` is set by ``SimEngine._enqueue``, on the device clock."""
+    ``t_enqueue`` is set by ``SimEngine.enqueue``, on the device clock."""
 
     __slots__ = (
         "data",
@@ -147,41 +161,269 @@ class _Cmd:
 
 
 class SimEngine:
-    """Memory, memcheck, faults and the command engine of :class:`~.device.SimDevice`,
-    whose fields (declared here for the type checker) it uses."""
+    """Memory, memcheck, faults and the command engine of one
+    :class:`~.device.SimDevice`, which holds it as a field. It owns every piece
+    of the device's mutable state; the device's settings it reads from
+    ``device`` (they stay the public attributes users set). The simulator's
+    contexts, handles and host use it through the methods without a leading
+    underscore (see the module invariants)."""
 
-    if TYPE_CHECKING:  # the fields of SimDevice that the engine uses
-        name: str
-        memory: int
-        trace_limit: int | None
-        _held: bool
-        _time: SimClock
-        _next_ptr: int
-        _bases: list[int]
-        _allocs: list[_Alloc]
-        _live: dict[int, _Alloc]
-        _live_bytes: int
-        _violations: list[Violation]
-        _trace: deque[SimCommandRecord]
-        _faults: dict[str, int]
-        _seq: int
-        _busy: dict[SimStream, None]
-        _dirty: deque[SimStream]
-        _pending: int
-        _timed_pending: int
-        _event: trio.Event | None
-        _pumping: bool
-        _launches: int
-        _copies: int
-        _fills: int
-        _bytes_copied: int
-        _executed: int
-        _alloc_count: int
-        _free_count: int
-        _graph_launches: int
-        _host: Any  # the SimHost of the device (see ``host``), or None
-    else:
-        __slots__ = ()  # SimDevice is slotted: no instance __dict__
+    __slots__ = (
+        "_addr_streams",
+        "_alloc_count",
+        "_allocs",
+        "_bases",
+        "_busy",
+        "_bytes_copied",
+        "_copies",
+        "_dirty",
+        "_event",
+        "_executed",
+        "_faults",
+        "_fills",
+        "_free_count",
+        "_graph_launches",
+        "_graph_lock",
+        "_graph_uploads",
+        "_graphs_live",
+        "_graphs_made",
+        "_held",
+        "_kernel_loads",
+        "_kernel_unloads",
+        "_launches",
+        "_live",
+        "_live_bytes",
+        "_next_ptr",
+        "_pending",
+        "_pumping",
+        "_seq",
+        "_stream_addrs",
+        "_time",
+        "_timed_pending",
+        "_trace",
+        "_violations",
+        "device",
+        "dl_id",
+        "host",
+        "info",
+    )
+
+    def __init__(self, device: SimDevice, info: DeviceInfo, dl_id: int, base_address: int) -> None:
+        #: the SimDevice whose settings (name, memory, times, trace_limit) the engine reads
+        self.device = device
+        #: static facts (``DeviceInfo``); a SimHost renumbers its ordinal (``join_host``)
+        self.info = info
+        #: this device's DLPack device id
+        self.dl_id = dl_id
+        #: the SimHost the device belongs to (see ``host``), or None; set by ``join_host``
+        self.host: Any = None
+        self._held = False
+        #: the device clock every time comes from (see ``clock``); a SimHost's
+        #: devices share one
+        self._time = SimClock()
+        self._next_ptr = base_address
+        self._bases: list[int] = []
+        self._allocs: list[_Alloc] = []
+        self._live: dict[int, _Alloc] = {}
+        self._live_bytes = 0
+        self._violations: list[Violation] = []
+        self._trace: deque[SimCommandRecord] = deque(maxlen=device.trace_limit)
+        self._faults: dict[str, int] = {}
+        self._seq = 0
+        self._busy: dict[SimStream, None] = {}
+        self._dirty: deque[SimStream] = deque()
+        self._pending = 0
+        self._timed_pending = 0
+        self._event: trio.Event | None = None
+        self._pumping = False
+        self._launches = 0
+        self._copies = 0
+        self._fills = 0
+        self._bytes_copied = 0
+        self._executed = 0
+        self._kernel_loads = 0
+        self._kernel_unloads = 0
+        self._alloc_count = 0
+        self._free_count = 0
+        #: interop: fake stream addresses
+        self._stream_addrs: dict[SimStream, int] = {}
+        self._addr_streams: dict[int, SimStream] = {}
+        self._graphs_made = 0
+        self._graphs_live = 0
+        self._graph_launches = 0
+        self._graph_uploads = 0
+        #: the graph counters, which a worker thread changes too (``graph_host_time``)
+        self._graph_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ test controls and snapshots
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def hold(self) -> None:
+        self._held = True
+
+    def release(self) -> None:
+        self._held = False
+        self.pump()
+        self._wake()  # waiters re-arm: their deadlines may have changed
+
+    def complete_next(self) -> bool:
+        """Execute the oldest runnable work command (see ``SimDevice.complete_next``)."""
+        self.settle()
+        best: SimStream | None = None
+        best_seq = 0
+        for s in self._busy:
+            head = s._queue[0]
+            if head.work and (best is None or head.seq < best_seq):
+                best, best_seq = s, head.seq
+        if best is None:
+            return False
+        self._exec_work(best, None)
+        self.settle()
+        if not self._held:
+            self.pump()
+        self._wake()
+        return True
+
+    def add_fault(self, kind: str, count: int) -> None:
+        self._faults[kind] = self._faults.get(kind, 0) + count
+
+    def violations(self) -> list[Violation]:
+        return list(self._violations)
+
+    def clear_violations(self) -> None:
+        self._violations.clear()
+
+    def record_violation(self, violation: Violation) -> None:
+        self._violations.append(violation)
+
+    def live_allocations(self) -> list[SimAllocation]:
+        return [SimAllocation(a.ptr, a.nbytes) for a in self._live.values()]
+
+    def graph_counts(self) -> tuple[int, int, int]:
+        """Executable graphs live, graph replays executed, graphs uploaded."""
+        return self._graphs_live, self._graph_launches, self._graph_uploads
+
+    def trace(self) -> deque[SimCommandRecord]:
+        """The recorded commands (the live deque: callers copy or iterate)."""
+        return self._trace
+
+    def last_seq(self) -> int:
+        """The sequence number of the last command made (0: none yet)."""
+        return self._seq
+
+    def statistics(self) -> SimStatistics:
+        return SimStatistics(
+            launches=self._launches,
+            copies=self._copies,
+            fills=self._fills,
+            bytes_copied=self._bytes_copied,
+            commands_executed=self._executed,
+            pending=self._pending,
+            live_allocations=len(self._live),
+            live_bytes=self._live_bytes,
+            violations=len(self._violations),
+            kernel_loads=self._kernel_loads,
+            kernel_unloads=self._kernel_unloads,
+            allocations=self._alloc_count,
+            frees=self._free_count,
+        )
+
+    def peek(self, ptr: int, nbytes: int) -> bytes:
+        alloc = self.find_live(ptr, nbytes)
+        if alloc is None:
+            raise ValueError(
+                f"ptr: expected a range inside one live allocation, got {nbytes} bytes at {ptr:#x}"
+            )
+        off = ptr - alloc.ptr
+        return alloc.buf[off : off + nbytes].tobytes()
+
+    # ------------------------------------------------------------------ the contexts' interface
+
+    def kernel_loaded(self) -> int:
+        """Count a module load; returns the loads so far (the handle's index)."""
+        self._kernel_loads += 1
+        return self._kernel_loads
+
+    def kernel_unloaded(self) -> None:
+        self._kernel_unloads += 1
+
+    def graph_made(self) -> int:
+        """Count an executable graph (any thread); returns its index."""
+        with self._graph_lock:
+            self._graphs_made += 1
+            self._graphs_live += 1
+            return self._graphs_made
+
+    def graph_uploaded(self, graph_exec: SimGraphExec) -> None:
+        """Count an upload of ``graph_exec`` (any thread)."""
+        with self._graph_lock:
+            graph_exec.uploads += 1
+            self._graph_uploads += 1
+
+    def graph_destroyed(self) -> None:
+        with self._graph_lock:
+            self._graphs_live -= 1
+
+    def stream_address(self, s: SimStream, base: int) -> int:
+        """The fake address of ``s`` for interop (made on first use, from ``base``)."""
+        addr = self._stream_addrs.get(s)
+        if addr is None:
+            addr = base + 64 * (len(self._stream_addrs) + 1)
+            self._stream_addrs[s] = addr
+            self._addr_streams[addr] = s
+        return addr
+
+    def stream_at(self, address: int) -> SimStream | None:
+        return self._addr_streams.get(address)
+
+    def busy_streams(self) -> list[SimStream]:
+        """Streams with commands queued, in the order they became busy."""
+        return list(self._busy)
+
+    def pump_due(self) -> int:
+        """Free-running with timed work pending: execute what is due now."""
+        if self._timed_pending and not self._held:
+            return self.pump()
+        return 0
+
+    def open_gate(self, gate: SimGate) -> None:
+        gate._opened_at = self._time.now()
+        self._dirty.append(gate.stream)
+        self.pump()
+
+    def deadline(self, due: float) -> float:
+        """``due`` (device clock) as a Trio deadline."""
+        return self._time.deadline(due)
+
+    def mark_ready(self, stream: SimStream) -> None:
+        """``stream``'s head may run now (a wait it queued on was satisfied)."""
+        self._dirty.append(stream)
+
+    def count_copy(self, nbytes: int) -> None:
+        """Count a copy (a peer copy's), and its bytes if it moved any."""
+        self._copies += 1
+        self._bytes_copied += nbytes
+
+    def is_fresh(self) -> bool:
+        """Nothing was ever allocated and nothing is enqueued."""
+        return not (self._alloc_count or self._pending)
+
+    def join_host(self, host: Any, clock: SimClock, base_address: int, ordinal: int) -> None:
+        """Become device ``ordinal`` of ``host``: its shared clock, its address range."""
+        self.host = host
+        self._time = clock
+        self._next_ptr = base_address
+        self.info = attrs.evolve(self.info, ordinal=ordinal)
+
+    def clock(self) -> SimClock:
+        return self._time
 
     # ------------------------------------------------------------------ faults
 
@@ -195,13 +437,16 @@ class SimEngine:
             self._faults[kind] = n - 1
         return True
 
-    def _launch_fault(self, what: str, call: str) -> str | None:
-        """The fault that a launch (or graph replay) of ``what`` takes as it is
-        enqueued: an injected ``launch_error`` raises (nothing is enqueued);
-        else "completion_unknown", "kernel_fault" or None."""
+    def launch_fault(self, what: str, name: str, call: str) -> str | None:
+        """The fault that a launch (or graph replay) of ``what`` ``name`` takes as
+        it is enqueued: an injected ``launch_error`` raises (nothing is enqueued);
+        else "completion_unknown", "kernel_fault" or None (at once when no
+        fault is injected: the launch path's only cost here)."""
+        if not self._faults:
+            return None
         if self._take_fault("launch_error"):
             raise LaunchError(
-                701, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", f"injected launch_error ({what})", call=call
+                701, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", f"injected launch_error ({what} {name})", call=call
             )
         if self._take_fault("completion_unknown"):
             return "completion_unknown"
@@ -211,14 +456,14 @@ class SimEngine:
 
     # ------------------------------------------------------------------ memory
 
-    def _alloc(self, nbytes: int) -> int:
+    def alloc(self, nbytes: int) -> int:
         nbytes = _common.check_count("nbytes", nbytes)
         if self._take_fault("out_of_memory"):
             raise _out_of_memory(f"injected out_of_memory (allocating {nbytes} bytes)")
-        if self._live_bytes + nbytes > self.memory:
+        if self._live_bytes + nbytes > self.device.memory:
             raise _out_of_memory(
-                f"{self.name}: cannot allocate {nbytes} bytes; {self._live_bytes} of "
-                f"{self.memory} bytes are in use"
+                f"{self.device.name}: cannot allocate {nbytes} bytes; {self._live_bytes} of "
+                f"{self.device.memory} bytes are in use"
             )
         ptr = self._next_ptr
         span = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
@@ -231,7 +476,7 @@ class SimEngine:
         self._alloc_count += 1
         return ptr
 
-    def _free(self, ptr: int, nbytes: int) -> None:
+    def free(self, ptr: int, nbytes: int) -> None:
         alloc = self._live.get(ptr)
         if alloc is None:
             i = bisect_left(self._bases, ptr)
@@ -255,7 +500,7 @@ class SimEngine:
             alloc.buf.fill(_POISON)  # stale views see the poison
         alloc.buf = _EMPTY
 
-    def _find_live(self, addr: int, size: int) -> _Alloc | None:
+    def find_live(self, addr: int, size: int) -> _Alloc | None:
         i = bisect_right(self._bases, addr) - 1
         if i < 0:
             return None
@@ -264,7 +509,7 @@ class SimEngine:
             return None
         return a
 
-    def _resolve(self, addr: int, size: int, op: str, stream: SimStream) -> _Alloc | None:
+    def resolve(self, addr: int, size: int, op: str, stream: SimStream) -> _Alloc | None:
         """The live allocation holding ``[addr, addr + size)``, or None after
         recording a violation. A zero-byte range outside every allocation gets an
         empty stand-in."""
@@ -289,7 +534,7 @@ class SimEngine:
 
     # ------------------------------------------------------------------ engine
 
-    def _enqueue(self, stream: SimStream, cmd: _Cmd) -> None:
+    def enqueue(self, stream: SimStream, cmd: _Cmd) -> None:
         cmd.t_enqueue = self._time.now()
         capture = stream._capture
         if capture is not None:
@@ -305,11 +550,11 @@ class SimEngine:
         if len(q) == 1:
             self._busy[stream] = None
             self._dirty.append(stream)
-            self._pump()
+            self.pump()
             if cmd.duration > 0.0:
                 self._wake()  # a new deadline: timed waiters re-arm
 
-    def _next_seq(self) -> int:
+    def next_seq(self) -> int:
         self._seq += 1
         return self._seq
 
@@ -319,13 +564,13 @@ class SimEngine:
             self._event = None
             ev.set()
 
-    def _progress_event(self) -> trio.Event:
+    def progress_event(self) -> trio.Event:
         ev = self._event
         if ev is None:
             ev = self._event = trio.Event()
         return ev
 
-    def _next_due(self) -> float | None:
+    def next_due(self) -> float | None:
         """When the earliest timed work at a stream head is due (free mode only)."""
         if self._held or not self._timed_pending:
             return None
@@ -338,14 +583,14 @@ class SimEngine:
                     best = due
         return best
 
-    def _pump(self, until: float = 0.0) -> int:
+    def pump(self, until: float = 0.0) -> int:
         """Execute what is runnable and due now, or by ``until`` (a due time
         a waiter waited for on the device clock)."""
         if self._pumping:
             return 0
         self._pumping = True
         try:
-            n = self._settle()
+            n = self.settle()
             if not self._held:
                 now = max(self._time.now(), until) if self._timed_pending else math.inf
                 while True:
@@ -365,14 +610,14 @@ class SimEngine:
                         break
                     head = best._queue[0]
                     self._exec_work(best, best_key[0] if head.duration > 0.0 else None)
-                    n += 1 + self._settle()
+                    n += 1 + self.settle()
         finally:
             self._pumping = False
         if n:
             self._wake()
         return n
 
-    def _settle(self) -> int:
+    def settle(self) -> int:
         """Execute runnable bookkeeping at the heads of the dirty streams."""
         n = 0
         dirty = self._dirty
@@ -415,7 +660,7 @@ class SimEngine:
             s._results[seq] = Poll(
                 MarkerState.UNKNOWN,
                 CompletionUnknownError(
-                    f"{self.name}: completion of work before marker {seq} on stream {s.index} "
+                    f"{self.device.name}: completion of work before marker {seq} on stream {s.index} "
                     f"cannot be established (injected completion_unknown)"
                 ),
             )
@@ -429,7 +674,7 @@ class SimEngine:
         s._extra_errors = 0
         s._done_seq = seq
         if s._waiters:
-            if self._host is None:
+            if self.host is None:
                 self._dirty.extend(s._waiters)
                 s._waiters.clear()
             else:  # waiters may be streams of other devices of the host
@@ -465,7 +710,7 @@ class SimEngine:
         self._record(s, cmd, start, end)
 
     def _record(self, s: SimStream, cmd: _Cmd, start: float, end: float) -> None:
-        if self.trace_limit != 0:
+        if self.device.trace_limit != 0:
             record = SimCommandRecord(cmd.seq, s.index, cmd.kind, cmd.label, cmd.t_enqueue, start, end)
             self._trace.append(record)
 
@@ -476,14 +721,14 @@ class SimEngine:
             self._run_launch(s, cmd)
         elif kind == "h2d":
             self._copies += 1
-            dst = self._resolve(cmd.dst, cmd.nbytes, "h2d destination", s)
+            dst = self.resolve(cmd.dst, cmd.nbytes, "h2d destination", s)
             if dst is not None and cmd.nbytes:
                 off = cmd.dst - dst.ptr
                 dst.buf[off : off + cmd.nbytes] = cmd.data
                 self._bytes_copied += cmd.nbytes
         elif kind == "d2h":
             self._copies += 1
-            src = self._resolve(cmd.src, cmd.nbytes, "d2h source (host read)", s)
+            src = self.resolve(cmd.src, cmd.nbytes, "d2h source (host read)", s)
             if src is not None and cmd.nbytes:
                 off = cmd.src - src.ptr
                 host: np.ndarray[Any, Any] = cmd.data
@@ -491,8 +736,8 @@ class SimEngine:
                 self._bytes_copied += cmd.nbytes
         elif kind == "d2d":
             self._copies += 1
-            src = self._resolve(cmd.src, cmd.nbytes, "d2d source", s)
-            dst = self._resolve(cmd.dst, cmd.nbytes, "d2d destination", s)
+            src = self.resolve(cmd.src, cmd.nbytes, "d2d source", s)
+            dst = self.resolve(cmd.dst, cmd.nbytes, "d2d destination", s)
             if src is not None and dst is not None and cmd.nbytes:
                 so = cmd.src - src.ptr
                 do = cmd.dst - dst.ptr
@@ -500,7 +745,7 @@ class SimEngine:
                 self._bytes_copied += cmd.nbytes
         elif kind == "fill":
             self._fills += 1
-            dst = self._resolve(cmd.dst, cmd.nbytes, "fill destination", s)
+            dst = self.resolve(cmd.dst, cmd.nbytes, "fill destination", s)
             if dst is not None and cmd.nbytes:
                 off = cmd.dst - dst.ptr
                 pattern: bytes = cmd.data
@@ -612,7 +857,7 @@ class SimEngine:
                 continue
             dtype = av.dtype if av.dtype is not None else np.dtype(np.uint8)
             nbytes = av.nbytes
-            alloc = self._resolve(av.ptr, nbytes, f"launch {kernel.name} (argument {i})", s)
+            alloc = self.resolve(av.ptr, nbytes, f"launch {kernel.name} (argument {i})", s)
             if alloc is None:
                 ok = False
                 continue

@@ -68,7 +68,7 @@ class SimStream:
 
     @property
     def device(self) -> SimDevice:
-        return self._context._device
+        return self._context.device
 
     @property
     def queued(self) -> int:
@@ -77,7 +77,7 @@ class SimStream:
 
     def __repr__(self) -> str:
         state = " destroyed" if self._destroyed else ""
-        return f"<SimStream {self.index} of {self._context._device.name}{state} queued={len(self._queue)}>"
+        return f"<SimStream {self.index} of {self._context.device.name}{state} queued={len(self._queue)}>"
 
     def _add_error(self, error: BaseException) -> None:
         if self._error is None:

@@ -41,7 +41,7 @@ from ..._core._final import final
 from .. import _common
 from .clock import SimClock
 from .context import SimContext
-from .device import _BASE_ADDRESS, SimDevice
+from .device import _BASE_ADDRESS, SimDevice, engine_of
 from .engine import SimEngine, _Cmd
 from .records import Violation
 
@@ -117,9 +117,9 @@ class SimHost:
             for i, d in enumerate(made):
                 if not isinstance(d, SimDevice):
                     raise TypeError(f"devices[{i}]: expected a SimDevice, got {type(d).__name__}")
-                if d._host is not None:
+                if engine_of(d).host is not None:
                     raise ValueError(f"devices[{i}]: {d.name!r} already belongs to a SimHost")
-                if d._alloc_count or d._pending:
+                if not engine_of(d).is_fresh():
                     raise ValueError(
                         f"devices[{i}]: expected a fresh SimDevice (nothing allocated or enqueued), got {d!r}"
                     )
@@ -127,12 +127,9 @@ class SimHost:
                 raise ValueError("devices: expected distinct SimDevices, got one twice")
         if not isinstance(peer_access, bool):
             raise TypeError(f"peer_access: expected a bool, got {peer_access!r}")
-        clock = SimClock.merged(d._time for d in made)  # one time for all: their times compare
+        clock = SimClock.merged(engine_of(d).clock() for d in made)  # one time for all: their times compare
         for i, d in enumerate(made):
-            d._host = self
-            d._time = clock
-            d._next_ptr = _BASE_ADDRESS + i * _SPAN
-            d._info = attrs.evolve(d._info, ordinal=i)
+            engine_of(d).join_host(self, clock, _BASE_ADDRESS + i * _SPAN, i)
         self._devices: tuple[SimDevice, ...] = tuple(made)
         self._no_peer: set[frozenset[int]] = set()
         if not peer_access:
@@ -166,7 +163,7 @@ class SimHost:
 
     def _ordinal(self, device: SimDevice | int, label: str) -> int:
         if isinstance(device, SimDevice):
-            if device._host is not self:
+            if engine_of(device).host is not self:
                 raise ValueError(f"{label}: expected a device of this SimHost, got {device.name!r}")
             return next(i for i, d in enumerate(self._devices) if d is device)
         if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < len(self._devices):
@@ -211,8 +208,9 @@ class SimHost:
         best: SimDevice | None = None
         best_t = 0.0
         for d in self._devices:
-            d._settle()
-            for s in d._busy:
+            eng = engine_of(d)
+            eng.settle()
+            for s in eng.busy_streams():
                 head = s._queue[0]
                 if head.work and (best is None or head.t_enqueue < best_t):
                     best, best_t = d, head.t_enqueue
@@ -266,7 +264,7 @@ class SimHost:
             while self._kicks:
                 d = next(iter(self._kicks))
                 del self._kicks[d]
-                d._pump()  # a device already pumping picks its dirty streams up itself
+                engine_of(d).pump()  # a device already pumping picks its dirty streams up itself
         finally:
             self._kicking = False
 
@@ -277,12 +275,13 @@ class SimHost:
 def wake_waiters(device: SimEngine, waiters: list[SimStream]) -> None:
     """A marker of ``device`` executed: the streams waiting on it (of any
     device of its host) may run their wait now."""
-    host: SimHost = device._host
+    host: SimHost = device.host
     foreign: list[SimDevice] = []
     for w in waiters:
-        d = w._context._device
-        d._dirty.append(w)
-        if d is not device:
+        eng = w._context.engine
+        eng.mark_ready(w)
+        if eng is not device:
+            d = eng.device
             host._cross_waits += 1
             if d not in foreign:
                 foreign.append(d)
@@ -297,13 +296,13 @@ def check_copy_peer(ctx: SimContext, dst_context: object, src_context: object) -
             raise _common.foreign_context(label, c, "a simulated device")
     assert isinstance(dst_context, SimContext)
     assert isinstance(src_context, SimContext)
-    dev = ctx._device
-    sd = src_context._device
-    dd = dst_context._device
+    dev = ctx.device
+    sd = src_context.device
+    dd = dst_context.device
     if sd is dd and dd is dev:
         return
-    host = dev._host
-    if host is None or sd._host is not host or dd._host is not host:
+    host = ctx.engine.host
+    if host is None or src_context.engine.host is not host or dst_context.engine.host is not host:
         names = ", ".join(sorted({dev.name, sd.name, dd.name}))
         raise ValueError(
             f"copy: expected simulated devices of one SimHost, got {names} (make them with "
@@ -326,33 +325,33 @@ def copy_peer(
     assert isinstance(dst_context, SimContext)
     assert isinstance(src_context, SimContext)
     nbytes = _common.check_count("nbytes", nbytes)
-    dev = ctx._device
-    sd = src_context._device
-    dd = dst_context._device
+    dev = ctx.device
+    sd = src_context.device
+    dd = dst_context.device
     if sd is dd and dd is dev:
         ctx.copy_d2d(s, dst, src, nbytes)
         return None
-    host: SimHost = dev._host
+    eng = ctx.engine
+    host: SimHost = eng.host
     staged = not host.can_access_peer(sd, dd)
     how = "staged" if staged else "peer"
     label = f"{how} copy {nbytes} B {sd.name}->{dd.name}"
     duration = dev.copy_time * (2.0 if staged else 1.0)
-    dev._enqueue(
-        s, _Cmd("peer", dev._next_seq(), label, duration, (sd, dd, staged), dst=dst, src=src, nbytes=nbytes)
-    )
+    peers = (src_context.engine, dst_context.engine, staged)
+    eng.enqueue(s, _Cmd("peer", eng.next_seq(), label, duration, peers, dst=dst, src=src, nbytes=nbytes))
     return None
 
 
 def run_peer_copy(device: SimEngine, s: SimStream, cmd: _Cmd) -> None:
     """Execute a peer copy command on ``device``'s stream ``s``."""
-    sd: SimDevice
-    dd: SimDevice
+    sd: SimEngine
+    dd: SimEngine
     sd, dd, staged = cmd.data
     n = cmd.nbytes
-    device._copies += 1
-    src = sd._resolve(cmd.src, n, f"peer copy source (from {device.name})", s)
-    dst = dd._resolve(cmd.dst, n, f"peer copy destination (from {device.name})", s)
-    host: SimHost = device._host
+    name = device.device.name
+    src = sd.resolve(cmd.src, n, f"peer copy source (from {name})", s)
+    dst = dd.resolve(cmd.dst, n, f"peer copy destination (from {name})", s)
+    host: SimHost = device.host
     host._peer_copies += 1
     if staged:
         host._staged_copies += 1
@@ -360,5 +359,7 @@ def run_peer_copy(device: SimEngine, s: SimStream, cmd: _Cmd) -> None:
         so = cmd.src - src.ptr
         do = cmd.dst - dst.ptr
         dst.buf[do : do + n] = src.buf[so : so + n]
-        device._bytes_copied += n
+        device.count_copy(n)
         host._peer_bytes += n
+    else:
+        device.count_copy(0)
