@@ -59,7 +59,7 @@ from ._open import open_scope as open_scope
 from ._public import publish as _publish
 from ._tile.compile import TileCompileError as TileCompileError
 from ._tile.compile import TileToolchainError as TileToolchainError
-from ._tile.kernel import install as _install_tile
+from ._tile.launching import install as _install_tile
 from ._version import __version__ as __version__
 from .interop import borrow as borrow
 
