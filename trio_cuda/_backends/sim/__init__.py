@@ -6,7 +6,8 @@ Invariants:
 * Modules, one concept each, importing only downward in this order:
   ``clock`` (the device time: Trio's clock inside a run, ``perf_counter``
   outside), ``records`` (what the device records and reports), ``views``
-  (the bounds-checked views a reference gets), ``handles`` (streams,
+  (the bounds-checked views a reference gets), ``launch_errors`` (what a
+  launch's CPU behaviour raises, and how it names arguments), ``handles`` (streams,
   markers, gates, loaded kernels, graphs), ``engine`` (memory, memcheck,
   faults and the command queue: all of a device's mutable state),
   ``context`` (:class:`SimContext`, the DeviceContext of one scope),
