@@ -18,7 +18,7 @@ TEST_PATHS = ["tests", "docs", "README.md"]
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite and the docs' code blocks, on the simulated device (and the GPU, where one
-    answers), with the dev extra (tests/test_docs_render.py also builds and renders the HTML)."""
+    answers), with the dev extra (tests/public/test_docs_render.py also builds and renders the HTML)."""
     session.install("-e", ".[dev]")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 

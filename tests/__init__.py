@@ -1,0 +1,1 @@
+"""The test suite, one subpackage per layer of the library (see tests/README.md)."""

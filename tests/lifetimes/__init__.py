@@ -1,0 +1,3 @@
+"""The lifetime contract: its rules, cancellation, conflicts, and the stateful, interleaving,
+adversarial and attack tests.
+"""
