@@ -27,6 +27,7 @@ import pytest
 import trio
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.sanitizer import SLOW, skip_under_sanitizer
 from trio_cuda import In, InOut, Kernel, Out, Scalar, ops
 from trio_cuda._backends import probe_cuda
@@ -167,7 +168,7 @@ async def test_round_trip(shape: tuple[int, ...], dtype: Any) -> None:
         back = await gpu.to_host(d)
         np.testing.assert_array_equal(back, host)
         # the staging buffers went back to the pool
-        ctx = gpu._driver
+        ctx = internals.driver_of(gpu)
         assert ctx.staging_statistics()["outstanding"] == 0  # type: ignore[attr-defined]
 
 
@@ -238,7 +239,7 @@ class Ticker:
 @pytest.mark.parametrize("wait_mode", ["event", "flag"])
 async def test_cross_stream_raw_with_long_kernel(wait_mode: str) -> None:
     async with trio_cuda.open_scope(device="cuda", streams=2) as gpu, trio.open_nursery() as nursery:
-        gpu._driver.wait_marker_mode = wait_mode  # type: ignore[attr-defined]
+        internals.driver_of(gpu).wait_marker_mode = wait_mode
         s0, s1 = gpu.streams
         ticker = Ticker()
         x = await gpu.to_device(np.array([5], np.int32), stream=s0)
@@ -269,7 +270,7 @@ async def test_cross_stream_raw_with_long_kernel(wait_mode: str) -> None:
 @pytest.mark.parametrize("wait_mode", ["event", "flag"])
 async def test_cross_stream_war_with_long_kernel(wait_mode: str) -> None:
     async with trio_cuda.open_scope(device="cuda", streams=2) as gpu:
-        gpu._driver.wait_marker_mode = wait_mode  # type: ignore[attr-defined]
+        internals.driver_of(gpu).wait_marker_mode = wait_mode
         s0, s1 = gpu.streams
         x = await gpu.to_device(np.array([5], np.int32), stream=s0)
         y = gpu.zeros(1, np.int32, stream=s0)
@@ -400,7 +401,7 @@ async def test_nvrtc_disk_cache_hit(tmp_path: Any, monkeypatch: pytest.MonkeyPat
             y = gpu.empty(64, np.int32)
             await gpu.run(k.launch(x, y, 64, grid=1, block=64))
             np.testing.assert_array_equal(await gpu.to_host(y), np.arange(64) + 1)
-            fn = gpu._functions[k]
+            fn = internals.loaded_function(gpu, k)
             hits.append(fn.from_cache)  # type: ignore[attr-defined]
         after = backend.compile_statistics()
         hits.append(after["disk_hits"] - before["disk_hits"])
@@ -421,7 +422,7 @@ async def test_ptx_and_cubin_loading() -> None:
             "add_one",
             (),
             cc,
-            gpu._driver.driver_version,
+            internals.driver_of(gpu).driver_version,
             use_cache=False,  # type: ignore[attr-defined]
         ).image
         params = [In("i4"), Out("i4"), Scalar("i4")]
@@ -434,7 +435,7 @@ async def test_ptx_and_cubin_loading() -> None:
             y = gpu.empty(100, np.int32)
             await gpu.run(k.launch(x, y, 100, grid=1, block=128))
             np.testing.assert_array_equal(await gpu.to_host(y), np.arange(100) + 1)
-            fn = gpu._functions[k]
+            fn = internals.loaded_function(gpu, k)
             assert isinstance(fn, backend.CudaFunction)
             assert fn.image_kind == k.image_kind
 
@@ -492,7 +493,7 @@ async def test_cluster_and_large_shared_memory() -> None:
 @pytest.mark.parametrize("strategy", ["adaptive", "sleep", "event", "thread"])
 async def test_wait_strategies(strategy: str) -> None:
     async with trio_cuda.open_scope(device="cuda", streams=3) as gpu:
-        gpu._driver.set_wait_strategy(strategy)  # type: ignore[attr-defined]
+        internals.driver_of(gpu).set_wait_strategy(strategy)
         ys = [gpu.zeros(1, np.int32, stream=s) for s in gpu.streams]
         await gpu.run(ops.value(None))
         async with trio.open_nursery() as nursery:
@@ -563,7 +564,7 @@ STICKY_SCRIPT = textwrap.dedent(
                     await gpu.run(trio_cuda.ops.fill(y, 0))
                 except trio_cuda.CompletionUnknownError:
                     out["reuse_refused"] = True
-                out["sticky"] = gpu._driver.sticky_error.name
+                out["sticky"] = internals.driver_of(gpu).sticky_error.name
                 out["frees_seen"] = 0
             out["live_at_exit"] = gpu.statistics().live_allocations
         except BaseException as exc:

@@ -19,6 +19,7 @@ import pytest
 import trio
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.kernels import ADD, COPY, SAXPY, add, copy, saxpy
 from tests.helpers.sanitizer import SLOW, skip_under_sanitizer
 from trio_cuda import GraphCaptureError, Kernel, Out, Scalar, ops, unsafe
@@ -73,7 +74,7 @@ class Gate:
     """Holds one stream until :meth:`open` (or the end of ``async with``)."""
 
     def __init__(self, gpu: trio_cuda.ResourceScope, stream: Any) -> None:
-        self.driver = gpu._driver
+        self.driver = internals.driver_of(gpu)
         self.gate = self.driver.create_gate(stream.handle)
 
     def open(self) -> None:
@@ -87,7 +88,7 @@ class Gate:
 
 
 def graph_execs(gpu: trio_cuda.ResourceScope) -> int:
-    return len(gpu._driver._graph_execs)  # type: ignore[attr-defined]
+    return len(internals.graph_execs(internals.driver_of(gpu)))
 
 
 async def test_capture_and_replay_match_the_reference() -> None:
@@ -179,7 +180,7 @@ async def test_synchronising_call_during_capture_invalidates_it_cleanly() -> Non
             await gpu.capture(add(x, 1.0).then(synchronise), stream=s)
         assert seen
         assert int(seen[0]) != 0
-        assert gpu._driver.sticky_error is None  # type: ignore[attr-defined]
+        assert internals.driver_of(gpu).sticky_error is None
         err, status = cu.cuStreamIsCapturing(s.handle.cu)
         assert not err
         assert status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
@@ -320,10 +321,10 @@ async def test_scope_exit_destroys_open_graphs() -> None:
         x = gpu.zeros(N, F4)
         graph = await gpu.capture(add(x, 1.0))
         gpu.submit(graph.launch())
-        ctx = gpu._driver
+        ctx = internals.driver_of(gpu)
     assert graph.closed
     assert graph.statistics().destroyed
-    assert not ctx._graph_execs  # type: ignore[attr-defined]
+    assert not internals.graph_execs(ctx)
 
 
 # --------------------------------------------------------------------------- upload, and update off the loop

@@ -29,6 +29,7 @@ import pytest
 import trio
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.sanitizer import skip_under_sanitizer
 from trio_cuda import In, InOut, Kernel, KernelArgumentError, Out, Scalar, Slice, ops, unsafe
 from trio_cuda._backends import probe_cuda
@@ -175,8 +176,8 @@ async def test_struct_layout_matches_the_kernels_own_view() -> None:
         assert got[18:20] == [bits(np.float64(-3.25)), bits(np.float64(4.5))]
         assert got[20] == bits(h)
         # and the driver's own parameter layout equals the arena's slots
-        fn = gpu._functions[LAYOUT]
-        layout = gpu._driver.param_layout(fn, len(LAYOUT.plan.slots))  # type: ignore[attr-defined]
+        fn = internals.loaded_function(gpu, LAYOUT)
+        layout = internals.driver_of(gpu).param_layout(fn, len(LAYOUT.plan.slots))
         assert layout == tuple((s.offset, s.size) for s in LAYOUT.plan.slots)
 
 
@@ -302,7 +303,7 @@ async def test_too_few_declared_parameters_are_refused_where_the_driver_counts_t
     short = Kernel.from_source(LAYOUT_SRC, "takes_double", params=[Scalar("f8")])
     async with trio_cuda.open_scope(device="cuda") as gpu:
         await gpu.load(short)
-        if _param_count(gpu._functions[short].fn) is None:  # type: ignore[attr-defined]
+        if _param_count(internals.loaded_function(gpu, short).fn) is None:
             pytest.skip("this driver has no cuFuncGetParamCount: extra kernel parameters go unnoticed")
         before = stats(gpu)
         with pytest.raises(
@@ -555,7 +556,9 @@ async def test_dynamic_shared_memory_beyond_48_kib() -> None:
         # static + dynamic must fit the opt-in limit; the error says how much is left
         r = gpu.zeros(1, np.float32)
         await gpu.load(STATIC_SMEM)
-        static = gpu._driver._function_limits(gpu._functions[STATIC_SMEM])[1]  # type: ignore[attr-defined]
+        static = internals.function_limits(
+            internals.driver_of(gpu), internals.loaded_function(gpu, STATIC_SMEM)
+        )[1]
         assert static >= 32768
         fits = optin - static
         await gpu.run(STATIC_SMEM.launch(r, 1, grid=1, block=256, shared_mem=fits))

@@ -25,9 +25,9 @@ import trio
 
 import trio_cuda
 from tests.helpers.sanitizer import skip_rest_under_sanitizer
+from trio_cuda import CudaError, DeviceInfo, GraphCaptureError, OutOfMemoryError, ScopeClosedError
 from trio_cuda._backends import open_device, probe_cuda
-from trio_cuda._core._driver import Capabilities, DeviceInfo, MarkerState, Poll
-from trio_cuda._core._errors import CudaError, GraphCaptureError, OutOfMemoryError, ScopeClosedError
+from trio_cuda._core._driver import Capabilities, MarkerState, Poll
 from trio_cuda.testing import SimDevice
 
 _PROBE = probe_cuda()

@@ -24,6 +24,7 @@ import trio
 import trio.testing
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.kernels import stub_source
 from trio_cuda import In, InOut, Kernel, LaunchError, Out, Scalar, Slice, unsafe
 from trio_cuda._backends.sim import views
@@ -692,7 +693,7 @@ async def test_a_launch_leaves_no_reference_cycle_behind(sim: SimDevice) -> None
 
     def keeps_refs(x: Any, y: Any) -> None:
         refs.extend(weakref.ref(v) for v in (x, y, y[2:]))
-        checks.append(y._sim_arg.check)
+        checks.append(internals.launch_check_of(y))
 
     def faults(x: Any, y: Any) -> None:
         keeps_refs(x, y)

@@ -11,30 +11,28 @@ import numpy as np
 import pytest
 import trio
 
-from trio_cuda._backends.sim import (
-    SimAllocation,
-    SimCommandRecord,
-    SimContext,
-    SimDevice,
-    SimMarker,
-    SimStatistics,
-    SimStream,
-    Violation,
-)
-from trio_cuda._core._config import LaunchConfig
-from trio_cuda._core._driver import DONE, PENDING, MarkerState, Poll
-from trio_cuda._core._errors import (
+from trio_cuda import (
+    NO_REFERENCE,
     CompletionUnknownError,
     CudaError,
+    In,
+    InOut,
+    Kernel,
+    LaunchConfig,
     LaunchError,
     MissingReferenceError,
+    Out,
     OutOfMemoryError,
+    Scalar,
     ScopeClosedError,
+    Slice,
 )
-from trio_cuda._core._kernel import NO_REFERENCE, Kernel, Reference
+from trio_cuda._backends.sim import SimContext, SimMarker, SimStream
+from trio_cuda._core._driver import DONE, PENDING, MarkerState, Poll
+from trio_cuda._core._kernel import Reference
 from trio_cuda._core._launch import ArgView, PreparedLaunch
 from trio_cuda._core._ops import Access
-from trio_cuda._core._params import In, InOut, Out, Scalar, Slice
+from trio_cuda.testing import SimAllocation, SimCommandRecord, SimDevice, SimStatistics, Violation
 
 F4 = np.dtype(np.float32)
 

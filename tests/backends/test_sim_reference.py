@@ -40,8 +40,7 @@ from trio_cuda import (
     unsafe,
 )
 from trio_cuda._backends import _nvrtc
-from trio_cuda._backends.sim import SimAllocation, Violation
-from trio_cuda.testing import SimDevice
+from trio_cuda.testing import SimAllocation, SimDevice, Violation
 
 F4 = np.float32
 N = 8

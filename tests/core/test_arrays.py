@@ -15,6 +15,7 @@ import pytest
 import trio
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.guard import held
 from tests.helpers.kernels import stub_source
 from trio_cuda import AccessConflictError, KernelArgumentError, ops
@@ -194,7 +195,7 @@ async def test_views_share_memory_and_see_writes(sim):
 async def test_non_contiguous_and_fancy_views_are_refused(sim):
     async with trio_cuda.open_scope(device=sim) as gpu:
         x = gpu.zeros((4, 6), F4)
-        before = x._alloc.handles
+        before = internals.allocation_of(x).handles
         with pytest.raises(ValueError, match=r"^index: expected a contiguous view, got strides \(24, 4\)"):
             x[:, 1:3]
         with pytest.raises(ValueError, match=r"^index: expected a contiguous view"):
@@ -211,7 +212,7 @@ async def test_non_contiguous_and_fancy_views_are_refused(sim):
             x.reshape(5, -1)
         with pytest.raises(ValueError, match=r"^dtype: expected a dtype of 4 bytes"):
             x.view(np.float64)
-        assert x._alloc.handles == before  # nothing was created
+        assert internals.allocation_of(x).handles == before  # nothing was created
 
 
 async def test_a_views_lease_covers_its_bytes_only(sim):

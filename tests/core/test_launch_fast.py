@@ -15,11 +15,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.kernels import stub_source
-from trio_cuda import In, InOut, KernelArgumentError, Out, Scalar, Slice
+from trio_cuda import In, InOut, Kernel, KernelArgumentError, KernelLaunch, Out, Scalar, Slice
 from trio_cuda._core._config import _SIMPLE_CONFIGS, cached_config, make_config
-from trio_cuda._core._kernel import Kernel
-from trio_cuda._core._launch import KernelLaunch
 from trio_cuda._core._ops import Access
 
 SCALAR_DTYPES = ["i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "?"]
@@ -156,17 +155,19 @@ def _same_launch(fast: KernelLaunch, checked: KernelLaunch) -> None:
     assert fp.kernel is cp.kernel
     assert fp.config is cp.config
     assert fp.plan is cp.plan
-    assert [(id(a), m) for a, m in fast._accesses] == [(id(a), m) for a, m in checked._accesses]
-    if isinstance(checked._output, tuple):
-        assert isinstance(fast._output, tuple)
-        assert [id(a) for a in fast._output] == [id(a) for a in checked._output]
+    assert [(id(a), m) for a, m in internals.accesses_of(fast)] == [
+        (id(a), m) for a, m in internals.accesses_of(checked)
+    ]
+    if isinstance(internals.output_of(checked), tuple):
+        assert isinstance(internals.output_of(fast), tuple)
+        assert [id(a) for a in internals.output_of(fast)] == [id(a) for a in internals.output_of(checked)]
     else:
-        assert fast._output is checked._output
+        assert internals.output_of(fast) is internals.output_of(checked)
     assert [_view_key(v) for v in fp.arg_views()] == [_view_key(v) for v in cp.arg_views()]
-    assert fast._lease_plan is None
+    assert internals.lease_plan_of(fast) is None
     assert set(fp.cache) <= {"views"}  # its own scratch space, unused so far
     with pytest.raises(AttributeError):
-        fast._output = None  # type: ignore[misc]
+        internals.set_output(fast, None)
 
 
 @settings(max_examples=600, deadline=None)
@@ -175,7 +176,7 @@ async def test_fast_path_builds_the_checked_launch_or_declines(data: st.DataObje
     ps = data.draw(params())
     k = Kernel.from_source(stub_source("k"), "k", params=ps)
     has_struct = any(isinstance(p, Scalar) and p.dtype.fields is not None for p in ps)
-    assert (k._fast is None) == has_struct
+    assert (internals.fast_launch(k) is None) == has_struct
     async with trio_cuda.open_scope(device="sim") as gpu:
         pool = await _array_pool(gpu)
         names = sorted(pool)
@@ -211,10 +212,10 @@ def _check_equivalent(k: Kernel, args: list[object]) -> str:
     """Run both paths on ``args``: the fast path builds the checked path's
     launch or declines; the public entry point agrees. Returns the outcome."""
     config = cached_config(1, 1, 0, None, False, False)
-    fast = k._fast(tuple(args), config) if k._fast is not None else None
+    fast = internals.fast_launch(k)(tuple(args), config) if internals.fast_launch(k) is not None else None
     refusal: KernelArgumentError | None = None
     try:
-        checked = k._launch_checked(tuple(args), config)
+        checked = internals.checked_launch(k, tuple(args), config)
     except KernelArgumentError as exc:
         refusal = exc
     if refusal is not None:
@@ -293,24 +294,24 @@ def common_case(draw: st.DrawFn) -> tuple[list[object], list[str]]:
 async def test_the_common_case_takes_the_fast_path(case: tuple[list[object], list[object]]) -> None:
     ps, raw = case
     k = Kernel.from_source(stub_source("k"), "k", params=ps, reference=trio_cuda.NO_REFERENCE)
-    assert k._fast is not None
+    assert internals.fast_launch(k) is not None
     counts = {"fast": 0, "checked": 0}
-    fast_path = k._fast
+    fast_path = internals.fast_launch(k)
 
     def counting_fast(args: tuple[object, ...], config: object) -> object:
         made = fast_path(args, config)  # type: ignore[arg-type]
         counts["fast"] += made is not None
         return made
 
-    k._fast = counting_fast  # type: ignore[assignment]
-    checked_path = Kernel._launch_checked
+    internals.set_fast_launch(k, counting_fast)
+    checked_path = internals.checked_launch_function(Kernel)
 
     def counting_checked(self: Kernel, args: tuple[object, ...], config: object) -> KernelLaunch:
         counts["checked"] += 1
         return checked_path(self, args, config)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Kernel, "_launch_checked", counting_checked)
+        internals.patch_checked_launch(patch, Kernel, counting_checked)
         async with trio_cuda.open_scope(device="sim") as gpu:
             pool = await _array_pool(gpu)
             args = [pool[a] if isinstance(a, str) else a for a in raw]
@@ -341,15 +342,15 @@ async def test_each_launch_owns_its_arguments_and_scratch_space() -> None:
 def test_kernel_without_params_and_wrong_arity() -> None:
     k = Kernel.from_source(stub_source("nop"), "nop", params=[])
     config = cached_config(1, 1, 0, None, False, False)
-    assert k._fast is not None
-    assert k._fast((), config) is not None
-    assert k._fast((1,), config) is None
+    assert internals.fast_launch(k) is not None
+    assert internals.fast_launch(k)((), config) is not None
+    assert internals.fast_launch(k)((1,), config) is None
     with pytest.raises(KernelArgumentError, match="expected 0 arguments"):
         k.launch(1, grid=1, block=1)
     k2 = Kernel.from_source(stub_source("two"), "two", params=[Scalar("i4"), Scalar("f4")])
-    assert k2._fast is not None
-    assert k2._fast((1,), config) is None
-    assert k2._fast((1, 2.0, 3), config) is None
+    assert internals.fast_launch(k2) is not None
+    assert internals.fast_launch(k2)((1,), config) is None
+    assert internals.fast_launch(k2)((1, 2.0, 3), config) is None
 
 
 def test_generated_source_takes_nothing_from_user_text() -> None:
@@ -357,9 +358,9 @@ def test_generated_source_takes_nothing_from_user_text() -> None:
         "", "k\nimport os  # ')", params=[Scalar("i4", name="x\n) or __import__('os')"), In("f4", name="'")]
     )
     plain = Kernel.from_source(stub_source("k"), "k", params=[Scalar("i4"), In("f4")])
-    assert odd._fast is not None
-    assert plain._fast is not None
-    assert odd._fast.__doc__ == plain._fast.__doc__  # the generated source
+    assert internals.fast_launch(odd) is not None
+    assert internals.fast_launch(plain) is not None
+    assert internals.fast_launch(odd).__doc__ == internals.fast_launch(plain).__doc__  # the generated source
 
 
 def test_cached_config_common_case_needs_exact_ints_and_bools() -> None:

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.kernels import stub_source
-from trio_cuda import In, InOut, KernelArgumentError, Out, Scalar, Slice, ops, unsafe
+from trio_cuda import DeviceInfo, In, InOut, KernelArgumentError, Out, Scalar, Slice, ops, unsafe
 from trio_cuda._core._arena import MAX_PARAM_BYTES, check_param_layout
 from trio_cuda._core._config import check_device_limits, make_config, modeled_blocks_per_sm
-from trio_cuda._core._driver import DeviceInfo
 from trio_cuda.testing import SimDevice
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,11 +124,11 @@ async def test_every_numeric_scalar_type_is_packed_and_passed_as_itself(sim, cod
 async def test_float16_scalars(sim):
     got, ref = recorder()
     k = kernel(Scalar("f2"), Scalar("f2"), reference=ref)
-    assert k._fast is not None  # float16 takes the struct fast path
+    assert internals.fast_launch(k) is not None  # float16 takes the struct fast path
     async with trio_cuda.open_scope(device=sim) as gpu:
         launch = k.launch(0.1, np.float16(-65504.0), grid=1, block=1)
         assert launch.prepared.arena == np.array([0.1, -65504.0], np.float16).tobytes()
-        assert k._launch_checked((0.1, np.float16(-65504.0)), launch.config).prepared.arena == (
+        assert internals.checked_launch(k, (0.1, np.float16(-65504.0)), launch.config).prepared.arena == (
             launch.prepared.arena
         )
         await gpu.run(launch)
@@ -336,7 +336,10 @@ async def test_slice_is_a_pointer_then_a_length(sim, len_dtype, len_size):
         launch = k.launch(np.uint8(3), x, y, grid=1, block=1)
         assert slot_bytes(launch, 1) == np.uint64(x.ptr).tobytes()
         assert slot_bytes(launch, 2) == np.asarray(12, len_dtype).tobytes()  # the element count
-        assert k._launch_checked((np.uint8(3), x, y), launch.config).prepared.arena == launch.prepared.arena
+        assert (
+            internals.checked_launch(k, (np.uint8(3), x, y), launch.config).prepared.arena
+            == launch.prepared.arena
+        )
         await gpu.run(launch)
     ((tag, view, n, out),) = got
     assert tag == 3
@@ -855,7 +858,7 @@ async def test_inplace_update_keeps_the_allocation(sim):
     example = _load_example()
     async with trio_cuda.open_scope(device=sim) as gpu:
         buf = gpu.empty(300, F4)
-        alloc, ptr = buf._alloc, buf.ptr
+        alloc, ptr = internals.allocation_of(buf), buf.ptr
         allocations = sim.statistics().allocations
         out = await gpu.run(
             example.produce.launch(buf, grid=2, block=256).then(
@@ -863,7 +866,7 @@ async def test_inplace_update_keeps_the_allocation(sim):
             )
         )
         assert out is buf
-        assert out._alloc is alloc
+        assert internals.allocation_of(out) is alloc
         assert out.ptr == ptr
         assert sim.statistics().allocations == allocations  # nothing new was allocated
         np.testing.assert_array_equal(await gpu.to_host(buf), np.arange(300, dtype=F4) * 3 + 1)
@@ -876,9 +879,9 @@ async def test_run_loads_an_unloaded_kernel_off_the_loop_where_the_driver_can(si
         stub_source("fill7"), "fill7", params=[Out("i4")], reference=lambda y: y.fill(7)
     )
     async with trio_cuda.open_scope(device=sim) as gpu:
-        gpu._load_in_thread = True  # as on the cuda backend
+        internals.set_load_in_thread(gpu, True)  # as on the cuda backend
         threads = []
-        cls = type(gpu._driver)
+        cls = type(internals.driver_of(gpu))
         load = cls.load_kernel
 
         def recording_load(self, kernel):

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trio_cuda
+from tests.helpers import internals
 from trio_cuda import In, InOut, Scalar, Slice
 
 DTYPES = ["i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "?"]
@@ -45,18 +46,18 @@ def signatures(draw):
 async def test_fast_and_checked_paths_pack_the_same_arena(data):
     params = data.draw(signatures())
     k = trio_cuda.Kernel.from_source("", "k", params=params)
-    assert k._fast is not None
+    assert internals.fast_launch(k) is not None
     async with trio_cuda.open_scope(device="sim") as gpu:
         arrays = [gpu.empty(data.draw(st.integers(0, 64)), np.float32) for _ in params]
         args = []
         for p, arr in zip(params, arrays, strict=True):
             args.append(data.draw(scalar_values(p.dtype)) if isinstance(p, Scalar) else arr)
         fast = k.launch(*args, grid=1, block=1)
-        checked = k._launch_checked(tuple(args), fast.config)
+        checked = internals.checked_launch(k, tuple(args), fast.config)
         assert fast.prepared.arena == checked.prepared.arena
         assert len(fast.prepared.arena) == k.plan.size
         assert fast.prepared.arg_views() == checked.prepared.arg_views()
-        assert fast._accesses == checked._accesses
+        assert internals.accesses_of(fast) == internals.accesses_of(checked)
 
 
 async def test_fast_path_rejections_fall_back_to_precise_errors():
@@ -78,6 +79,6 @@ async def test_fast_path_rejections_fall_back_to_precise_errors():
 def test_struct_and_complex_params_use_the_general_path():
     pair = np.dtype([("a", "f4"), ("b", "f8")], align=True)
     k = trio_cuda.Kernel.from_source("", "k", params=[Scalar(pair), Scalar("c8")])
-    assert k._fast is None
+    assert internals.fast_launch(k) is None
     assert [s.offset for s in k.plan.slots] == [0, 16]
     assert k.plan.size == 24

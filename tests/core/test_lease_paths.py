@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.guard import run_bounded
 from tests.helpers.kernels import stub_source
 from trio_cuda import In, InOut, Out, Scalar
@@ -133,7 +134,7 @@ class Run:
 
     def snapshot(self, gpu: trio_cuda.ResourceScope, what: Any, outcome: Any) -> None:
         allocs = []
-        for alloc in gpu._allocs:
+        for alloc in internals.allocation_records(gpu):
             allocs.append(
                 (
                     alloc.ptr,
@@ -145,8 +146,12 @@ class Run:
                     tuple(sorted((r.id, e) for r, e in alloc.readers.items())),
                 )
             )
-        queues = tuple(tuple((c.seq, c.kind, c.label) for c in s.handle._queue) for s in gpu.streams)
-        pending = tuple(tuple(getattr(p, "id", "host") for p in s._pending) for s in gpu.streams)
+        queues = tuple(
+            tuple((c.seq, c.kind, c.label) for c in internals.queued_commands(s)) for s in gpu.streams
+        )
+        pending = tuple(
+            tuple(getattr(p, "id", "host") for p in internals.pending_submissions(s)) for s in gpu.streams
+        )
         self.record.append((what, outcome, tuple(allocs), queues, pending, gpu.statistics()))
 
     async def main(self) -> None:
@@ -239,7 +244,7 @@ class Run:
         await trio.testing.wait_all_tasks_blocked()
         contents = [
             (alloc.ptr, sim.peek(alloc.ptr, alloc.nbytes))
-            for alloc in gpu._allocs
+            for alloc in internals.allocation_records(gpu)
             if alloc.state is AllocState.LIVE
         ]
         self.snapshot(gpu, "end", tuple(contents))
@@ -249,14 +254,14 @@ class Run:
 
 def _why_general(scope: Any, stream: Any, op: Any) -> str:
     """Why ``take_launch_leases`` should leave its fast path ("-": it should not)."""
-    for arr, access in op._accesses:
-        alloc = arr._alloc
+    for arr, access in internals.accesses_of(op):
+        alloc = internals.allocation_of(arr)
         write = access is Access.WRITE
-        if arr._closed:
+        if internals.handle_closed(arr):
             return "closed handle"
         if alloc.state is not AllocState.LIVE:
             return f"{alloc.state.value} memory"
-        if write and arr._readonly:  # pragma: no cover - k.launch refuses it
+        if write and arr.readonly:  # pragma: no cover - k.launch refuses it
             return "read-only write"
         if any(w.stream is not stream for w in alloc.writers):
             return "writer on another stream"
@@ -347,7 +352,12 @@ def test_zeros_and_full_do_not_conflict_with_their_own_allocation() -> None:
                 gpu.submit(bump.launch(a, np.float32(1), grid=1, block=N), stream=s0)  # both streams busy
                 gpu.submit(bump.launch(b, np.float32(1), grid=1, block=N), stream=s1)
                 made = [gpu.zeros(N, np.float32), gpu.full(N, 2.0, np.float32)]
-                waits = [c.label for s in gpu.streams for c in s.handle._queue if c.kind == "wait_marker"]
+                waits = [
+                    c.label
+                    for s in gpu.streams
+                    for c in internals.queued_commands(s)
+                    if c.kind == "wait_marker"
+                ]
                 assert waits == []  # a new array depends on no earlier work
             finally:
                 sim.release()

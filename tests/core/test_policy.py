@@ -15,6 +15,7 @@ import pytest
 import trio
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.guard import held
 from tests.helpers.kernels import COPY
 from trio_cuda import ops
@@ -76,9 +77,9 @@ async def upload_then_kernel(gpu: trio_cuda.ResourceScope, n: int = 4) -> list[t
 
 async def test_default_is_follow_writer(sim):
     async with trio_cuda.open_scope(device=sim) as gpu:
-        assert type(gpu._policy) is trio_cuda.FollowWriter
+        assert type(internals.policy_of(gpu)) is trio_cuda.FollowWriter
     async with trio_cuda.open_scope(device=sim) as other:
-        assert other._policy is not gpu._policy  # a fresh one per scope
+        assert internals.policy_of(other) is not internals.policy_of(gpu)  # a fresh one per scope
 
 
 async def test_default_overlaps_upload_then_kernel():
@@ -175,7 +176,7 @@ async def test_default_follows_only_a_writer_on_a_stream_of_its_own_scope():
         await trio.testing.wait_all_tasks_blocked()
         with held(sim):
             b.submit(ops.copy(y, src), stream=b.streams[2])
-            [writer] = y._alloc.writers
+            [writer] = internals.allocation_of(y).writers
             assert writer.stream is b.streams[2]
             fut = a.submit(read(y))
             assert fut.stream is a.streams[0]  # least-loaded, with a device-side wait
@@ -285,11 +286,11 @@ async def test_policy_is_asked_once_per_unpinned_submission(sim):
 async def test_device_pool_uses_the_default_per_device():
     host = SimHost(2)
     async with trio_cuda.open_device_pool(host) as pool:
-        policies = [scope._policy for scope in pool]
+        policies = [internals.policy_of(scope) for scope in pool]
         assert [type(p) for p in policies] == [trio_cuda.FollowWriter] * 2
         assert policies[0] is not policies[1]
     async with trio_cuda.open_device_pool(host, stream_policy=trio_cuda.RoundRobin) as pool:
-        assert [type(scope._policy) for scope in pool] == [trio_cuda.RoundRobin] * 2
+        assert [type(internals.policy_of(scope)) for scope in pool] == [trio_cuda.RoundRobin] * 2
 
 
 async def test_device_pool_default_overlaps_upload_then_kernel():

@@ -15,6 +15,7 @@ import trio
 import trio.testing
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.guard import held
 from tests.helpers.kernels import ADD, COPY, add, copy
 from trio_cuda import AccessConflictError, Slice, ops
@@ -48,9 +49,9 @@ async def test_disjoint_halves_are_in_flight_at_once_on_two_streams(sim, conflic
             # both in flight, neither waits for the other (no device-side wait)
             assert gpu.statistics().in_flight == 2
             assert gpu.statistics().leases_held == 2
-            kinds = [[c.kind for c in s.handle._queue] for s in gpu.streams]
+            kinds = [[c.kind for c in internals.queued_commands(s)] for s in gpu.streams]
             assert "wait_marker" not in kinds[0] + kinds[1], kinds
-            assert x._alloc.active == 2
+            assert internals.allocation_of(x).active == 2
         await f0.wait()
         await f1.wait()
         np.testing.assert_array_equal(await gpu.to_host(x), _arange() + np.r_[[1] * H, [2] * H])
@@ -129,7 +130,7 @@ async def test_overlapping_write_is_ordered_under_order_mode(sim):
         with held(sim):
             f0 = gpu.submit(add(x[:5], 1.0), stream=gpu.streams[0])
             f1 = gpu.submit(add(x[4:], 10.0), stream=gpu.streams[1])  # overlaps at x[4]: waits
-            assert gpu.streams[1].handle._queue[0].kind == "wait_marker"
+            assert internals.queued_commands(gpu.streams[1])[0].kind == "wait_marker"
         await f1.wait()
         assert f0.done()
         np.testing.assert_array_equal(
@@ -143,7 +144,7 @@ async def test_launch_reading_one_half_and_writing_the_other(sim):
         x = await gpu.to_device(_arange())
         with held(sim):
             f = gpu.submit(copy(x[:H], x[H:]), stream=gpu.streams[0])
-            assert x._alloc.active == 1  # one lease count per allocation and submission
+            assert internals.allocation_of(x).active == 1  # one lease count per allocation and submission
             # reading the read half elsewhere is fine; writing it is write-after-read
             g = gpu.submit(ops.copy(np.zeros(H, F4), x[:H]), stream=gpu.streams[1])
             with pytest.raises(AccessConflictError, match="write-after-read"):
@@ -182,10 +183,15 @@ async def test_a_whole_array_write_supersedes_the_chunks_it_covers(sim):
         with held(sim):
             gpu.submit(ops.fill(x[:H], 1.0), stream=gpu.streams[0])
             gpu.submit(ops.fill(x[H:], 2.0), stream=gpu.streams[1])
-            assert len(x._alloc.writers) == 2
+            assert len(internals.allocation_of(x).writers) == 2
             whole = gpu.submit(ops.fill(x, 3.0), stream=gpu.streams[2])  # waits for both
-            assert [c.kind for c in gpu.streams[2].handle._queue][:2] == ["wait_marker", "wait_marker"]
-            assert list(x._alloc.writers) == [whole._sub]  # the chunks' entries are covered
+            assert [c.kind for c in internals.queued_commands(gpu.streams[2])][:2] == [
+                "wait_marker",
+                "wait_marker",
+            ]
+            assert list(internals.allocation_of(x).writers) == [
+                internals.submission_of(whole)
+            ]  # the chunks' entries are covered
             # a later reader of one chunk waits only for the whole write
             r = gpu.submit(ops.copy(np.zeros(H, F4), x[:H]), stream=gpu.streams[0])
         await r.wait()
@@ -198,7 +204,7 @@ async def test_zero_size_views_never_conflict(sim):
         with held(sim):
             f = gpu.submit(ops.fill(x, 1.0), stream=gpu.streams[0])
             g = gpu.submit(ops.fill(x[3:3], 2.0), stream=gpu.streams[1])
-            assert x._alloc.active == 2  # it still retains the allocation
+            assert internals.allocation_of(x).active == 2  # it still retains the allocation
         await f.wait()
         await g.wait()
 
@@ -213,7 +219,7 @@ async def test_default_policy_follows_the_writer_of_the_same_chunk(sim):
             kernels = [gpu.submit(add(y[i * H : (i + 1) * H], 1.0)) for i in range(4)]
             assert sorted(f.stream.index for f in uploads) == [0, 1, 2, 3]
             assert [f.stream for f in kernels] == [f.stream for f in uploads]
-            assert not any(c.kind == "wait_marker" for s in gpu.streams for c in s.handle._queue)
+            assert not any(c.kind == "wait_marker" for s in gpu.streams for c in internals.queued_commands(s))
         out = await gpu.to_host(y)
         np.testing.assert_array_equal(out, np.concatenate([_arange(H) + i + 1 for i in range(4)]))
 
@@ -257,7 +263,7 @@ async def test_borrowed_memory_leases_by_range_too(sim):
         with held(sim):
             f = b.submit(add(y[:H], 1.0), stream=b.streams[0])
             g = b.submit(add(y[H:], 1.0), stream=b.streams[1])
-            assert not any(c.kind == "wait_marker" for s in b.streams for c in s.handle._queue)
+            assert not any(c.kind == "wait_marker" for s in b.streams for c in internals.queued_commands(s))
         for fut in (f, g):
             (await fut.wait()).close()  # the written views (the futures' outputs) are handles too
         y.close()
@@ -297,11 +303,11 @@ async def test_freeing_waits_for_a_lease_on_any_range(sim):
             gc.collect()
             await trio.testing.wait_all_tasks_blocked()
             assert len(sim.live_allocations) == 1
-            assert x._alloc.active == 1
+            assert internals.allocation_of(x).active == 1
         tail = await f.wait()  # fill's output: the view, a handle of its own
         await trio.testing.wait_all_tasks_blocked()
         assert len(sim.live_allocations) == 1  # the view's handle is open, no lease
-        assert x._alloc.active == 0
+        assert internals.allocation_of(x).active == 0
         tail.close()
         assert sim.live_allocations == []
 
@@ -341,7 +347,7 @@ async def test_many_chunks_in_flight_are_indexed_and_exact(sim):
         await gpu.run(ops.value(None))
         with held(sim):
             futs = [gpu.submit(ops.fill(x[i : i + 1], float(i)), stream=gpu.streams[i % 4]) for i in range(n)]
-            alloc = x._alloc
+            alloc = internals.allocation_of(x)
             assert alloc.index is not None
             assert len(alloc.writers) == n
             # chunk i was written on stream i % 4: a read of chunks 50..52 on

@@ -40,6 +40,7 @@ import trio
 import trio.lowlevel
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.guard import SCALE, held, run_bounded
 from tests.helpers.kernels import add
 from trio_cuda.testing import SimDevice, SimHost
@@ -527,7 +528,7 @@ def test_a_finalizer_recording_inside_the_recorder_neither_deadlocks_nor_breaks_
     searching it at a scope's exit. Here every collection on the worker records one."""
     limit = 300
     trace = trio_cuda.trace.Trace(limit=limit)
-    tracer = trace._tracer
+    tracer = internals.tracer_of(trace)
     worker: list[int] = []
     recorded = Counter[str]()
 

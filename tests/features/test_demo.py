@@ -19,8 +19,9 @@ import pytest
 
 import trio_cuda
 from tests.helpers.sigint import python
+from trio_cuda import DeviceUnavailableError
 from trio_cuda._demo import batch, cli, output
-from trio_cuda._demo.batch import BatchConfig, DeviceUnavailableError, make_kernels, run_batch
+from trio_cuda._demo.batch import BatchConfig, make_kernels, run_batch
 from trio_cuda._demo.cli import main
 from trio_cuda._demo.output import Output
 

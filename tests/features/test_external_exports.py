@@ -27,6 +27,7 @@ import pytest
 import trio
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.guard import held
 from tests.helpers.kernels import add
 from trio_cuda import AccessConflictError, ops, unsafe
@@ -49,7 +50,7 @@ def new_exports() -> int:
 
 def cai_scope(gpu, monkeypatch) -> None:
     """Let ``gpu`` (a simulator scope) export the CUDA Array Interface."""
-    monkeypatch.setattr(gpu, "_info", attrs.evolve(gpu._info, backend="cuda"))
+    internals.fake_device_info(monkeypatch, gpu, attrs.evolve(gpu.device, backend="cuda"))
 
 
 def asarray(obj) -> dict:

@@ -9,6 +9,7 @@ import pytest
 import trio
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.guard import held
 from tests.helpers.kernels import add
 from trio_cuda import AccessConflictError, ops, unsafe
@@ -23,7 +24,7 @@ async def test_streams_follow_the_cuda_stream_protocol(sim):
         version, handle = s.__cuda_stream__()
         assert version == 0
         assert isinstance(handle, int)
-        assert handle == gpu._driver.stream_address(s.handle)
+        assert handle == internals.driver_of(gpu).stream_address(s.handle)
         assert handle != gpu.streams[0].__cuda_stream__()[1]
     with pytest.raises(trio_cuda.ScopeClosedError, match="__cuda_stream__"):
         s.__cuda_stream__()

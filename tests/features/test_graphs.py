@@ -20,6 +20,7 @@ import trio
 from trio.testing import assert_checkpoints
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.kernels import ADD, add, copy, saxpy, stub_source
 from trio_cuda import GraphCaptureError, ops, unsafe
 from trio_cuda._core._graph import OpenGraphs
@@ -458,7 +459,7 @@ async def _assert_nothing_captured(sim: SimDevice, gpu: trio_cuda.ResourceScope)
     st = gpu.statistics()
     assert (st.in_flight, st.leases_held) == (0, 0)
     for s in gpu.streams:
-        assert s.handle._capture is None  # the simulated capture was ended
+        assert internals.capture_of(s) is None  # the simulated capture was ended
 
 
 async def test_allocation_during_capture_raises_and_leaves_nothing(sim):
@@ -692,7 +693,7 @@ async def test_instantiation_runs_in_a_worker_thread_where_the_driver_asks(sim, 
 
     threads = []
     async with trio_cuda.open_scope(device=sim) as gpu:
-        cls = type(gpu._driver)
+        cls = type(internals.driver_of(gpu))
         instantiate = cls.instantiate
 
         def recording(self, graph):
@@ -726,7 +727,9 @@ SLOW_STEP = 0.2
 
 async def _pending_in_driver(graph: trio_cuda.CudaGraph) -> None:
     """Wait until ``graph``'s pending update is inside the driver call."""
-    await until(lambda: graph._pending is not None and graph._pending.lock.locked())
+    await until(
+        lambda: internals.pending_update(graph) is not None and internals.pending_update(graph).lock.locked()
+    )
 
 
 @pytest.mark.parametrize("graph_host_time", [0.0, 0.001])
@@ -746,13 +749,13 @@ async def test_each_graph_is_uploaded_once_before_its_first_replay(graph_host_ti
 
         monkeypatch.setattr(SimContext, name, recording)
     async with trio_cuda.open_scope(device=sim) as gpu:
-        assert gpu._driver.capabilities.instantiate_in_thread is (graph_host_time > 0)
+        assert internals.driver_of(gpu).capabilities.instantiate_in_thread is (graph_host_time > 0)
         x = gpu.zeros(N, F4)
         assert sim.graph_uploads == 0
         graph = await gpu.capture(add(x, 1.0))
         # uploaded once, right after instantiation, before any replay was submitted
         assert sim.graph_uploads == 1
-        assert graph._exec.uploads == 1
+        assert internals.executable_of(graph).uploads == 1
         assert sim.graph_launches == 0
         assert [c[0] for c in calls] == ["instantiate", "graph_upload"]
         assert calls[0][1] is calls[1][1]  # in the same call (one worker thread where it runs off the loop)
@@ -762,7 +765,7 @@ async def test_each_graph_is_uploaded_once_before_its_first_replay(graph_host_ti
         await gpu.run(graph.launch())
         np.testing.assert_array_equal(await gpu.to_host(x), host(5.0))
         assert sim.graph_uploads == 1  # replays and updates upload nothing
-        assert graph._exec.uploads == 1
+        assert internals.executable_of(graph).uploads == 1
         assert [c[0] for c in calls] == ["instantiate", "graph_upload", "graph_update"]
         off_loop = {c[1] is not threading.current_thread() for c in calls}
         assert off_loop == {graph_host_time > 0}
@@ -833,7 +836,7 @@ async def test_update_does_not_block_the_loop():
         assert time.perf_counter() - t0 >= SLOW_STEP
         assert ticks - before >= 5, "the loop kept running while the driver updated the graph"
         assert graph.output is y
-        assert graph._pending is None
+        assert internals.pending_update(graph) is None
         await gpu.run(graph.launch())
         np.testing.assert_array_equal(await gpu.to_host(y), host(2.0))
         np.testing.assert_array_equal(await gpu.to_host(x), host(0.0))
@@ -858,7 +861,7 @@ async def test_cancelling_an_update_never_leaves_it_half_done():
             await graph.update(copy(b, y))
         assert cs.cancelled_caught
         assert graph.statistics().updates == 0
-        assert graph._pending is None
+        assert internals.pending_update(graph) is None
 
         # cancelled while the driver works: the update is carried through and applied
         t0 = time.perf_counter()
@@ -867,8 +870,8 @@ async def test_cancelling_an_update_never_leaves_it_half_done():
         assert cs.cancel_called
         assert time.perf_counter() - t0 >= SLOW_STEP
         assert graph.statistics().updates == 1
-        assert graph._pending is None
-        assert not gpu._find_extension(OpenGraphs).updating
+        assert internals.pending_update(graph) is None
+        assert not internals.extension_of(gpu, OpenGraphs).updating
         a_ptr = a.ptr
         a.close()  # only the old generation still held a
         await until(lambda: a_ptr not in live(sim))
@@ -879,11 +882,11 @@ async def test_cancelling_an_update_never_leaves_it_half_done():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(graph.update, copy(y, b))
             await _pending_in_driver(graph)
-            first = graph._pending
+            first = internals.pending_update(graph)
             with trio.move_on_after(0.02) as cs:
                 await graph.update(copy(b, y))
             assert cs.cancelled_caught
-            assert graph._pending is first  # the cancelled one recorded nothing
+            assert internals.pending_update(graph) is first  # the cancelled one recorded nothing
         assert graph.statistics().updates == 2
         assert graph.statistics().retained_allocations == 2  # y and b: one generation
         graph.close()
@@ -905,8 +908,8 @@ async def test_a_replay_during_an_update_runs_before_or_after_the_driver_step():
         async with trio.open_nursery() as nursery, limiter:
             nursery.start_soon(graph.update, ops.fill(x, 2.0))
             await trio.testing.wait_all_tasks_blocked()
-            assert graph._pending is not None
-            assert not graph._pending.ran
+            assert internals.pending_update(graph) is not None
+            assert not internals.pending_update(graph).ran
             await gpu.run(graph.launch())
             np.testing.assert_array_equal(await gpu.to_host(x), host(1.0))
             assert graph.statistics().updates == 0
@@ -922,7 +925,7 @@ async def test_a_replay_during_an_update_runs_before_or_after_the_driver_step():
             t0 = time.perf_counter()
             fut = gpu.submit(graph.launch(), stream=gpu.streams[1])
             assert time.perf_counter() - t0 > 0.01  # it waited for the driver (a replay must not overlap it)
-            assert graph._pending is None  # the replay applied the update
+            assert internals.pending_update(graph) is None  # the replay applied the update
             assert graph.statistics().updates == 2
             await fut.wait()
             np.testing.assert_array_equal(await gpu.to_host(x), host(3.0))
@@ -972,10 +975,10 @@ async def test_updates_of_one_graph_run_one_at_a_time():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(graph.update, ops.fill(x, 2.0))
             await _pending_in_driver(graph)
-            first = graph._pending
+            first = internals.pending_update(graph)
             nursery.start_soon(graph.update, ops.fill(x, 3.0))  # waits for the first
             await trio.testing.wait_all_tasks_blocked()
-            assert graph._pending is first
+            assert internals.pending_update(graph) is first
         assert graph.statistics().updates == 2
         await gpu.run(graph.launch())
         np.testing.assert_array_equal(await gpu.to_host(x), host(3.0))
@@ -992,7 +995,7 @@ async def test_a_refused_update_off_the_loop_keeps_the_graph():
         graph = await gpu.capture(add(x, 1.0))
         with pytest.raises(GraphCaptureError, match="topology"):
             await graph.update(add(z, 1.0).then(lambda z: add(z, 1.0)))
-        assert graph._pending is None
+        assert internals.pending_update(graph) is None
         st = graph.statistics()
         assert (st.updates, st.retained_allocations) == (0, 1)  # z was not kept
         await gpu.run(graph.launch())
@@ -1037,7 +1040,7 @@ async def test_scope_exit_waits_for_an_update_in_progress():
             graph = await gpu.capture(add(x, 1.0))
             outer.start_soon(graph.update, add(x, 2.0))  # a task outside the scope
             await _pending_in_driver(graph)
-        assert graph._pending is None
+        assert internals.pending_update(graph) is None
         assert graph.statistics().updates == 1
         assert graph.closed
         assert graph.statistics().destroyed
@@ -1059,7 +1062,7 @@ async def test_drain_timeout_leaks_a_graph_whose_update_still_runs():
         assert not graph.statistics().destroyed  # leaked with the scope's driver state
         assert sim.live_graphs == 1
     # the update returned (the outer nursery waited for it) and touched nothing
-    assert graph._pending is None
+    assert internals.pending_update(graph) is None
     assert not graph.statistics().destroyed
     assert sim.live_graphs == 1
     assert sim.violations == []

@@ -18,6 +18,7 @@ import pytest
 import trio
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.sanitizer import SANITIZER
 from trio_cuda import AccessConflictError, In, Kernel, Out, Scalar, ops
 from trio_cuda._backends import probe_cuda
@@ -67,7 +68,7 @@ async def test_cuda_array_interface_is_absent_on_the_simulator(sim):
             AttributeError, match=r"expected an array on the cuda backend, got one on the 'sim'"
         ):
             x.__cuda_array_interface__  # noqa: B018
-        assert x.__dlpack_device__() == (_dlpack.kDLExtDev, sim._dl_id)
+        assert x.__dlpack_device__() == (_dlpack.kDLExtDev, internals.dlpack_device_id(sim))
         assert gpu.statistics().leases_held == 0  # no export was taken
 
 
@@ -379,7 +380,7 @@ class _RawDLPack:
     ones, or a shape whose bytes overflow). It counts its deleter's calls."""
 
     def __init__(self, sim: trio_cuda.testing.SimDevice, ptr: int, shape: tuple[int, ...]) -> None:
-        self.device = (_dlpack.kDLExtDev, sim._dl_id)
+        self.device = (_dlpack.kDLExtDev, internals.dlpack_device_id(sim))
         self.deleted = 0
         self._shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
         self._deleter = _dlpack._Deleter(self._on_delete)
@@ -654,7 +655,7 @@ async def test_dropping_every_handle_while_a_long_kernel_runs_frees_nothing_earl
         with trio.move_on_after(60):
             while g.statistics().live_allocations:  # noqa: ASYNC110 - polling the GPU's retirement
                 await trio.sleep(0.01)
-        assert g.statistics().live_allocations == 0, (g.statistics(), list(g._allocs))
+        assert g.statistics().live_allocations == 0, (g.statistics(), list(internals.allocation_records(g)))
 
 
 async def test_exporting_memory_another_scope_is_writing_orders_after_that_write(sim):
@@ -664,7 +665,7 @@ async def test_exporting_memory_another_scope_is_writing_orders_after_that_write
             src = await b.to_device(np.ones(6, dtype=F4))
             sim.hold()
             fut = b.submit(ops.copy(x, src))  # b's copy writes a's x, in flight
-            assert [w.scope for w in x._alloc.writers] == [b]
+            assert [w.scope for w in internals.allocation_of(x).writers] == [b]
             capsule = x.__dlpack__(
                 max_version=(1, 0), dl_device=x.__dlpack_device__()
             )  # exported by a, ordered after b's copy

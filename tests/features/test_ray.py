@@ -27,6 +27,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'trio
 
 import trio_cuda  # noqa: E402
 import trio_cuda.ray as tray  # noqa: E402
+from tests.helpers import internals  # noqa: E402
 from trio_cuda import KernelArgumentError, ops  # noqa: E402
 from trio_cuda._backends import probe_cuda  # noqa: E402
 
@@ -359,8 +360,13 @@ def test_gpu_jobs_get_a_fresh_worker_per_task_and_contexts_are_made_by_the_runti
     # a worker's CUDA driver reads CUDA_VISIBLE_DEVICES once: Ray must not reuse it for a task
     # that it gives another GPU (Ray's default for GPU tasks, which .options() would skip)
     job = tray.remote(fill_and_read, num_gpus=1)
-    assert job._remote._default_options.get("max_calls") == 1
-    assert job.options(max_retries=1)._remote._default_options.get("max_calls") == 1
+    assert internals.default_options_of(internals.remote_function_of(job)).get("max_calls") == 1
+    assert (
+        internals.default_options_of(internals.remote_function_of(job.options(max_retries=1))).get(
+            "max_calls"
+        )
+        == 1
+    )
     with pytest.raises(TypeError, match="no public constructor"):
         tray.WorkerContext()
 
@@ -368,12 +374,12 @@ def test_gpu_jobs_get_a_fresh_worker_per_task_and_contexts_are_made_by_the_runti
 def test_a_reused_worker_refuses_a_gpu_its_driver_never_saw(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tray, "_visible_at_first_gpu_job", [])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    tray._check_same_gpus("cuda:0")  # the first GPU job of the process: remembered
-    tray._check_same_gpus("cuda:0")  # Ray gave the same GPU again: fine
-    tray._check_same_gpus("sim")  # the simulator needs no GPU
+    internals.check_same_gpus(tray, "cuda:0")  # the first GPU job of the process: remembered
+    internals.check_same_gpus(tray, "cuda:0")  # Ray gave the same GPU again: fine
+    internals.check_same_gpus(tray, "sim")  # the simulator needs no GPU
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     with pytest.raises(RuntimeError, match="cannot switch GPUs"):
-        tray._check_same_gpus("cuda:0")
+        internals.check_same_gpus(tray, "cuda:0")
 
 
 def _not_async(ctx: tray.WorkerContext) -> int:

@@ -39,6 +39,7 @@ import trio
 import trio.testing
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.guard import Hang, run_bounded
 from tests.helpers.kernels import ADD, COPY, add, copy, stub_source
 from trio_cuda import InOut, Scalar, ops
@@ -811,7 +812,7 @@ def test_failing_free_inside_a_retirement_neither_hangs_nor_half_retires(sim, mo
                 def failing_free(self: object, ptr: int, nbytes: int) -> None:
                     raise RuntimeError("free refused")
 
-                monkeypatch.setattr(type(gpu._driver), "free", failing_free)
+                monkeypatch.setattr(type(internals.driver_of(gpu)), "free", failing_free)
                 with warnings.catch_warnings():
                     warnings.simplefilter("error", ResourceWarning)
                     a.close()  # freed when the zero fill's lease retires

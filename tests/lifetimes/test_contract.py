@@ -28,6 +28,7 @@ import pytest
 import trio
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.kernels import ADD, COPY, SAXPY, add, copy, saxpy
 from tests.helpers.sanitizer import SLOW
 from trio_cuda import ops, unsafe
@@ -81,7 +82,7 @@ class Hold:
 
     def __init__(self, gpu: trio_cuda.ResourceScope, streams: Sequence[Any] | None) -> None:
         self.gpu = gpu
-        self.driver = gpu._driver
+        self.driver = internals.driver_of(gpu)
         self.streams = tuple(gpu.streams if streams is None else streams)
         self.gates: list[Any] = []
 

@@ -62,12 +62,12 @@ import trio.testing
 from trio.lowlevel import current_task
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.guard import run_bounded
 from tests.helpers.kernels import add
 from trio_cuda import ops
 from trio_cuda._backends.sim import SimContext
 from trio_cuda._core import _completion
-from trio_cuda._core._completion import Completion
 from trio_cuda._core._submit import TERMINAL, HostStep, SubState
 from trio_cuda.testing import SimDevice
 
@@ -330,9 +330,7 @@ def _case_id(case: tuple[Scenario, tuple[Step, ...]]) -> str:
 
 _WORLD: World | None = None
 _REAL_OTHERS_RUNNABLE = _completion.others_runnable
-_REAL_RETIRE = Completion._retire
-_REAL_QUARANTINE = Completion._quarantine_submission
-_REAL_HOST_STEP = Completion._run_host_step
+_REAL_RETIRE, _REAL_QUARANTINE, _REAL_HOST_STEP = internals.completion_steps()
 _REAL_POLL = SimContext.poll_marker
 
 
@@ -389,7 +387,7 @@ class World:
     # ------------------------------------------------------------------ who
     def who(self) -> str:
         task = current_task()
-        if self.gpu is not None and task is self.gpu._handoff_task:
+        if self.gpu is not None and task is internals.handoff_task(self.gpu):
             return "handoff"
         w = self.by_task.get(task)
         return w.spec.name if w is not None else "main"
@@ -398,7 +396,7 @@ class World:
     def record(self, sub: Any, what: str) -> None:
         who = self.who()
         m = sub.marker
-        if what == "retire" and (m is None or m.seq > m.stream._done_seq):
+        if what == "retire" and (m is None or m.seq > internals.done_seq(m.stream)):
             self.errors.append(f"step {self.step}: {who} retired #{sub.id} before its marker completed")
         if what == "quarantine":
             self.errors.append(f"step {self.step}: #{sub.id} was quarantined by {who}")
@@ -447,7 +445,7 @@ class World:
         for key in keys.split("+"):
             spec = self.sc.sub(key)
             fut = self.gpu.submit(self.make_op(key), stream=self.gpu.streams[spec.stream])
-            self.adopt(key, fut._sub)
+            self.adopt(key, internals.submission_of(fut))
             if any(w.sub == key and w.flavor == "wait" for w in self.sc.waiters):
                 self.futs[key] = fut
             # else: the future is dropped here, never awaited
@@ -456,7 +454,7 @@ class World:
         self.subs[key] = sub
         self.submitted_at[key] = self.step
         if self.sc.sub(key).kind != "hc":
-            launches = [c for c in sub.stream.handle._queue if c.kind == "launch"]
+            launches = [c for c in internals.queued_commands(sub.stream) if c.kind == "launch"]
             self.launch_seq[key] = launches[-1].seq
 
     def device_step(self) -> None:
@@ -472,7 +470,7 @@ class World:
             if tok[2] == "D":
                 w.pre.append(self.device_step)
                 sub = self.subs[w.spec.sub]
-                if sub.state is SubState.IN_FLIGHT and not self.gpu._host_steps:
+                if sub.state is SubState.IN_FLIGHT and not internals.host_steps_pending(self.gpu):
                     self.first_look = (w.spec.name, w.spec.sub)
             elif tok[2]:
                 w.pre.append(lambda: self.submit(tok[2][2:]))
@@ -515,10 +513,10 @@ class World:
         if tok[0] == "H":
             assert self.hook_fired, f"step {self.step}: the handoff made fewer than {tok[1]} polls"
         # no lost wakeup: the handoff never sleeps in wait_for_progress over a completed head
-        if gpu._idle is None and gpu._handoff_task is not None:
+        if internals.handoff_idle(gpu) is None and internals.handoff_task(gpu) is not None:
             for s in gpu.streams:
-                head = s._pending[0] if s._pending else None
-                if head is not None and head.marker.seq <= head.marker.stream._done_seq:
+                head = internals.pending_submissions(s)[0] if internals.pending_submissions(s) else None
+                if head is not None and head.marker.seq <= internals.done_seq(head.marker.stream):
                     sid = head.submission.id if isinstance(head, HostStep) else head.id
                     self.errors.append(
                         f"step {self.step} {_token_id(tok)}: the handoff sleeps in wait_for_progress "
@@ -601,7 +599,7 @@ def _poll(self: Any, marker: Any) -> Any:
             task = current_task()
         except RuntimeError:  # pragma: no cover - outside Trio
             task = None
-        if task is world.gpu._handoff_task:
+        if task is internals.handoff_task(world.gpu):
             world.hook_polls += 1
             if world.hook_polls == world.hook:
                 world.hook = 0
@@ -614,9 +612,9 @@ def _poll(self: Any, marker: Any) -> Any:
 def controlled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(_completion, "checkpoint", _gated_checkpoint)
     monkeypatch.setattr(_completion, "others_runnable", _others_runnable)
-    monkeypatch.setattr(Completion, "_retire", _retire)
-    monkeypatch.setattr(Completion, "_quarantine_submission", _quarantine)
-    monkeypatch.setattr(Completion, "_run_host_step", _host_step)
+    internals.patch_completion_steps(
+        monkeypatch, retire=_retire, quarantine=_quarantine, host_step=_host_step
+    )
     monkeypatch.setattr(SimContext, "poll_marker", _poll)
     rng = getattr(trio._core._run, "_r", None)  # Trio's batch-order coin, for reproducibility
     state = rng.getstate() if rng is not None else None
@@ -649,7 +647,7 @@ async def _waiter_main(world: World, w: Waiter) -> None:
 def _find_submission(world: World, key: str) -> Any:
     op = world.ops[key]
     for s in world.gpu.streams:
-        for sub in (*s._pending, *s._unmarked):
+        for sub in (*internals.pending_submissions(s), *internals.unmarked_submissions(s)):
             if not isinstance(sub, HostStep) and sub.op is op:
                 return sub
     raise AssertionError(f"submission {key} not found")
@@ -663,7 +661,7 @@ async def _program(world: World) -> None:
         rng.seed(0)
     async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
         world.gpu = gpu
-        gpu._look_budget = math.inf  # looks are bounded by the waiters' budgets instead
+        internals.set_look_budget(gpu, math.inf)  # looks are bounded by the waiters' budgets instead
         world.arrays["a"] = await gpu.to_device(BASE)
         world.arrays["b"] = await gpu.to_device(BASE)
         sim.hold()
@@ -694,7 +692,7 @@ async def _program(world: World) -> None:
         st = gpu.statistics()
         # every completion was observed and retired without the exit's help
         assert (st.in_flight, st.leases_held, st.host_closures_pending) == (0, 0, 0), st
-        assert st.completed == gpu._next_id == len(world.retired)
+        assert st.completed == internals.submissions_numbered(gpu) == len(world.retired)
         assert st.retired_by_waiters == sum(1 for r in world.log if r.who != "handoff")
         assert st.quarantined == 0
         assert st.pending_errors == 0
@@ -717,7 +715,7 @@ async def _program(world: World) -> None:
             assert launches.index(world.launch_seq["A"]) < launches.index(world.launch_seq["C"])
         for arr in world.arrays.values():
             arr.close()
-    assert gpu._next_id == len(world.retired)
+    assert internals.submissions_numbered(gpu) == len(world.retired)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])

@@ -15,6 +15,7 @@ import trio
 import trio.testing
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.guard import held
 from tests.helpers.kernels import ADD, COPY, add, copy, saxpy, stub_source
 from trio_cuda import ops, unsafe
@@ -61,7 +62,7 @@ async def test_submission_retains_everything_before_enqueue(sim):
                 seen.append((st.leases_held, prepared is expected_prepared))
                 self.inner.launch(stream, function, prepared)
 
-        gpu._driver = Spy(gpu._driver)
+        internals.set_driver(gpu, Spy(internals.driver_of(gpu)))
         sim.hold()
         fut = gpu.submit(op)
         # the submission held its two leases before the driver call
@@ -701,7 +702,7 @@ async def test_many_completions_batch_into_few_wakeups(sim):
                 wakeups += 1
                 await self.inner.wait_for_progress(pending)
 
-        gpu._driver = Counting(gpu._driver)
+        internals.set_driver(gpu, Counting(internals.driver_of(gpu)))
         sim.hold()
         futs = [gpu.submit(add(a, 1.0)) for a in arrs for _ in range(25)]
         await trio.testing.wait_all_tasks_blocked()
@@ -796,7 +797,7 @@ async def test_waiter_observes_and_retires_its_own_completion():
         before = gpu.statistics().retired_by_waiters
         fut = gpu.submit(add(a, 1.0))
         assert await fut.wait() is a
-        assert fut._sub.waiter is None
+        assert internals.submission_of(fut).waiter is None
         st = gpu.statistics()
         assert (st.leases_held, st.in_flight) == (0, 0)  # no checkpoint since the wait returned
         assert st.retired_by_waiters == before + 1
@@ -819,7 +820,7 @@ async def test_waiter_retires_the_completed_prefix_of_every_stream_in_order():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(mine.wait)
             await trio.testing.wait_all_tasks_blocked()
-            assert mine._sub.waiter is not None  # parked: its marker is pending
+            assert internals.submission_of(mine).waiter is not None  # parked: its marker is pending
             assert sim.run_until_idle() == 5  # done on the device, nothing retired yet
             assert gpu.statistics().in_flight == 5
         # whoever looked first retired all five, in stream order, exactly once
@@ -842,14 +843,14 @@ async def test_waiter_parks_when_its_work_is_held_and_is_rescheduled():
 
         async def watch() -> None:
             await trio.testing.wait_all_tasks_blocked()
-            parked.append(fut._sub.waiter)
+            parked.append(internals.submission_of(fut).waiter)
 
         nursery.start_soon(watch)
         await fut.wait()
         assert time.perf_counter() - t0 >= 0.04
         assert parked  # the watcher ran while the waiter was blocked
         assert parked[0] is not None  # it parked after the spin budget
-        assert fut._sub.waiter is None
+        assert internals.submission_of(fut).waiter is None
 
 
 async def test_two_tasks_awaiting_one_future_both_wake():
@@ -864,8 +865,8 @@ async def test_two_tasks_awaiting_one_future_both_wake():
                 for _ in range(3):
                     nursery.start_soon(lambda: _append(got, fut.wait()))
                 await trio.testing.wait_all_tasks_blocked()
-                assert isinstance(fut._sub.waiter, list)
-                assert len(fut._sub.waiter) == 3
+                assert isinstance(internals.submission_of(fut).waiter, list)
+                assert len(internals.submission_of(fut).waiter) == 3
                 sim.release()
         finally:
             sim.release()
@@ -883,12 +884,12 @@ async def test_cancelled_parked_waiter_is_taken_off_its_submission():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(lambda: _append(got, fut.wait()))
                 await trio.testing.wait_all_tasks_blocked()
-                other = fut._sub.waiter
+                other = internals.submission_of(fut).waiter
                 assert isinstance(other, trio.lowlevel.Task)
                 with trio.move_on_after(0.01) as cs:
                     await fut.wait()
                 assert cs.cancelled_caught
-                w = fut._sub.waiter  # only the other task is left to reschedule
+                w = internals.submission_of(fut).waiter  # only the other task is left to reschedule
                 assert (w if isinstance(w, list) else [w]) == [other]
                 assert gpu.statistics().leases_held == 1  # still held: the GPU has not run it
                 sim.release()

@@ -29,6 +29,7 @@ import trio
 import trio.testing
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.kernels import add
 from trio_cuda import ops
 from trio_cuda.testing import SimDevice
@@ -567,7 +568,7 @@ async def test_a_ctrl_c_while_the_exit_waits_for_the_handoff_is_kept(sim):
     manager = trio_cuda.open_scope(device=sim)
     gpu = await manager.__aenter__()
     await gpu.to_device(_host_values())  # freed at the exit
-    real = manager._handoff_ended
+    real = internals.handoff_ended(manager)
 
     class InterruptedOnce:
         waits = 0
@@ -584,7 +585,8 @@ async def test_a_ctrl_c_while_the_exit_waits_for_the_handoff_is_kept(sim):
                 raise KeyboardInterrupt
             await real.wait()
 
-    manager._handoff_ended = ended = InterruptedOnce()
+    ended = InterruptedOnce()
+    internals.set_handoff_ended(manager, ended)
     with pytest.raises(KeyboardInterrupt):
         await manager.__aexit__(None, None, None)
     assert ended.waits == 2  # it went on waiting after the interrupt

@@ -19,7 +19,8 @@ import pytest
 ct = pytest.importorskip("cuda.tile", reason="cuda-tile is not installed: pip install 'trio_cuda[tile]'")
 comp = importlib.import_module("cuda.tile.compilation")
 
-from trio_cuda import KernelArgumentError, TrioCudaError  # noqa: E402
+from tests.helpers import internals  # noqa: E402
+from trio_cuda import KernelArgumentError, TileCompileError, TileToolchainError, TrioCudaError  # noqa: E402
 from trio_cuda._tile import compile as tc  # noqa: E402
 from trio_cuda._tile.compile import (  # noqa: E402
     ArraySpec,
@@ -27,9 +28,7 @@ from trio_cuda._tile.compile import (  # noqa: E402
     ListSpec,
     ScalarSpec,
     TileCache,
-    TileCompileError,
     TileSignature,
-    TileToolchainError,
     TupleSpec,
     address_alignment,
     compile_tile,
@@ -308,7 +307,7 @@ def test_key_covers_source_helpers_globals_signature_arch_versions(
         directory.mkdir(exist_ok=True)
         try:
             module = _write_module(directory, name, KERNEL_SRC.format(size=size, op=op))
-            return tc._cache_key(module.k, sig or TileSignature([F32, F32]), tag)
+            return internals.tile_cache_key(module.k, sig or TileSignature([F32, F32]), tag)
         finally:
             sys.modules.pop(name, None)
 
@@ -606,7 +605,7 @@ def test_key_does_not_name_the_kernels_own_module(tmp_path: Path) -> None:
         directory.mkdir()
         try:
             module = _write_module(directory, name, text)
-            keys.append(tc._cache_key(module.k, TileSignature([F32, F32]), None))
+            keys.append(internals.tile_cache_key(module.k, TileSignature([F32, F32]), None))
         finally:
             sys.modules.pop(name, None)
     assert keys[0] == keys[1]

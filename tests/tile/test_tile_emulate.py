@@ -8,7 +8,7 @@ import pytest
 
 ct = pytest.importorskip("cuda.tile", reason="cuda-tile is not installed: pip install 'trio_cuda[tile]'")
 
-from trio_cuda._core._errors import TrioCudaError  # noqa: E402
+from trio_cuda import TrioCudaError  # noqa: E402
 from trio_cuda._tile.emulate import (  # noqa: E402
     TileEmulationError,
     TileNotEmulatedError,

@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 ct = pytest.importorskip("cuda.tile", reason="cuda-tile is not installed: pip install 'trio_cuda[tile]'")
 
 import trio_cuda  # noqa: E402
+from tests.helpers import internals  # noqa: E402
 from tests.helpers.guard import held  # noqa: E402
 from tests.helpers.kernels import ADD, add  # noqa: E402
 from trio_cuda import KernelArgumentError, TileCompileError, TileToolchainError, ops, unsafe  # noqa: E402
@@ -175,7 +176,7 @@ UNCHECKED = trio_cuda.Kernel.from_tile(unchecked_load, cache=None)
 
 def v(op: trio_cuda.KernelLaunch) -> list[tuple[int, Access]]:
     """A launch's leases: (address, access) per array, in argument order."""
-    return [(arr.ptr, access) for arr, access in op._accesses]
+    return [(arr.ptr, access) for arr, access in internals.accesses_of(op)]
 
 
 def host(n: int = N, dtype: Any = F4) -> np.ndarray:
@@ -586,7 +587,7 @@ async def test_access_override_changes_leases_and_output(sim: SimDevice) -> None
         op = quiet.launch(x, y, z, grid=16)
         assert v(op) == [(x.ptr, Access.READ), (y.ptr, Access.READ), (z.ptr, Access.READ)]
         quiet.launch(x, y, z.as_readonly(), grid=16)  # "read": a read-only array is accepted
-        assert op._output is None
+        assert internals.output_of(op) is None
 
 
 async def test_leases_order_and_refuse_like_simt_leases(sim: SimDevice) -> None:
@@ -665,7 +666,7 @@ async def test_a_borrowed_alias_of_an_argument_is_refused(sim: SimDevice) -> Non
         x, y, _ = await vadd_setup(gpu)
         alias = trio_cuda.borrow(x, access="write")
         assert alias.ptr == x.ptr
-        assert alias._alloc is not x._alloc
+        assert internals.allocation_of(alias) is not internals.allocation_of(x)
         fresh = trio_cuda.Kernel.from_tile(vadd, cache=None)
         with pytest.raises(KernelArgumentError, match=r"argument 0 \(a\) and argument 2 \(out\) overlap"):
             fresh.launch(x, y, alias, grid=16)

@@ -12,6 +12,7 @@ import trio
 
 pytest.importorskip("cuda.tile", reason="cuda-tile is not installed: pip install 'trio_cuda[tile]'")
 
+from tests.helpers import internals
 from trio_cuda.__main__ import tile_line
 from trio_cuda._tile import compile as tc
 
@@ -142,7 +143,9 @@ async def test_a_kernel_without_source_file_says_so(tmp_path: Path, caplog: pyte
         y = gpu.zeros(16, np.float32)
         with caplog.at_level("WARNING", logger="trio_cuda"):
             launch = k.launch(x, y, grid=1)
-        assert launch._accesses[0][1] is launch._accesses[1][1]  # both written: the fallback
+        assert (
+            internals.accesses_of(launch)[0][1] is internals.accesses_of(launch)[1][1]
+        )  # both written: the fallback
         assert "sourceless': the access analysis could not answer" in caplog.text
         assert "leased as written" in caplog.text
         with pytest.raises(trio_cuda.TileCompileError, match="define @ct.kernel functions in a file"):
