@@ -17,6 +17,7 @@ import trio
 import trio.testing
 
 import trio_cuda
+from tests.helpers import internals
 from tests.helpers.kernels import add
 from trio_cuda import ops
 from trio_cuda._backends import probe_cuda
@@ -184,7 +185,7 @@ async def test_the_ring_is_bounded_and_says_what_it_dropped():
 async def test_tracing_off_records_nothing_and_process_tracing_covers_new_scopes():
     sim = SimDevice()
     async with trio_cuda.open_scope(device=sim) as gpu:
-        assert gpu._tracer is None
+        assert internals.tracer_of(gpu) is None
     assert trio_cuda.trace.current() is None
     trace = trio_cuda.trace.enable(limit=1000)
     try:
@@ -192,7 +193,7 @@ async def test_tracing_off_records_nothing_and_process_tracing_covers_new_scopes
         async with trio_cuda.open_scope(device=sim) as a, trio_cuda.open_scope(device=sim, trace=False) as b:
             await a.run(ops.fill(a.zeros(4, F4), 1.0))
             await b.run(ops.fill(b.zeros(4, F4), 1.0))
-            assert b._tracer is None
+            assert internals.tracer_of(b) is None
     finally:
         assert trio_cuda.trace.disable() is trace
     assert trio_cuda.trace.current() is None
@@ -421,7 +422,7 @@ def test_the_timeline_page_counts_the_events_recorded():
     """The page's header counts the lifetime events (``trace.events``), not
     the JSON's records, which are more: a retirement alone is a complete and a
     retire marker, lease slices and take/release markers and a flow's end."""
-    from test_trace_html import facts
+    from tests.features.test_trace_html import facts
 
     trace = trio_cuda.trace.Trace()
     trio.run(_scenario, SimDevice(kernel_time=0.002), trace)
@@ -433,7 +434,7 @@ def test_the_timeline_page_counts_the_events_recorded():
 
 
 def test_the_timeline_page_of_a_real_trace_in_chromium(tmp_path):
-    from test_trace_html import body, console_lines, dump_dom, facts, find_chromium
+    from tests.features.test_trace_html import body, console_lines, dump_dom, facts, find_chromium
 
     if find_chromium() is None:
         pytest.skip("no chromium binary on PATH")
@@ -734,7 +735,7 @@ async def test_the_recorder_stays_bounded_over_many_scopes():
     limit = 60
     trace = trio_cuda.trace.Trace(limit=limit)
     sim = SimDevice()
-    tracer = trace._tracer
+    tracer = internals.tracer_of(trace)
     sizes = []
     for i in range(150):
         launches = 40 if i % 50 == 7 else 1 + i % 4  # some scopes outlast the ring
