@@ -323,7 +323,7 @@ async def test_scope_exit_destroys_open_graphs() -> None:
         ctx = gpu._driver
     assert graph.closed
     assert graph.statistics().destroyed
-    assert not ctx._graph_execs  # type: ignore[attr-defined]
+    assert not ctx._graphs.execs  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- upload, and update off the loop

@@ -555,7 +555,7 @@ async def test_dynamic_shared_memory_beyond_48_kib() -> None:
         # static + dynamic must fit the opt-in limit; the error says how much is left
         r = gpu.zeros(1, np.float32)
         await gpu.load(STATIC_SMEM)
-        static = gpu._driver._function_limits(gpu._functions[STATIC_SMEM])[1]  # type: ignore[attr-defined]
+        static = gpu._driver._kernels.function_limits(gpu._functions[STATIC_SMEM])[1]  # type: ignore[attr-defined]
         assert static >= 32768
         fits = optin - static
         await gpu.run(STATIC_SMEM.launch(r, 1, grid=1, block=256, shared_mem=fits))
