@@ -87,7 +87,7 @@ class Gate:
 
 
 def graph_execs(gpu: trio_cuda.ResourceScope) -> int:
-    return len(gpu._driver._graph_execs)  # type: ignore[attr-defined]
+    return len(gpu._driver._graphs.execs)  # type: ignore[attr-defined]
 
 
 async def test_capture_and_replay_match_the_reference() -> None:
