@@ -175,7 +175,7 @@ def executable_of(graph: Any) -> Any:
 
 def graph_execs(driver: Any) -> Any:
     """The executable graphs the cuda driver context holds."""
-    return driver._graph_execs
+    return driver._graphs.execs
 
 
 # --------------------------------------------------------------------------- kernels and launches
@@ -221,7 +221,7 @@ def lease_plan_of(launch: Any) -> Any:
 
 def function_limits(driver: Any, function: Any) -> Any:
     """The cuda driver's resource limits of a loaded function."""
-    return driver._function_limits(function)
+    return driver._kernels.function_limits(function)
 
 
 # --------------------------------------------------------------------------- trio_cuda.ray

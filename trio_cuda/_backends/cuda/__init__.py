@@ -9,15 +9,19 @@ Invariants:
 * Modules, one concept each, importing only downward in this order:
   ``bindings`` (the ``cu`` module), ``errors`` (CUresult -> trio_cuda
   errors), ``primary`` (primary contexts, device facts), ``waiters`` (waiter
-  threads), ``nvrtc`` (compilation and its disk cache), ``state`` (the
-  context's attributes, declared once), ``streams`` (streams, markers,
-  gates), ``completion`` (``wait_for_progress``), ``staging`` (pinned host
-  copies), ``graphs`` (capture and replay), ``launch`` (kernels), ``context``
+  threads), ``nvrtc`` (compilation and its disk cache), ``state`` (what the
+  components share: device, CUcontext, sticky error), ``streams`` (streams,
+  markers, gates), ``graphs`` (capture and replay), ``completion``
+  (``wait_for_progress``), ``staging`` (pinned host copies), ``launch``
+  (kernels), ``timing`` (device times for traces), ``context``
   (:class:`CudaContext` and its memory, interop and close), ``peer`` (copies
   between devices; imported on first use).
-* :class:`CudaContext` is assembled from one base class per concept; each
-  subclasses the concepts whose methods it calls (see ``state``), so a
-  module never imports one above it except for type checks.
+* :class:`CudaContext` has no base classes: it holds one component per
+  concept as a field and delegates to it. A component gets the components it
+  uses (the shared ``ContextState``, the ``StreamTable``) as constructor
+  arguments and uses only their attributes and methods without a leading
+  underscore (see ``state``); a module never imports one above it except for
+  type checks.
 * Checks and errors the simulator raises alike come from
   ``trio_cuda._backends._common``.
 """

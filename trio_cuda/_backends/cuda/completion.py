@@ -14,6 +14,12 @@ Invariants:
   "event" and "thread" are the alternatives measured in
   ``docs/design/completion.md``. While parked, the loop wakes at least every
   ``error_check_interval`` to ask the driver about sticky errors.
+* :class:`CompletionWaiter` owns the strategy, its tunables, the waiter
+  threads and the counters. It reads the flags and the ``new_head`` /
+  ``wake_ev`` signal of the :class:`~.streams.StreamTable` it was given
+  (parking on ``wake_ev``, which ``notify_submitted`` sets), recycles events
+  through the table's pool, and records a broken context in the shared
+  ``ContextState.sticky``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import trio
 
@@ -30,10 +36,14 @@ from ..._core._errors import CudaError
 from ..._core._trio_internals import runnable_tasks as _runnable_tasks
 from .bindings import cu
 from .errors import NOT_READY, cuda_error
-from .streams import _HALF, _M32, CudaMarker, CudaStream, StreamsMixin
-from .waiters import EventJob, PollJob
+from .streams import _HALF, _M32, CudaMarker, CudaStream
+from .waiters import EventJob, PollJob, WaiterPool
 
-__all__ = ["CompletionMixin"]
+if TYPE_CHECKING:
+    from .state import ContextState
+    from .streams import StreamTable
+
+__all__ = ["CompletionWaiter"]
 
 log = logging.getLogger("trio_cuda")
 
@@ -42,8 +52,47 @@ _STRATEGIES: Final = ("adaptive", "sleep", "event", "thread")
 perf_counter = time.perf_counter
 
 
-class CompletionMixin(StreamsMixin):
-    """The completion waiting of :class:`~.context.CudaContext`."""
+@final
+class CompletionWaiter:
+    """How one context's ``wait_for_progress`` waits: the strategy and its
+    tunables, the waiter threads, and the driver's error checks."""
+
+    __slots__ = (
+        "_last_error_check",
+        "_state",
+        "_table",
+        "_token",
+        "_waiters",
+        "counters",
+        "error_check_interval",
+        "inline_spin",
+        "max_poll_interval",
+        "poll_interval",
+        "sleep_max_interval",
+        "spin_budget",
+        "wait_strategy",
+    )
+
+    def __init__(self, state: ContextState, table: StreamTable) -> None:
+        self._state = state
+        self._table = table
+        self._waiters = WaiterPool(cu, state.make_current)
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._last_error_check = 0.0
+        # tunables
+        self.wait_strategy = "adaptive"
+        self.spin_budget = 200e-6
+        self.inline_spin = 20e-6
+        self.error_check_interval = 0.02
+        self.poll_interval = 50e-6
+        self.max_poll_interval = 1e-3
+        self.sleep_max_interval = 5e-3
+        #: statistics for tests and benchmarks
+        self.counters = {"handoffs": 0, "event_waits": 0, "poll_waits": 0, "loop_sleeps": 0, "spins": 0}
+
+    def close(self) -> None:
+        """At close: stop the waiter threads (a job in flight still ends)."""
+        self._waiters.close()
 
     def set_wait_strategy(
         self, strategy: str, *, spin_budget: float | None = None, inline_spin: float | None = None
@@ -53,62 +102,51 @@ class CompletionMixin(StreamsMixin):
         if strategy not in _STRATEGIES:
             raise ValueError(f"strategy: expected one of {_STRATEGIES}, got {strategy!r}")
         self.wait_strategy = strategy
-        self.record_events = strategy in ("event", "thread")
+        self._table.record_events = strategy in ("event", "thread")
         if spin_budget is not None:
             self.spin_budget = spin_budget
         if inline_spin is not None:
             self.inline_spin = inline_spin
 
-    # ------------------------------------------------------------------ traces
-    def last_command(self) -> int | None:
-        return None  # no device times kept: traces show host-observed times
-
-    def command_times(self, ids: Sequence[int]) -> dict[int, tuple[float, float]]:
-        return {}
-
     # ------------------------------------------------------------------ completion
-    def notify_submitted(self) -> None:
-        if self._new_head:
-            ev = self._wake_ev
-            if ev is not None:
-                self._wake_ev = None
-                ev.set()
-
     def _check_errors(self, streams: Sequence[CudaStream]) -> bool:
         """``cuStreamQuery`` the streams with pending heads; a failure other
         than NOT_READY is sticky: every pending marker becomes UNKNOWN."""
+        state = self._state
         self._last_error_check = perf_counter()
-        self._make_current_if_needed()
-        if self._sticky is not None:
+        state.make_current_if_needed()
+        if state.sticky is not None:
             return True
         for s in streams:
             if s.destroyed:
                 continue
             (err,) = cu.cuStreamQuery(s.cu)
             if err and int(err) != NOT_READY:
-                self._sticky = cuda_error(err, f"cuStreamQuery(stream {s.index})")
-                log.error("cuda:%d failed: %s", self.ordinal, self._sticky)
+                state.sticky = cuda_error(err, f"cuStreamQuery(stream {s.index})")
+                log.error("cuda:%d failed: %s", state.ordinal, state.sticky)
                 return True
         return False
 
     async def wait_for_progress(self, pending: Sequence[Marker]) -> None:
+        state = self._state
+        table = self._table
         markers = [m for m in pending if isinstance(m, CudaMarker)]
-        if not markers or self._sticky is not None:
+        if not markers or state.sticky is not None:
             await trio.lowlevel.checkpoint()
             return
-        self._make_current_if_needed()
-        if self._dirty or self._hot:
+        state.make_current_if_needed()
+        if table.has_deferred():
             try:
-                self._flush()
+                table.flush()
             except CudaError as exc:
-                self._sticky = self._sticky or exc
+                state.sticky = state.sticky or exc
                 await trio.lowlevel.checkpoint()
                 return
         watch = [(m.stream.mv, m.stream.slot, m.seq) for m in markers]
         streams = [m.stream for m in markers]
         for s in streams:
             s.watched = True
-        self._new_head = False
+        table.new_head = False
         failed = False
         try:
             strategy = self.wait_strategy
@@ -123,9 +161,9 @@ class CompletionMixin(StreamsMixin):
         except CudaError as exc:
             # a driver call of the waiting machinery failed: the context is
             # broken; pending markers now poll UNKNOWN (never raise into the core)
-            if self._sticky is None:
-                self._sticky = exc
-                log.error("cuda:%d failed: %s", self.ordinal, exc)  # noqa: TRY400
+            if state.sticky is None:
+                state.sticky = exc
+                log.error("cuda:%d failed: %s", state.ordinal, exc)  # noqa: TRY400
             failed = True
         finally:
             for s in streams:
@@ -139,6 +177,7 @@ class CompletionMixin(StreamsMixin):
         runnable). True when something completed or a new stream got work.
         Returns without another checkpoint when it finds progress: the caller
         retires it at once (one scheduler pass less per round trip)."""
+        table = self._table
         budget = self.spin_budget
         inline = self.inline_spin
         now = perf_counter()
@@ -149,7 +188,7 @@ class CompletionMixin(StreamsMixin):
             for mv, slot, seq in watch:
                 if ((mv[slot] - seq) & _M32) < _HALF:
                     return True
-            if self._new_head:
+            if table.new_head:
                 return True
             now = perf_counter()
             if now >= end:
@@ -171,8 +210,9 @@ class CompletionMixin(StreamsMixin):
 
     async def _wait_sleep(self, watch: list[tuple[Any, int, int]], streams: list[CudaStream]) -> None:
         """Strategy (a): poll the flags from the loop with ``trio.sleep`` backoff."""
+        table = self._table
         ev = trio.Event()
-        self._wake_ev = ev
+        table.wake_ev = ev
         interval = self.poll_interval
         last_check = perf_counter()
         try:
@@ -189,8 +229,8 @@ class CompletionMixin(StreamsMixin):
                     if self._check_errors(streams):
                         return
         finally:
-            if self._wake_ev is ev:
-                self._wake_ev = None
+            if table.wake_ev is ev:
+                table.wake_ev = None
 
     async def _wait_event_poll(self, markers: list[CudaMarker], streams: list[CudaStream]) -> None:
         """Strategy (b): ``cuEventQuery`` the heads' events from the loop:
@@ -199,6 +239,7 @@ class CompletionMixin(StreamsMixin):
         if not events:  # markers recorded before record_events was set
             await self._wait_sleep([(m.stream.mv, m.stream.slot, m.seq) for m in markers], streams)
             return
+        table = self._table
         query = cu.cuEventQuery
         end = perf_counter() + self.spin_budget
         interval = self.poll_interval
@@ -209,10 +250,10 @@ class CompletionMixin(StreamsMixin):
                     await trio.lowlevel.checkpoint()
                     return
                 if int(err) != NOT_READY:
-                    self._sticky = cuda_error(err, "cuEventQuery")
+                    self._state.sticky = cuda_error(err, "cuEventQuery")
                     await trio.lowlevel.checkpoint()
                     return
-            if self._new_head:
+            if table.new_head:
                 await trio.lowlevel.checkpoint()
                 return
             if perf_counter() < end:
@@ -220,10 +261,10 @@ class CompletionMixin(StreamsMixin):
             else:
                 self.counters["loop_sleeps"] += 1
                 ev = trio.Event()
-                self._wake_ev = ev
+                table.wake_ev = ev
                 with trio.move_on_after(interval):
                     await ev.wait()
-                self._wake_ev = None
+                table.wake_ev = None
                 if ev.is_set():
                     return
                 interval = min(interval * 2, self.sleep_max_interval)
@@ -235,11 +276,12 @@ class CompletionMixin(StreamsMixin):
         thread and sleep on a Trio event until it (or a new submission on an
         idle stream) wakes us. The loop itself only wakes every
         ``error_check_interval`` to ask the driver about sticky errors."""
+        table = self._table
         token = self._token
         if token is None:
             token = self._token = trio.lowlevel.current_trio_token()
         ev = trio.Event()
-        self._wake_ev = ev
+        table.wake_ev = ev
         release_event = None
         job: EventJob | PollJob
         if self.wait_strategy == "thread" and markers[0].event is not None:
@@ -248,11 +290,11 @@ class CompletionMixin(StreamsMixin):
             # The only pending head is the newest point of its stream: an event
             # recorded now completes with it, so the thread can block on it.
             s = markers[0].stream
-            release_event = self._new_event()
+            release_event = table.new_event()
             (err,) = cu.cuEventRecord(release_event, s.cu)
             if err:
-                self._free_events.append(release_event)
-                self._fail(err, "cuEventRecord")
+                table.recycle_event(release_event)
+                self._state.fail(err, "cuEventRecord")
             job = EventJob(release_event, self._job_done_cb(token, ev), recycle=True)
         else:
             job = PollJob(watch, self._job_done_cb(token, ev), self.poll_interval, self.max_poll_interval)
@@ -263,9 +305,9 @@ class CompletionMixin(StreamsMixin):
         self.counters["handoffs"] += 1
         if not self._waiters.dispatch(job):
             if release_event is not None:
-                self._free_events.append(release_event)
-            if self._wake_ev is ev:
-                self._wake_ev = None
+                table.recycle_event(release_event)
+            if table.wake_ev is ev:
+                table.wake_ev = None
             await self._wait_sleep(watch, streams)
             return
         try:
@@ -278,8 +320,8 @@ class CompletionMixin(StreamsMixin):
                     break
         finally:
             job.cancelled = True
-            if self._wake_ev is ev:
-                self._wake_ev = None
+            if table.wake_ev is ev:
+                table.wake_ev = None
 
     def _job_done_cb(self, token: trio.lowlevel.TrioToken, ev: trio.Event) -> Any:
         def done(job: EventJob | PollJob) -> None:
@@ -294,10 +336,11 @@ class CompletionMixin(StreamsMixin):
     def _job_done(self, job: EventJob | PollJob, ev: trio.Event) -> None:
         """On the loop thread, once a waiter thread finished a job."""
         if isinstance(job, EventJob):
+            state = self._state
             result = job.result
-            if result is not None and int(result) not in (0, NOT_READY) and self._sticky is None:
-                self._sticky = cuda_error(result, "cuEventSynchronize")
-                log.error("cuda:%d failed: %s", self.ordinal, self._sticky)
-            if job.recycle and not self._closed:
-                self._free_events.append(job.event)
+            if result is not None and int(result) not in (0, NOT_READY) and state.sticky is None:
+                state.sticky = cuda_error(result, "cuEventSynchronize")
+                log.error("cuda:%d failed: %s", state.ordinal, state.sticky)
+            if job.recycle and not state.closed:
+                self._table.recycle_event(job.event)
         ev.set()

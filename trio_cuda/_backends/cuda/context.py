@@ -14,36 +14,54 @@ Invariants:
 * A sticky error (a kernel fault) breaks the context for good: nothing of it
   is freed afterwards (its pinned memory, streams and modules are leaked on
   purpose).
-* The class is assembled from one base class per concept (``streams``,
-  ``completion``, ``staging``, ``graphs``, ``launch``); this module sets the
-  attributes that ``state`` declares, and holds memory, copies between
-  devices, interop and close. Argument checks shared with the simulator come
-  from ``_common``.
+* The class has no base classes. It holds its components as fields, each
+  owning its state: ``_state`` (:class:`~.state.ContextState`: device,
+  CUcontext, sticky error), ``_table`` (:class:`~.streams.StreamTable`),
+  ``_completion`` (:class:`~.completion.CompletionWaiter`), ``_staging``
+  (:class:`~.staging.StagingPool`), ``_graphs`` (:class:`~.graphs.Graphs`),
+  ``_kernels`` (:class:`~.launch.Kernels`) and ``_timing``
+  (:class:`~.timing.Timing`). Each protocol method delegates to the
+  component that owns it; this module itself holds memory, copies between
+  devices (with ``peer``), interop and close. Argument checks shared with
+  the simulator come from ``_common``.
+* The hot path adds no call: ``launch``, ``record_marker``,
+  ``poll_marker``, ``notify_submitted``, ``wait_for_progress`` and
+  ``timing_mark`` are the components' bound methods, set on the instance at
+  construction (shadowing the delegating methods of the class, which do the
+  same thing one call later). Two reads take one attribute hop more than
+  when the context was one object: the sticky error of ``poll_marker`` on a
+  pending marker (through the state) and the stream check of a launch's
+  first enqueue (through the table).
+* The tunables (``wait_strategy``, ``spin_budget``, ``marker_mode``, ...)
+  are properties that read and write the component owning them.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, final
 
-import trio
+import numpy as np
 
-from ..._core._driver import Capabilities, StreamHandle
+from ..._core._driver import Capabilities, Finisher, Gate, Marker, Poll, StreamHandle
 from ..._core._errors import CudaError
 from .. import _common
 from . import primary as _primary
 from .bindings import cu
-from .completion import CompletionMixin
+from .completion import CompletionWaiter
 from .errors import check, cuda_error
-from .graphs import CudaGraphExec
-from .launch import CudaFunction, KernelsMixin
-from .staging import StagingMixin, _StagingPool
-from .streams import CudaStream, _FlagPage
-from .timing import TimingMixin
-from .waiters import WaiterPool
+from .graphs import CudaGraphExec, CudaGraphTemplate, Graphs
+from .launch import CudaFunction, Kernels
+from .staging import StagingPool
+from .state import ContextState
+from .streams import CudaGate, CudaMarker, CudaStream, StreamTable
+from .timing import Timing
 
 if TYPE_CHECKING:
     from ..._core._driver import DeviceContext
+    from ..._core._kernel import Kernel
+    from ..._core._launch import PreparedLaunch
 
 __all__ = ["CudaContext", "open_context"]
 
@@ -51,7 +69,7 @@ log = logging.getLogger("trio_cuda")
 
 
 @final
-class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
+class CudaContext:
     """One scope's view of a CUDA device (the DeviceContext protocol).
 
     Tunables (attributes, for experiments and benchmarks):
@@ -65,11 +83,11 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
       between flag reads) before handing off.
     * ``inline_spin``: seconds of busy-waiting without yielding, only while no
       other Trio task is runnable (0 disables it).
-    * ``wait_marker_mode``: ``"event"`` (default: when the marker is the
+    * ``wait_marker_mode``: ``"event"`` (when the marker is the
       newest point of its stream, record an event there now and
-      ``cuStreamWaitEvent``; else as "flag") or ``"flag"``
-      (``cuStreamWaitValue32(GEQ)`` on the marker's pinned slot).
-    * ``marker_mode``: ``"hybrid"`` (default), ``"deferred"`` or ``"eager"``
+      ``cuStreamWaitEvent``; else as "flag") or ``"flag"`` (default:
+      ``cuStreamWaitValue32(GEQ)`` on the marker's pinned slot).
+    * ``marker_mode``: ``"hybrid"``, ``"deferred"`` or ``"eager"`` (default)
       flag writes (see ``record_marker``).
 
     ``docs/design/completion.md`` has the measurements behind the defaults.
@@ -78,42 +96,17 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
     def __init__(self, ordinal: int = 0) -> None:
         if cu is None:  # pragma: no cover
             raise RuntimeError("cuda.bindings is not importable")
-        self._closed = False
-        self._sticky: CudaError | None = None
+        state = self._state = ContextState(ordinal)
         self.ordinal = ordinal
-        self._dev, self._ctx = _primary.retain_primary(ordinal)
-        try:
-            check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-            self.info = _primary.device_info(self._dev, ordinal)
-            self.driver_version = int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
-            self._pool = check(cu.cuDeviceGetDefaultMemPool(self._dev), "cuDeviceGetDefaultMemPool")
-            self._aux = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-        except BaseException:
-            self._release_primary()
-            raise
-        self._pages: list[_FlagPage] = []
-        #: another context's stream waited on one of our flags: never free the pages
-        self._pages_shared = False
-        self._streams: dict[CudaStream, None] = {}
-        self._staging = _StagingPool(self)
-        self._functions: dict[CudaFunction, None] = {}
-        #: device buffers of tile launches' list arguments, by content (freed at close)
-        self._tile_descs: dict[bytes, int] = {}
-        self._free_events: list[Any] = []  # blocking-sync, timing-disabled events
-        self._marker_events: list[Any] = []  # returned by CudaMarker.__del__
-        self._all_events: list[Any] = []
-        self._scratch_event: Any = None
-        self._waiters = WaiterPool(cu, self._make_current_on_thread)
-        self._wake_ev: trio.Event | None = None
-        self._new_head = False
-        self._dirty: list[CudaStream] = []  # streams with a deferred marker write
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._last_error_check = 0.0
-        # tunables
-        self.wait_strategy = "adaptive"
-        self.record_events = False
-        self.spin_budget = 200e-6
-        self.inline_spin = 20e-6
+        self.info = state.info
+        self.driver_version = state.driver_version
+        table = self._table = StreamTable(state)
+        self._stream = table.stream
+        self._completion = CompletionWaiter(state, table)
+        self._staging = StagingPool(state, table)
+        self._graphs = Graphs(state, table)
+        kernels = self._kernels = Kernels(state, table)
+        timing = self._timing = Timing(table)
         #: the core's per-await spin and look budgets (``Completion._observe``) and marker
         #: batching; load_kernel makes the context current in its thread, so it
         #: may run in a worker thread, and so may instantiate.
@@ -130,44 +123,246 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
             foreign_fence_threadsafe=True,
             device_timing=True,
         )
-        self.error_check_interval = 0.02
-        self.poll_interval = 50e-6
-        self.max_poll_interval = 1e-3
-        self.sleep_max_interval = 5e-3
-        self.wait_marker_mode = "flag"  # measured: 6.9 vs 14.6 us per dependent hop (see completion.md)
-        #: "hybrid" (default): the first marker of a stream after each flush is
-        #: written at once (so the write queues right behind the work and adds
-        #: no latency), later ones are deferred and coalesced until the next
-        #: flush; "deferred": always deferred; "eager": a write per marker
-        self.marker_mode = "eager"  # the core already coalesces markers (batch_markers)
-        self._hot: list[CudaStream] = []  # streams that wrote a marker since the last flush
-        #: the stream capturing a graph (one capture at a time), and the live executable graphs
-        self._capturing: CudaStream | None = None
-        self._graph_execs: dict[CudaGraphExec, None] = {}
-        # counters (statistics for tests and benchmarks)
-        self.counters = {"handoffs": 0, "event_waits": 0, "poll_waits": 0, "loop_sleeps": 0, "spins": 0}
+        # The hot path: the components' own bound methods, so that no call is
+        # added (they shadow the delegating methods of the class, below).
+        self.launch = kernels.launch  # type: ignore[method-assign]
+        self.record_marker = table.record_marker  # type: ignore[method-assign]
+        self.poll_marker = table.poll_marker  # type: ignore[method-assign]
+        self.notify_submitted = table.notify_submitted  # type: ignore[method-assign]
+        self.wait_for_progress = self._completion.wait_for_progress  # type: ignore[method-assign]
+        self.timing_mark = timing.mark  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ facts
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._streams)} streams"
+        state = "closed" if self._state.closed else f"{len(self._table.streams)} streams"
         return f"<CudaContext {self.info.name!r} (cuda:{self.ordinal}) {state}>"
 
     @property
     def sticky_error(self) -> CudaError | None:
         """The sticky error that broke this context, if any."""
-        return self._sticky
+        return self._state.sticky
+
+    @property
+    def state(self) -> ContextState:
+        """The facts this context's components share (device, CUcontext,
+        default memory pool, sticky error), for copies between devices."""
+        return self._state
+
+    # ------------------------------------------------------------------ tunables
+    @property
+    def wait_strategy(self) -> str:
+        return self._completion.wait_strategy
+
+    @wait_strategy.setter
+    def wait_strategy(self, value: str) -> None:
+        self._completion.wait_strategy = value
+
+    @property
+    def spin_budget(self) -> float:
+        return self._completion.spin_budget
+
+    @spin_budget.setter
+    def spin_budget(self, value: float) -> None:
+        self._completion.spin_budget = value
+
+    @property
+    def inline_spin(self) -> float:
+        return self._completion.inline_spin
+
+    @inline_spin.setter
+    def inline_spin(self, value: float) -> None:
+        self._completion.inline_spin = value
+
+    @property
+    def error_check_interval(self) -> float:
+        return self._completion.error_check_interval
+
+    @error_check_interval.setter
+    def error_check_interval(self, value: float) -> None:
+        self._completion.error_check_interval = value
+
+    @property
+    def poll_interval(self) -> float:
+        return self._completion.poll_interval
+
+    @poll_interval.setter
+    def poll_interval(self, value: float) -> None:
+        self._completion.poll_interval = value
+
+    @property
+    def max_poll_interval(self) -> float:
+        return self._completion.max_poll_interval
+
+    @max_poll_interval.setter
+    def max_poll_interval(self, value: float) -> None:
+        self._completion.max_poll_interval = value
+
+    @property
+    def sleep_max_interval(self) -> float:
+        return self._completion.sleep_max_interval
+
+    @sleep_max_interval.setter
+    def sleep_max_interval(self, value: float) -> None:
+        self._completion.sleep_max_interval = value
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Statistics of the completion waiter (for tests and benchmarks)."""
+        return self._completion.counters
+
+    @property
+    def record_events(self) -> bool:
+        return self._table.record_events
+
+    @record_events.setter
+    def record_events(self, value: bool) -> None:
+        self._table.record_events = value
+
+    @property
+    def wait_marker_mode(self) -> str:
+        return self._table.wait_marker_mode
+
+    @wait_marker_mode.setter
+    def wait_marker_mode(self, value: str) -> None:
+        self._table.wait_marker_mode = value
+
+    @property
+    def marker_mode(self) -> str:
+        return self._table.marker_mode
+
+    @marker_mode.setter
+    def marker_mode(self, value: str) -> None:
+        self._table.marker_mode = value
+
+    def set_wait_strategy(
+        self, strategy: str, *, spin_budget: float | None = None, inline_spin: float | None = None
+    ) -> None:
+        """Choose how :meth:`wait_for_progress` sleeps (see the class docs).
+        "event" and "thread" make markers record events too."""
+        self._completion.set_wait_strategy(strategy, spin_budget=spin_budget, inline_spin=inline_spin)
+
+    # ------------------------------------------------------------------ streams (``streams``)
+    def create_stream(self, index: int) -> CudaStream:
+        return self._table.create_stream(index)
+
+    def destroy_stream(self, stream: StreamHandle) -> None:
+        self._table.destroy_stream(stream)
+
+    def record_marker(self, stream: StreamHandle) -> CudaMarker:
+        return self._table.record_marker(stream)
+
+    def poll_marker(self, marker: Marker) -> Poll:
+        return self._table.poll_marker(marker)
+
+    def wait_marker(self, stream: StreamHandle, marker: Marker) -> None:
+        self._table.wait_marker(stream, marker)
+
+    def create_gate(self, stream: StreamHandle) -> CudaGate:
+        return self._table.create_gate(stream)
+
+    def open_gate(self, gate: Gate) -> None:
+        self._table.open_gate(gate)
+
+    def notify_submitted(self) -> None:
+        self._table.notify_submitted()
+
+    # ------------------------------------------------------------------ completion (``completion``)
+    async def wait_for_progress(self, pending: Sequence[Marker]) -> None:
+        await self._completion.wait_for_progress(pending)
+
+    # ------------------------------------------------------------------ traces (``timing``)
+    def last_command(self) -> int | None:
+        return None  # no device times kept: traces show host-observed times
+
+    def command_times(self, ids: Sequence[int]) -> dict[int, tuple[float, float]]:
+        return {}
+
+    def timing_start(self, stream: StreamHandle) -> None:
+        self._timing.start(stream)
+
+    def timing_mark(self, stream: StreamHandle) -> int | None:
+        return self._timing.mark(stream)
+
+    def mark_times(self, ids: Sequence[int]) -> dict[int, float]:
+        return self._timing.times(ids)
+
+    # ------------------------------------------------------------------ host copies (``staging``)
+    def staging_statistics(self) -> dict[str, int]:
+        return self._staging.statistics()
+
+    def copy_h2d(self, stream: StreamHandle, dst: int, src: np.ndarray[Any, Any]) -> object | None:
+        return self._staging.copy_h2d(stream, dst, src)
+
+    def copy_d2h(
+        self, stream: StreamHandle, dst: np.ndarray[Any, Any], src: int, *, direct: bool = False
+    ) -> Finisher | None:
+        return self._staging.copy_d2h(stream, dst, src, direct=direct)
+
+    # ------------------------------------------------------------------ kernels (``launch``)
+    def load_kernel(self, kernel: Kernel) -> CudaFunction:
+        return self._kernels.load_kernel(kernel)
+
+    def unload_kernel(self, function: object) -> None:
+        """Unload the module of a :meth:`load_kernel` handle. The core calls it
+        at scope exit, only when no submission using it is in flight."""
+        self._kernels.unload_kernel(function)
+
+    def param_layout(self, function: CudaFunction, n: int) -> tuple[tuple[int, int], ...] | None:
+        """The compiled kernel's ``(offset, size)`` per parameter (see
+        :meth:`Kernels.param_layout <.launch.Kernels.param_layout>`)."""
+        return self._kernels.param_layout(function, n)
+
+    def check_launch(self, function: object, launch: PreparedLaunch) -> None:
+        """What only the loaded kernel knows, checked before anything is
+        enqueued (see :meth:`Kernels.check_launch <.launch.Kernels.check_launch>`)."""
+        self._kernels.check_launch(function, launch)
+
+    def launch(self, stream: StreamHandle, function: object, launch: PreparedLaunch) -> None:
+        self._kernels.launch(stream, function, launch)
+
+    # ------------------------------------------------------------------ graphs (``graphs``)
+    def begin_capture(self, stream: StreamHandle) -> None:
+        """``cuStreamBeginCapture`` in thread-local mode (see ``graphs``)."""
+        self._graphs.begin_capture(stream)
+
+    def end_capture(self, stream: StreamHandle) -> CudaGraphTemplate:
+        return self._graphs.end_capture(stream)
+
+    def abort_capture(self, stream: StreamHandle) -> None:
+        self._graphs.abort_capture(stream)
+
+    def instantiate(self, graph: object) -> CudaGraphExec:
+        """``cuGraphInstantiate``; pushes and pops this context, so it runs on any thread."""
+        return self._graphs.instantiate(graph)
+
+    def graph_upload(self, graph_exec: object) -> None:
+        """``cuGraphUpload`` of a new executable graph, on a private stream
+        that this (worker) thread synchronises (see ``graphs``)."""
+        self._graphs.graph_upload(graph_exec)
+
+    def graph_launch(self, stream: StreamHandle, graph_exec: object) -> None:
+        self._graphs.graph_launch(stream, graph_exec)
+
+    def graph_update(self, graph_exec: object, graph: object) -> None:
+        """``cuGraphExecUpdate`` (see ``graphs``); pushes and pops this context."""
+        self._graphs.graph_update(graph_exec, graph)
+
+    def destroy_graph(self, graph_exec: object) -> None:
+        self._graphs.destroy_graph(graph_exec)
 
     # ------------------------------------------------------------------ memory
     def alloc(self, nbytes: int, stream: StreamHandle) -> int:
         s = self._stream(stream)
-        if self._capturing is not None:
-            raise _common.capture_refuses_alloc(nbytes, self._capturing.index)
+        capturing = self._table.capturing
+        if capturing is not None:
+            raise _common.capture_refuses_alloc(nbytes, capturing.index)
         nbytes = _common.check_count("nbytes", nbytes)
         if nbytes == 0:
             return 0
+        state = self._state
         if _primary.multi_device:
-            cu.cuCtxSetCurrent(self._ctx)
-        err, ptr = cu.cuMemAllocFromPoolAsync(nbytes, self._pool, s.cu)
+            cu.cuCtxSetCurrent(state.ctx)
+        err, ptr = cu.cuMemAllocFromPoolAsync(nbytes, state.pool, s.cu)
         if err:
             raise cuda_error(err, f"cuMemAllocFromPoolAsync({nbytes})")
         return int(ptr)
@@ -175,13 +370,14 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
     def free(self, ptr: int, nbytes: int) -> None:
         if ptr == 0:
             return
-        if self._sticky is not None:
-            raise self._sticky  # the core quarantines the allocation: never freed
+        state = self._state
+        if state.sticky is not None:
+            raise state.sticky  # the core quarantines the allocation: never freed
         if _primary.multi_device:  # another device's scope may retire our memory's last use
-            cu.cuCtxSetCurrent(self._ctx)
-        (err,) = cu.cuMemFreeAsync(ptr, self._aux)
+            cu.cuCtxSetCurrent(state.ctx)
+        (err,) = cu.cuMemFreeAsync(ptr, state.aux)
         if err:
-            self._fail(err, "cuMemFreeAsync")
+            state.fail(err, "cuMemFreeAsync")
 
     def check_copy_peer(self, dst_context: object, src_context: object) -> None:
         """Any two contexts of this backend can copy (through peer access, or
@@ -216,7 +412,7 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
             return
         (err,) = cu.cuMemcpyDtoDAsync(dst, src, nbytes, s.cu)
         if err:
-            self._fail(err, "cuMemcpyDtoDAsync")
+            self._state.fail(err, "cuMemcpyDtoDAsync")
 
     def fill(self, stream: StreamHandle, dst: int, pattern: bytes, count: int) -> None:
         s = self._stream(stream)
@@ -248,7 +444,7 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
                 if not err:
                     (err,) = cu.cuMemsetD2D32Async(dst + 4, 8, hi, 1, count, h)
         if err:
-            self._fail(err, call)
+            self._state.fail(err, call)
 
     # ------------------------------------------------------------------ interop
     # Foreign streams are CUstream handles of other libraries (or 1: legacy
@@ -271,7 +467,7 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
         """Make the foreign stream wait, device-side, for the work enqueued so
         far on ``stream``."""
         s = self._stream(stream)
-        self._make_current_if_needed()
+        self._state.make_current_if_needed()
         ev = self._foreign_event(s.cu)
         try:
             (err,) = cu.cuStreamWaitEvent(cu.CUstream(foreign), ev, 0)
@@ -286,7 +482,7 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
         # May run on a consumer's thread (a DLPack deleter) or a worker thread:
         # push our context and pop it again, leaving that thread's current
         # context (another library's device) as it was.
-        check(cu.cuCtxPushCurrent(self._ctx), "cuCtxPushCurrent (interop fence)")
+        check(cu.cuCtxPushCurrent(self._state.ctx), "cuCtxPushCurrent (interop fence)")
         try:
             if foreign is None:
                 check(cu.cuCtxSynchronize(), "cuCtxSynchronize (interop fence)")
@@ -322,7 +518,7 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
         device, else what it is instead."""
         if nbytes == 0:
             return None
-        self._make_current_if_needed()
+        self._state.make_current_if_needed()
         attr = cu.CUpointer_attribute
         err, mtype = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
         if err:
@@ -340,51 +536,28 @@ class CudaContext(CompletionMixin, StagingMixin, KernelsMixin, TimingMixin):
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
-        if self._closed:
+        state = self._state
+        if state.closed:
             return
-        self._closed = True
-        self._make_current_if_needed()
-        self._waiters.close()
+        state.closed = True
+        state.make_current_if_needed()
+        self._completion.close()
         self._staging.close()
-        if self._sticky is not None:
+        if state.sticky is not None:
             log.warning(
                 "cuda:%d closed after a sticky error (%s); its driver state is leaked",
                 self.ordinal,
-                self._sticky,
+                state.sticky,
             )
-            self._release_primary()
+            state.release_primary()
             return
-        self._close_timing()
-        for s in list(self._streams):
-            if not s.destroyed:
-                s.destroyed = True
-                cu.cuStreamDestroy(s.cu)
-        self._streams.clear()
-        for ge in list(self._graph_execs):  # before the modules their kernel nodes use
-            ge.destroyed = True
-            cu.cuGraphExecDestroy(ge.handle)
-        self._graph_execs.clear()
-        for fn in list(self._functions):
-            fn.unloaded = True
-            cu.cuModuleUnload(fn.module)
-        self._functions.clear()
-        for ptr in self._tile_descs.values():
-            cu.cuMemFree(ptr)
-        self._tile_descs.clear()
-        cu.cuStreamDestroy(self._aux)
-        # events still held by waiter threads (or markers) are left alone
-        for ev in self._free_events:
-            cu.cuEventDestroy(ev)
-        self._free_events.clear()
-        for page in self._pages:
-            page.mv.release()
-            if not self._pages_shared:
-                cu.cuMemFreeHost(page.host)
-        self._pages.clear()
-        self._release_primary()
-
-    def _release_primary(self) -> None:
-        _primary.release_primary(self.ordinal, self._dev)
+        self._timing.close()
+        self._table.destroy_streams()
+        self._graphs.close()  # before the modules their kernel nodes use
+        self._kernels.close()
+        cu.cuStreamDestroy(state.aux)
+        self._table.release()
+        state.release_primary()
 
 
 def open_context(ordinal: int = 0) -> CudaContext:

@@ -6,8 +6,9 @@ Invariants:
   calls from the capturing thread invalidate it. Allocations, markers, waits,
   gates and synchronising copies on the capturing stream raise
   ``GraphCaptureError`` before the driver sees them (``_common``);
-  ``_relaxed_capture`` lets one necessary call through (module loading, a
-  pinned allocation).
+  :func:`relaxed_capture` lets one necessary call through (module loading, a
+  pinned allocation). The capturing stream is the stream table's
+  ``capturing``, which only :class:`Graphs` sets.
 * A template (``CUgraph``) is consumed by ``instantiate`` or ``graph_update``,
   also when they raise. ``instantiate``, ``graph_upload`` and ``graph_update``
   push and pop this context, so they may run in a worker thread (the core
@@ -17,13 +18,16 @@ Invariants:
 * An executable graph is destroyed by ``destroy_graph`` (once no launch of it
   can still run) or at close, before the modules its kernel nodes use; a
   destroyed one raises ``CUDA_ERROR_INVALID_HANDLE`` (``_common``).
+* :class:`Graphs` owns the live executable graphs (``execs``); templates and
+  executable graphs name it as their ``owner``, and one of another context
+  is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, final
+from typing import TYPE_CHECKING, Any, final
 
 from ..._core._driver import StreamHandle
 from ..._core._errors import GraphCaptureError
@@ -31,9 +35,12 @@ from .. import _common
 from . import primary as _primary
 from .bindings import cu
 from .errors import check, cuda_error
-from .streams import StreamsMixin
 
-__all__ = ["CudaGraphExec", "CudaGraphTemplate", "GraphsMixin"]
+if TYPE_CHECKING:
+    from .state import ContextState
+    from .streams import StreamTable
+
+__all__ = ["CudaGraphExec", "CudaGraphTemplate", "Graphs", "relaxed_capture"]
 
 
 @final
@@ -41,10 +48,10 @@ class CudaGraphTemplate:
     """A captured ``CUgraph`` (from :meth:`CudaContext.end_capture`), consumed
     by ``instantiate`` or ``graph_update``."""
 
-    __slots__ = ("ctx", "graph")
+    __slots__ = ("graph", "owner")
 
-    def __init__(self, ctx: GraphsMixin, graph: Any) -> None:
-        self.ctx = ctx
+    def __init__(self, owner: Graphs, graph: Any) -> None:
+        self.owner = owner
         self.graph: Any = graph
 
     def __repr__(self) -> str:
@@ -55,10 +62,10 @@ class CudaGraphTemplate:
 class CudaGraphExec:
     """An executable graph (``CUgraphExec``) of one context."""
 
-    __slots__ = ("__weakref__", "ctx", "destroyed", "handle")
+    __slots__ = ("__weakref__", "destroyed", "handle", "owner")
 
-    def __init__(self, ctx: GraphsMixin, handle: Any) -> None:
-        self.ctx = ctx
+    def __init__(self, owner: Graphs, handle: Any) -> None:
+        self.owner = owner
         self.handle = handle
         self.destroyed = False
 
@@ -66,45 +73,58 @@ class CudaGraphExec:
         return f"<CudaGraphExec 0x{int(self.handle):x}{' destroyed' if self.destroyed else ''}>"
 
 
-class GraphsMixin(StreamsMixin):
-    """The graphs of :class:`~.context.CudaContext`."""
+@contextlib.contextmanager
+def relaxed_capture(table: StreamTable) -> Iterator[None]:
+    """While this thread captures (a stream of ``table`` is capturing), let one
+    potentially unsafe call through (``cuThreadExchangeStreamCaptureMode``);
+    a no-op otherwise."""
+    if table.capturing is None:
+        yield
+        return
+    err, old = cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    if err:
+        raise cuda_error(err, "cuThreadExchangeStreamCaptureMode")
+    try:
+        yield
+    finally:
+        cu.cuThreadExchangeStreamCaptureMode(old)
 
-    @contextlib.contextmanager
-    def _relaxed_capture(self) -> Iterator[None]:
-        """While this thread captures, let one potentially unsafe call through
-        (``cuThreadExchangeStreamCaptureMode``); a no-op otherwise."""
-        if self._capturing is None:
-            yield
-            return
-        err, old = cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
-        if err:
-            raise cuda_error(err, "cuThreadExchangeStreamCaptureMode")
-        try:
-            yield
-        finally:
-            cu.cuThreadExchangeStreamCaptureMode(old)
+
+@final
+class Graphs:
+    """The captures and executable graphs of one context."""
+
+    __slots__ = ("_state", "_stream", "_table", "execs")
+
+    def __init__(self, state: ContextState, table: StreamTable) -> None:
+        self._state = state
+        self._table = table
+        self._stream = table.stream
+        #: the live executable graphs (destroyed at close, before the kernels' modules)
+        self.execs: dict[CudaGraphExec, None] = {}
 
     def begin_capture(self, stream: StreamHandle) -> None:
         """``cuStreamBeginCapture`` in thread-local mode: potentially unsafe
         calls (allocations, synchronisations) from this thread invalidate the
         capture, and so do synchronising calls on the stream itself."""
         s = self._stream(stream)
-        if self._capturing is not None:
-            raise _common.already_capturing(self._capturing.index)
-        if self._sticky is not None:
-            raise self._sticky
-        self._flush_stream(s)  # a deferred marker write of earlier work must not be captured
+        table = self._table
+        if table.capturing is not None:
+            raise _common.already_capturing(table.capturing.index)
+        if self._state.sticky is not None:
+            raise self._state.sticky
+        table.flush_stream(s)  # a deferred marker write of earlier work must not be captured
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         (err,) = cu.cuStreamBeginCapture(s.cu, mode)
         if err:
             raise cuda_error(err, "cuStreamBeginCapture")
-        self._capturing = s
+        table.capturing = s
 
     def _end(self, stream: StreamHandle) -> tuple[Any, Any]:
         s = self._stream(stream)
-        if self._capturing is not s:
+        if self._table.capturing is not s:
             raise _common.not_capturing(s.index)
-        self._capturing = None
+        self._table.capturing = None
         return cu.cuStreamEndCapture(s.cu)  # type: ignore[no-any-return]
 
     def end_capture(self, stream: StreamHandle) -> CudaGraphTemplate:
@@ -120,14 +140,14 @@ class GraphsMixin(StreamsMixin):
         return CudaGraphTemplate(self, graph)
 
     def abort_capture(self, stream: StreamHandle) -> None:
-        if self._capturing is not stream:
+        if self._table.capturing is not stream:
             return
         _err, graph = self._end(stream)  # an invalidated capture also leaves capture mode
         if graph is not None and int(graph):
             cu.cuGraphDestroy(graph)
 
     def _template(self, graph: object) -> CudaGraphTemplate:
-        if type(graph) is not CudaGraphTemplate or graph.ctx is not self:
+        if type(graph) is not CudaGraphTemplate or graph.owner is not self:
             raise _common.not_of_this_context("graph", graph, CudaGraphTemplate, "end_capture")
         if graph.graph is None:
             raise _common.graph_consumed(graph)
@@ -136,7 +156,7 @@ class GraphsMixin(StreamsMixin):
     @contextlib.contextmanager
     def _pushed(self, call: str) -> Iterator[None]:
         """This context, current on the calling thread (any thread) meanwhile."""
-        check(cu.cuCtxPushCurrent(self._ctx), f"cuCtxPushCurrent ({call})")
+        check(cu.cuCtxPushCurrent(self._state.ctx), f"cuCtxPushCurrent ({call})")
         try:
             yield
         finally:
@@ -156,7 +176,7 @@ class GraphsMixin(StreamsMixin):
             finally:
                 cu.cuGraphDestroy(g)
         ge = CudaGraphExec(self, graph_exec)
-        self._graph_execs[ge] = None  # one dict store: atomic under the GIL
+        self.execs[ge] = None  # one dict store: atomic under the GIL
         return ge
 
     def graph_upload(self, graph_exec: object) -> None:
@@ -177,8 +197,8 @@ class GraphsMixin(StreamsMixin):
         state is set from this thread: the loop finds a broken context
         itself); the caller destroys ``graph_exec`` then."""
         ge = self._graph_exec(graph_exec)
-        if self._sticky is not None:
-            raise self._sticky
+        if self._state.sticky is not None:
+            raise self._state.sticky
         with self._pushed("cuGraphUpload"):
             flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
             stream = check(cu.cuStreamCreate(flags), "cuStreamCreate (cuGraphUpload)")
@@ -193,7 +213,7 @@ class GraphsMixin(StreamsMixin):
                 cu.cuStreamDestroy(stream)
 
     def _graph_exec(self, graph_exec: object) -> CudaGraphExec:
-        if type(graph_exec) is not CudaGraphExec or graph_exec.ctx is not self:
+        if type(graph_exec) is not CudaGraphExec or graph_exec.owner is not self:
             raise _common.not_of_this_context("graph_exec", graph_exec, CudaGraphExec, "instantiate")
         if graph_exec.destroyed:
             raise _common.graph_exec_destroyed(graph_exec)
@@ -202,13 +222,13 @@ class GraphsMixin(StreamsMixin):
     def graph_launch(self, stream: StreamHandle, graph_exec: object) -> None:
         s = self._stream(stream)
         ge = graph_exec if type(graph_exec) is CudaGraphExec and not graph_exec.destroyed else None
-        if ge is None or ge.ctx is not self:
+        if ge is None or ge.owner is not self:
             ge = self._graph_exec(graph_exec)
         if _primary.multi_device:
-            cu.cuCtxSetCurrent(self._ctx)
+            cu.cuCtxSetCurrent(self._state.ctx)
         (err,) = cu.cuGraphLaunch(ge.handle, s.cu)
         if err:
-            self._fail(err, "cuGraphLaunch")
+            self._state.fail(err, "cuGraphLaunch")
 
     def graph_update(self, graph_exec: object, graph: object) -> None:
         """``cuGraphExecUpdate``: the parameters of ``graph`` (kernel
@@ -234,14 +254,21 @@ class GraphsMixin(StreamsMixin):
             ) from cause
 
     def destroy_graph(self, graph_exec: object) -> None:
-        if type(graph_exec) is not CudaGraphExec or graph_exec.ctx is not self:
+        if type(graph_exec) is not CudaGraphExec or graph_exec.owner is not self:
             raise _common.not_of_this_context("graph_exec", graph_exec, CudaGraphExec, "instantiate")
         if graph_exec.destroyed:
             return
         graph_exec.destroyed = True
-        self._graph_execs.pop(graph_exec, None)
-        if self._sticky is not None:
+        self.execs.pop(graph_exec, None)
+        if self._state.sticky is not None:
             return  # leak: the context is broken
         (err,) = cu.cuGraphExecDestroy(graph_exec.handle)
         if err:
             raise cuda_error(err, "cuGraphExecDestroy")
+
+    def close(self) -> None:
+        """At close (not after a sticky error): destroy the live executable graphs."""
+        for ge in list(self.execs):
+            ge.destroyed = True
+            cu.cuGraphExecDestroy(ge.handle)
+        self.execs.clear()

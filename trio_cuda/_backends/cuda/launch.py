@@ -17,6 +17,9 @@ Invariants:
 * A kernel function of another context is a ``ValueError``, an unloaded one
   ``CUDA_ERROR_INVALID_HANDLE`` (``_common``). A launch error other than a
   resource or configuration one makes the context sticky.
+* :class:`Kernels` owns the loaded functions (each names it as its ``owner``)
+  and the tile descriptor buffers; it trusts a stream only if the stream
+  table it was given owns it.
 """
 
 from __future__ import annotations
@@ -35,14 +38,16 @@ from . import nvrtc
 from . import primary as _primary
 from .bindings import cu
 from .errors import cuda_error, describe
-from .graphs import GraphsMixin
+from .graphs import relaxed_capture
 from .streams import CudaStream
 
 if TYPE_CHECKING:
     from ..._core._kernel import Kernel
     from ..._core._launch import PreparedLaunch
+    from .state import ContextState
+    from .streams import StreamTable
 
-__all__ = ["CudaFunction", "KernelsMixin"]
+__all__ = ["CudaFunction", "Kernels"]
 
 _DEFAULT_SMEM: Final = 48 * 1024
 
@@ -55,7 +60,6 @@ class CudaFunction:
         "__weakref__",
         "arch",
         "argv",
-        "ctx",
         "dyn_smem",
         "fn",
         "from_cache",
@@ -64,6 +68,7 @@ class CudaFunction:
         "limits",
         "module",
         "ok",
+        "owner",
         "params",
         "params_end",
         "unloaded",
@@ -71,7 +76,7 @@ class CudaFunction:
 
     def __init__(
         self,
-        ctx: KernelsMixin,
+        owner: Kernels,
         kernel: Kernel,
         module: Any,
         fn: Any,
@@ -79,7 +84,7 @@ class CudaFunction:
         arch: str,
         from_cache: bool,
     ) -> None:
-        self.ctx = ctx
+        self.owner = owner
         self.kernel = kernel
         self.module = module
         self.fn = fn
@@ -165,21 +170,36 @@ def _opt_in_shared_memory(function: CudaFunction, smem: int) -> None:
     function.dyn_smem = smem
 
 
-class KernelsMixin(GraphsMixin):
-    """The kernels of :class:`~.context.CudaContext`."""
+@final
+class Kernels:
+    """The loaded kernels of one context, their launch checks and the launch path."""
+
+    __slots__ = ("_cu_ctx", "_state", "_stream", "_table", "functions", "tile_descs")
+
+    def __init__(self, state: ContextState, table: StreamTable) -> None:
+        self._state = state
+        self._table = table
+        self._stream = table.stream
+        #: the CUcontext (the state's, copied: it never changes)
+        self._cu_ctx = state.ctx
+        #: the loaded kernels (their modules are unloaded at close)
+        self.functions: dict[CudaFunction, None] = {}
+        #: device buffers of tile launches' list arguments, by content (freed at close)
+        self.tile_descs: dict[bytes, int] = {}
 
     # ------------------------------------------------------------------ kernels
     def load_kernel(self, kernel: Kernel) -> CudaFunction:
-        if self._capturing is not None:
+        if self._table.capturing is not None:
             # first launch of a kernel inside a capture: module loading is
             # refused on a capturing thread, so relax the mode just for it
-            with self._relaxed_capture():
+            with relaxed_capture(self._table):
                 return self._load_kernel(kernel)
         return self._load_kernel(kernel)
 
     def _load_kernel(self, kernel: Kernel) -> CudaFunction:
-        self._check_open()
-        cu.cuCtxSetCurrent(self._ctx)
+        state = self._state
+        state.check_open()
+        cu.cuCtxSetCurrent(self._cu_ctx)
         from_cache = False
         arch = ""
         symbol = ""
@@ -189,15 +209,15 @@ class KernelsMixin(GraphsMixin):
                 kernel.source,
                 kernel.name,
                 tuple(kernel.options),
-                self.info.compute_capability,
-                self.driver_version,
+                state.info.compute_capability,
+                state.driver_version,
             )
             image, kind, arch, from_cache = res.image, res.kind, res.arch, res.from_cache
         elif kernel.tile is not None:
             tile = kernel.tile
             if tile.kind != "specialisation":
                 raise TypeError(f"kernel: tile kernel {kernel.name} is loaded through a launch of it")
-            image, symbol = tile.cubin("cuda", self.info.compute_capability)
+            image, symbol = tile.cubin("cuda", state.info.compute_capability)
             kind = "cubin"
         else:
             assert kernel.image is not None
@@ -219,7 +239,7 @@ class KernelsMixin(GraphsMixin):
                 raise _common.entry_not_found(kernel.name, entries, where)
             raise cuda_error(err, f"cuModuleGetFunction({kernel.name!r})")
         handle = CudaFunction(self, kernel, module, fn, kind, arch, from_cache)
-        self._functions[handle] = None
+        self.functions[handle] = None
         return handle
 
     def unload_kernel(self, function: object) -> None:
@@ -230,14 +250,14 @@ class KernelsMixin(GraphsMixin):
         if function.unloaded:
             return
         function.unloaded = True
-        self._functions.pop(function, None)
-        if self._sticky is not None:
+        self.functions.pop(function, None)
+        if self._state.sticky is not None:
             return  # leak: the context is broken
         (err,) = cu.cuModuleUnload(function.module)
         if err:
             raise cuda_error(err, "cuModuleUnload")
 
-    def _function_limits(self, function: CudaFunction) -> tuple[int, int, int | None]:
+    def function_limits(self, function: CudaFunction) -> tuple[int, int, int | None]:
         """The kernel's own limits, read once: its maximum threads per block
         (registers, ``__launch_bounds__``), its static shared memory, and its
         parameter count (``cuFuncGetParamCount``; None where the driver cannot
@@ -265,7 +285,7 @@ class KernelsMixin(GraphsMixin):
         reports the count, else the first ``n`` (fewer if the kernel has
         fewer). Only indices that exist are queried, so a matching launch
         makes no failing driver call. None: the driver cannot report it."""
-        count = self._function_limits(function)[2]
+        count = self.function_limits(function)[2]
         known = function.params
         want = count if count is not None else n
         while len(known) < want and function.params_end is None:
@@ -284,7 +304,7 @@ class KernelsMixin(GraphsMixin):
         (opting in to more than 48 KiB here), the parameter layout against the
         compiled kernel, the co-residency of a cooperative grid and the
         schedulability of a cluster. Raises ``KernelArgumentError``."""
-        if type(function) is not CudaFunction or function.ctx is not self:
+        if type(function) is not CudaFunction or function.owner is not self:
             raise _common.wrong_handle("function", function, CudaFunction, "CUDA", " from load_kernel")
         c = launch.config
         tile = launch.kernel.tile
@@ -293,9 +313,9 @@ class KernelsMixin(GraphsMixin):
         key = (c, launch.plan)
         if key in function.ok:
             return
-        self._check_open()
-        cu.cuCtxSetCurrent(self._ctx)
-        max_threads, static, _ = self._function_limits(function)
+        self._state.check_open()
+        cu.cuCtxSetCurrent(self._cu_ctx)
+        max_threads, static, _ = self.function_limits(function)
         name = launch.kernel.name
         threads = c.block[0] * c.block[1] * c.block[2]
         if threads > max_threads:
@@ -303,7 +323,8 @@ class KernelsMixin(GraphsMixin):
                 f"{name}: block: the kernel allows at most {max_threads} threads per block "
                 f"(its register use or __launch_bounds__), got {c.block} = {threads}"
             )
-        optin = self.info.max_shared_memory_per_block_optin
+        info = self._state.info
+        optin = info.max_shared_memory_per_block_optin
         smem = c.shared_mem
         if static + smem > optin:
             raise KernelArgumentError(
@@ -319,7 +340,7 @@ class KernelsMixin(GraphsMixin):
             err, per_sm = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function.fn, threads, smem)
             if err:
                 raise cuda_error(err, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-            check_cooperative_occupancy(launch, self.info, int(per_sm))
+            check_cooperative_occupancy(launch, info, int(per_sm))
         if c.cluster is not None:
             cfg = self._launch_config(None, launch)
             err, clusters = cu.cuOccupancyMaxActiveClusters(function.fn, cfg)
@@ -339,13 +360,13 @@ class KernelsMixin(GraphsMixin):
         the context closes (after the scope's drain), so no launch can
         outlive it; the arena is patched in place (a launch's arrays, hence
         its lists, belong to one context)."""
-        self._check_open()
+        self._state.check_open()
         fixups = launch.kernel.tile.list_descriptors(launch)
         arena = bytearray(launch.arena)
-        with self._relaxed_capture():
-            cu.cuCtxSetCurrent(self._ctx)
+        with relaxed_capture(self._table):
+            cu.cuCtxSetCurrent(self._cu_ctx)
             for offset, data in fixups:
-                ptr = self._tile_descs.get(data)
+                ptr = self.tile_descs.get(data)
                 if ptr is None:
                     err, dptr = cu.cuMemAlloc(len(data))
                     if err:
@@ -355,7 +376,7 @@ class KernelsMixin(GraphsMixin):
                     if err:
                         cu.cuMemFree(ptr)
                         raise cuda_error(err, "cuMemcpyHtoD of a list argument's descriptors")
-                    self._tile_descs[data] = ptr
+                    self.tile_descs[data] = ptr
                 arena[offset : offset + 8] = ptr.to_bytes(8, "little")
         launch.arena = bytes(arena)
         launch.cache["cu.lists"] = True
@@ -366,7 +387,7 @@ class KernelsMixin(GraphsMixin):
         """Build (once per launch and stream) the argument tuple of
         ``cuLaunchKernel``: the parameter arena copied into stable memory and
         the ``void**`` array of slot addresses, both kept in ``launch.cache``."""
-        if type(function) is not CudaFunction or function.ctx is not self:
+        if type(function) is not CudaFunction or function.owner is not self:
             raise _common.wrong_handle("function", function, CudaFunction, "CUDA", " from load_kernel")
         if function.unloaded:
             raise _common.invalid_handle(f"{function!r} was unloaded", "cuLaunchKernel")
@@ -439,7 +460,7 @@ class KernelsMixin(GraphsMixin):
                 return
             hit = self._prepare_launch(self._stream(stream), function, launch)
         if _primary.multi_device:
-            cu.cuCtxSetCurrent(self._ctx)
+            cu.cuCtxSetCurrent(self._cu_ctx)
         if hit[2] is None:
             (err,) = _cuLaunchKernel(*hit[1])
         else:
@@ -454,7 +475,7 @@ class KernelsMixin(GraphsMixin):
         call. Only a launch enqueued again gets stable memory of its own (see
         :meth:`_prepare_launch`), so a launch built, submitted once and
         dropped costs no per-launch buffers. False: take the general path."""
-        if type(function) is not CudaFunction or function.ctx is not self or function.unloaded:
+        if type(function) is not CudaFunction or function.owner is not self or function.unloaded:
             return False
         c = launch.config
         plan = launch.plan
@@ -467,7 +488,7 @@ class KernelsMixin(GraphsMixin):
         ):
             return False
         s = stream
-        if type(s) is not CudaStream or s.ctx is not self or s.destroyed:
+        if type(s) is not CudaStream or s.owner is not self._table or s.destroyed:
             s = self._stream(stream)
         argv = function.argv
         if argv is None:
@@ -479,14 +500,26 @@ class KernelsMixin(GraphsMixin):
         _memmove(argv[1], data, len(data))
         launch.cache["cu.seen"] = True
         if _primary.multi_device:
-            cu.cuCtxSetCurrent(self._ctx)
+            cu.cuCtxSetCurrent(self._cu_ctx)
         (err,) = _cuLaunchKernel(function.fn, *c.grid, *c.block, c.shared_mem, s.cu, argv[3], 0)
         if err:
             self._launch_failed(err, launch)
         return True
 
     def _launch_failed(self, err: Any, launch: PreparedLaunch) -> NoReturn:
-        self._fail(err, f"cuLaunchKernel({launch.kernel.name})", LaunchError)
+        self._state.fail(err, f"cuLaunchKernel({launch.kernel.name})", LaunchError)
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """At close (not after a sticky error; after the graphs, whose kernel
+        nodes use the modules): unload every module, free the tile descriptors."""
+        for fn in list(self.functions):
+            fn.unloaded = True
+            cu.cuModuleUnload(fn.module)
+        self.functions.clear()
+        for ptr in self.tile_descs.values():
+            cu.cuMemFree(ptr)
+        self.tile_descs.clear()
 
 
 _cuLaunchKernel: Any = cu.cuLaunchKernel if cu is not None else None

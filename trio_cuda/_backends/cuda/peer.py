@@ -15,6 +15,9 @@ Invariants:
 * Memory of one device (two scopes on one device share its primary context)
   is copied with ``cuMemcpyDtoDAsync``.
 * Nothing here blocks the host or waits for the device.
+* The device, CUcontext and memory pool of a context come from its
+  :attr:`CudaContext.state <.context.CudaContext.state>` (the
+  :class:`~.state.ContextState` its components share).
 """
 
 from __future__ import annotations
@@ -45,15 +48,15 @@ def peer_access(a: CudaContext, b: CudaContext) -> bool:
         return known
     ok = True
     with ctx_lock:
-        for x, y in ((a, b), (b, a)):
-            err, can = cu.cuDeviceCanAccessPeer(x._dev, y._dev)
+        for x, y in ((a.state, b.state), (b.state, a.state)):
+            err, can = cu.cuDeviceCanAccessPeer(x.dev, y.dev)
             if err or not can:
                 ok = False
                 continue
-            (err,) = cu.cuCtxSetCurrent(x._ctx)
+            (err,) = cu.cuCtxSetCurrent(x.ctx)
             if err:
                 raise cuda_error(err, "cuCtxSetCurrent")
-            (err,) = cu.cuCtxEnablePeerAccess(y._ctx, 0)
+            (err,) = cu.cuCtxEnablePeerAccess(y.ctx, 0)
             if err and int(err) != _ALREADY_ENABLED:
                 ok = False
                 continue
@@ -63,7 +66,7 @@ def peer_access(a: CudaContext, b: CudaContext) -> bool:
             desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
             desc.location.id = y.ordinal
             desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            (err,) = cu.cuMemPoolSetAccess(x._pool, [desc], 1)
+            (err,) = cu.cuMemPoolSetAccess(x.pool, [desc], 1)
             if err:
                 ok = False
         _peer[(a.ordinal, b.ordinal)] = ok
@@ -88,17 +91,18 @@ def copy_peer(
     nbytes = _common.check_count("nbytes", nbytes)
     if nbytes == 0:
         return None
+    state = ctx.state
     if src_context.ordinal == dst_context.ordinal:
-        ctx._make_current_if_needed()
+        state.make_current_if_needed()
         (err,) = cu.cuMemcpyDtoDAsync(dst, src, nbytes, s.cu)
         if err:
-            ctx._fail(err, "cuMemcpyDtoDAsync")
+            state.fail(err, "cuMemcpyDtoDAsync")
         return None
     peer_access(src_context, dst_context)
-    (err,) = cu.cuCtxSetCurrent(ctx._ctx)
+    (err,) = cu.cuCtxSetCurrent(state.ctx)
     if err:
         raise cuda_error(err, "cuCtxSetCurrent")
-    (err,) = cu.cuMemcpyPeerAsync(dst, dst_context._ctx, src, src_context._ctx, nbytes, s.cu)
+    (err,) = cu.cuMemcpyPeerAsync(dst, dst_context.state.ctx, src, src_context.state.ctx, nbytes, s.cu)
     if err:
-        ctx._fail(err, "cuMemcpyPeerAsync")
+        state.fail(err, "cuMemcpyPeerAsync")
     return None

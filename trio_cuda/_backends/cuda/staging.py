@@ -14,12 +14,14 @@ Invariants:
   tokens at once.
 * Finalizers only return buffers to the pool; a broken (sticky) context leaks
   them. At most ``max_cached`` bytes stay cached.
+* :class:`StagingPool` owns the buffers, their counts and the copies through
+  them; tokens and finishers hold the pool, never the context.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
 
@@ -28,12 +30,14 @@ from ..._core._errors import OutOfMemoryError
 from .. import _common
 from .bindings import cu
 from .errors import OOM, cuda_error
-from .streams import _HALF, _M32, CudaStream, StreamsMixin
+from .graphs import relaxed_capture
+from .streams import _HALF, _M32, CudaStream
 
 if TYPE_CHECKING:
-    from .context import CudaContext
+    from .state import ContextState
+    from .streams import StreamTable
 
-__all__ = ["StagingMixin"]
+__all__ = ["StagingPool"]
 
 
 class _Pinned:
@@ -54,12 +58,28 @@ def _size_class(n: int) -> int:
     return (n + step - 1) // step * step
 
 
-class _StagingPool:
-    """Pinned host buffers reused by size class (powers of two up to 64 MiB,
-    then multiples of 16 MiB). At most ``max_cached`` bytes stay cached."""
+@final
+class StagingPool:
+    """The pinned host buffers of one context, reused by size class (powers
+    of two up to 64 MiB, then multiples of 16 MiB), and the host copies that
+    go through them. At most ``max_cached`` bytes stay cached."""
 
-    def __init__(self, ctx: CudaContext, max_cached: int = 256 << 20) -> None:
-        self.ctx = ctx
+    __slots__ = (
+        "_state",
+        "_stream",
+        "_table",
+        "allocated",
+        "cached",
+        "closed",
+        "free",
+        "max_cached",
+        "outstanding",
+    )
+
+    def __init__(self, state: ContextState, table: StreamTable, max_cached: int = 256 << 20) -> None:
+        self._state = state
+        self._table = table
+        self._stream = table.stream
         self.max_cached = max_cached
         self.free: dict[int, list[_Pinned]] = {}
         self.cached = 0
@@ -80,8 +100,8 @@ class _StagingPool:
                     self.outstanding += 1
                     buf.guard = None
                     return buf
-        self.ctx._make_current_if_needed()
-        with self.ctx._relaxed_capture():  # a pinned allocation is refused on a capturing thread
+        self._state.make_current_if_needed()
+        with relaxed_capture(self._table):  # a pinned allocation is refused on a capturing thread
             err, addr = cu.cuMemHostAlloc(size, cu.CU_MEMHOSTALLOC_PORTABLE)
         if err:
             raise cuda_error(err, f"cuMemHostAlloc({size})", OutOfMemoryError if int(err) == OOM else None)
@@ -103,7 +123,7 @@ class _StagingPool:
         self.cached += buf.size
 
     def _release(self, buf: _Pinned) -> None:
-        if self.ctx._sticky is not None:
+        if self._state.sticky is not None:
             return  # leak: the context is broken
         try:
             cu.cuMemFreeHost(buf.addr)
@@ -119,6 +139,49 @@ class _StagingPool:
         self.free.clear()
         self.cached = 0
 
+    # ------------------------------------------------------------------ copies
+    def statistics(self) -> dict[str, int]:
+        return {"allocated": self.allocated, "cached": self.cached, "outstanding": self.outstanding}
+
+    def copy_h2d(self, stream: StreamHandle, dst: int, src: np.ndarray[Any, Any]) -> object | None:
+        s = self._stream(stream)
+        n = src.nbytes
+        if n == 0:
+            return None
+        buf = self.get(n)
+        token = _StagingToken(self, buf)
+        ctypes.memmove(buf.addr, src.ctypes.data, n)
+        (err,) = cu.cuMemcpyHtoDAsync(dst, buf.addr, n, s.cu)
+        if err:
+            self._state.fail(err, "cuMemcpyHtoDAsync")
+        buf.guard = (s, s.seq + 1)
+        return token
+
+    def copy_d2h(
+        self, stream: StreamHandle, dst: np.ndarray[Any, Any], src: int, *, direct: bool = False
+    ) -> Finisher | None:
+        s = self._stream(stream)
+        _common.check_host_dst(dst)
+        if direct and s is self._table.capturing:
+            raise _common.sync_copy_in_capture(s.index)
+        n = dst.nbytes
+        if n == 0:
+            return None
+        if direct:
+            # Unsafe path: into pageable memory the driver returns only once the
+            # copy (and the work before it on the stream) completed.
+            (err,) = cu.cuMemcpyDtoHAsync(dst.ctypes.data, src, n, s.cu)
+            if err:
+                self._state.fail(err, "cuMemcpyDtoHAsync")
+            return None
+        buf = self.get(n)
+        token = _StagingToken(self, buf)
+        (err,) = cu.cuMemcpyDtoHAsync(buf.addr, src, n, s.cu)
+        if err:
+            self._state.fail(err, "cuMemcpyDtoHAsync")
+        buf.guard = (s, s.seq + 1)
+        return _D2HFinisher(token, dst.ctypes.data, n)
+
 
 class _StagingToken:
     """Retained by the core until the copy completed; dropping it returns the
@@ -126,7 +189,7 @@ class _StagingToken:
 
     __slots__ = ("buf", "pool")
 
-    def __init__(self, pool: _StagingPool, buf: _Pinned) -> None:
+    def __init__(self, pool: StagingPool, buf: _Pinned) -> None:
         self.pool = pool
         self.buf = buf
 
@@ -150,52 +213,3 @@ class _D2HFinisher:
 
     def __call__(self) -> None:
         ctypes.memmove(self.dst, self.token.buf.addr, self.nbytes)
-
-
-class StagingMixin(StreamsMixin):
-    """The host copies of :class:`~.context.CudaContext`."""
-
-    def staging_statistics(self) -> dict[str, int]:
-        s = self._staging
-        return {"allocated": s.allocated, "cached": s.cached, "outstanding": s.outstanding}
-
-    def copy_h2d(self, stream: StreamHandle, dst: int, src: np.ndarray[Any, Any]) -> object | None:
-        s = self._stream(stream)
-        n = src.nbytes
-        if n == 0:
-            return None
-        staging = self._staging
-        buf = staging.get(n)
-        token = _StagingToken(staging, buf)
-        ctypes.memmove(buf.addr, src.ctypes.data, n)
-        (err,) = cu.cuMemcpyHtoDAsync(dst, buf.addr, n, s.cu)
-        if err:
-            self._fail(err, "cuMemcpyHtoDAsync")
-        buf.guard = (s, s.seq + 1)
-        return token
-
-    def copy_d2h(
-        self, stream: StreamHandle, dst: np.ndarray[Any, Any], src: int, *, direct: bool = False
-    ) -> Finisher | None:
-        s = self._stream(stream)
-        _common.check_host_dst(dst)
-        if direct and s is self._capturing:
-            raise _common.sync_copy_in_capture(s.index)
-        n = dst.nbytes
-        if n == 0:
-            return None
-        if direct:
-            # Unsafe path: into pageable memory the driver returns only once the
-            # copy (and the work before it on the stream) completed.
-            (err,) = cu.cuMemcpyDtoHAsync(dst.ctypes.data, src, n, s.cu)
-            if err:
-                self._fail(err, "cuMemcpyDtoHAsync")
-            return None
-        staging = self._staging
-        buf = staging.get(n)
-        token = _StagingToken(staging, buf)
-        (err,) = cu.cuMemcpyDtoHAsync(buf.addr, src, n, s.cu)
-        if err:
-            self._fail(err, "cuMemcpyDtoHAsync")
-        buf.guard = (s, s.seq + 1)
-        return _D2HFinisher(token, dst.ctypes.data, n)

@@ -1,106 +1,89 @@
-"""The state of a :class:`~.context.CudaContext`, declared once, and the helpers
-every part of it uses.
+"""What every component of a :class:`~.context.CudaContext` shares: the
+device, its primary context, and whether the context is broken.
 
 Invariants:
 
-* :class:`ContextState` is the base of every part of the context (``streams``,
-  ``completion``, ``staging``, ``graphs``, ``launch``). It declares the
-  attributes that :meth:`CudaContext.__init__ <.context.CudaContext>` sets;
-  it holds no state and creates nothing itself.
-* Each part subclasses the parts whose methods it calls, so the class graph
-  is the call graph: ``streams`` over this module; ``completion``,
-  ``staging`` and ``graphs`` over ``streams``; ``launch`` over ``graphs``;
-  ``context`` over all of them.
-* A failed driver call raises through :meth:`ContextState._fail`; a kernel
-  fault (a launch error other than a resource or configuration one) makes
-  the context sticky for good.
+* :class:`ContextState` is built first, by :class:`~.context.CudaContext`,
+  and handed to each component's constructor. It retains the device's
+  primary context (released by :meth:`ContextState.release_primary`, once,
+  at close) and makes it current on the calling thread; if anything after
+  the retain fails, it releases it again before raising.
+* ``ordinal``, ``dev``, ``ctx``, ``info``, ``driver_version``, ``pool`` (the
+  device's default memory pool) and ``aux`` (the internal stream of
+  stream-ordered frees) are set once and never change. ``closed`` turns True
+  once, in :meth:`CudaContext.close <.context.CudaContext.close>`.
+* ``sticky`` is the error that broke the context (a kernel fault, or a
+  failure of the completion machinery); once set, it stays. A failed driver
+  call raises through :meth:`ContextState.fail`; a kernel fault (a launch
+  error other than a resource or configuration one) sets ``sticky``.
+* The components (``streams``: :class:`~.streams.StreamTable`,
+  ``completion``: :class:`~.completion.CompletionWaiter`, ``staging``:
+  :class:`~.staging.StagingPool`, ``graphs``: :class:`~.graphs.Graphs`,
+  ``launch``: :class:`~.launch.Kernels`, ``timing``:
+  :class:`~.timing.Timing`) each own their state; they reach each other only
+  through the references their constructors were given and the methods and
+  attributes without a leading underscore.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, final
 
 from .. import _common
 from . import primary as _primary
 from .bindings import cu
-from .errors import LAUNCH_CODES, cuda_error
+from .errors import LAUNCH_CODES, check, cuda_error
 
 if TYPE_CHECKING:
-    import trio
-
-    from ..._core._driver import Capabilities, DeviceInfo
+    from ..._core._driver import DeviceInfo
     from ..._core._errors import CudaError
-    from .graphs import CudaGraphExec
-    from .launch import CudaFunction
-    from .staging import _StagingPool
-    from .streams import CudaStream, _FlagPage
-    from .waiters import WaiterPool
 
 __all__ = ["ContextState"]
 
 
+@final
 class ContextState:
-    """What every part of a CUDA context shares."""
+    """The device, its primary context and the sticky error of one context."""
 
-    # the device and the driver
-    ordinal: int
-    info: DeviceInfo
-    capabilities: Capabilities
-    driver_version: int
-    _dev: Any
-    _ctx: Any
-    _pool: Any  # the device's default memory pool
-    _aux: Any  # the internal stream of stream-ordered frees
-    _closed: bool
-    _sticky: CudaError | None
-    # streams, markers, gates (``streams``)
-    _pages: list[_FlagPage]
-    _pages_shared: bool
-    _streams: dict[CudaStream, None]
-    _dirty: list[CudaStream]
-    _hot: list[CudaStream]
-    _new_head: bool
-    _free_events: list[Any]
-    _marker_events: list[Any]
-    _all_events: list[Any]
-    _scratch_event: Any
-    marker_mode: str
-    record_events: bool
-    wait_marker_mode: str
-    # completion waiting (``completion``)
-    _waiters: WaiterPool
-    _wake_ev: trio.Event | None
-    _token: trio.lowlevel.TrioToken | None
-    _last_error_check: float
-    wait_strategy: str
-    spin_budget: float
-    inline_spin: float
-    error_check_interval: float
-    poll_interval: float
-    max_poll_interval: float
-    sleep_max_interval: float
-    counters: dict[str, int]
-    # staging, kernels, graphs
-    _staging: _StagingPool
-    _functions: dict[CudaFunction, None]
-    _tile_descs: dict[bytes, int]
-    _capturing: CudaStream | None
-    _graph_execs: dict[CudaGraphExec, None]
+    __slots__ = ("aux", "closed", "ctx", "dev", "driver_version", "info", "ordinal", "pool", "sticky")
 
-    def _make_current_on_thread(self) -> None:
-        cu.cuCtxSetCurrent(self._ctx)
+    def __init__(self, ordinal: int) -> None:
+        self.ordinal = ordinal
+        self.closed = False
+        self.sticky: CudaError | None = None
+        dev, ctx = _primary.retain_primary(ordinal)
+        self.dev: Any = dev
+        self.ctx: Any = ctx
+        try:
+            check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+            self.info: DeviceInfo = _primary.device_info(self.dev, ordinal)
+            self.driver_version = int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+            self.pool: Any = check(cu.cuDeviceGetDefaultMemPool(self.dev), "cuDeviceGetDefaultMemPool")
+            flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+            self.aux: Any = check(cu.cuStreamCreate(flags), "cuStreamCreate")
+        except BaseException:
+            self.release_primary()
+            raise
 
-    def _make_current_if_needed(self) -> None:
+    def make_current(self) -> None:
+        """Make the context current on the calling thread (a waiter thread)."""
+        cu.cuCtxSetCurrent(self.ctx)
+
+    def make_current_if_needed(self) -> None:
+        """Make the context current where scopes on several devices are open."""
         if _primary.multi_device:
-            cu.cuCtxSetCurrent(self._ctx)
+            cu.cuCtxSetCurrent(self.ctx)
 
-    def _check_open(self) -> None:
-        if self._closed:
+    def check_open(self) -> None:
+        if self.closed:
             raise _common.context_closed(f"cuda:{self.ordinal}")
 
-    def _fail(self, err: Any, call: str, cls: type[CudaError] | None = None) -> NoReturn:
+    def fail(self, err: Any, call: str, cls: type[CudaError] | None = None) -> NoReturn:
         """Raise the error of a failed driver call; a kernel fault makes it sticky."""
         exc = cuda_error(err, call, cls)
         if exc.code in LAUNCH_CODES and exc.code != 701 and exc.code != 720 and exc.code != 912:
-            self._sticky = self._sticky or exc
+            self.sticky = self.sticky or exc
         raise exc
+
+    def release_primary(self) -> None:
+        _primary.release_primary(self.ordinal, self.dev)

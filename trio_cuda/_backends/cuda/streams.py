@@ -17,15 +17,25 @@ Invariants:
 * A context hit by a sticky error polls every pending marker ``UNKNOWN``.
 * Markers, waits and gates on a capturing stream raise ``GraphCaptureError``
   (``_common.not_capturable``) before the driver sees them.
+* :class:`StreamTable` owns all of this for one context: its streams, flag
+  pages, event pools, the deferred writes, which stream captures
+  (``capturing``, set only by ``graphs``) and the marker tunables. Each
+  handle's ``owner`` is its table; a table only trusts streams whose owner it
+  is, and reaches another context's table (a cross-device wait) only
+  through its methods. ``new_head`` and ``wake_ev`` are the signal between
+  recording and the completion waiter: a marker on a stream nobody watches
+  sets ``new_head``, and :meth:`StreamTable.notify_submitted` then sets the
+  event the waiter parked on.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
-from typing import Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import numpy as np
+import trio
 
 from ..._core._driver import DONE, PENDING, Gate, Marker, MarkerState, Poll, StreamHandle
 from ..._core._errors import OutOfMemoryError
@@ -33,9 +43,11 @@ from .. import _common
 from . import primary as _primary
 from .bindings import cu
 from .errors import OOM, check, cuda_error
-from .state import ContextState
 
-__all__ = ["CudaGate", "CudaMarker", "CudaStream", "StreamsMixin"]
+if TYPE_CHECKING:
+    from .state import ContextState
+
+__all__ = ["CudaGate", "CudaMarker", "CudaStream", "StreamTable"]
 
 _M32: Final = 0xFFFFFFFF
 _HALF: Final = 0x80000000
@@ -80,7 +92,6 @@ class CudaStream:
 
     __slots__ = (
         "__weakref__",
-        "ctx",
         "cu",
         "destroyed",
         "dirty",
@@ -92,6 +103,7 @@ class CudaStream:
         "index",
         "key",
         "mv",
+        "owner",
         "page",
         "seq",
         "slot",
@@ -99,8 +111,8 @@ class CudaStream:
         "watched",
     )
 
-    def __init__(self, ctx: StreamsMixin, index: int, stream: Any, page: _FlagPage, line: int) -> None:
-        self.ctx = ctx
+    def __init__(self, owner: StreamTable, index: int, stream: Any, page: _FlagPage, line: int) -> None:
+        self.owner = owner
         self.index = index
         self.cu = stream
         self.handle = int(stream)
@@ -145,13 +157,13 @@ class CudaMarker:
 @final
 class _EventMarker(CudaMarker):
     """A marker that also recorded an event (``record_events``); the event
-    goes back to the context's pool when the marker is dropped."""
+    goes back to its stream table's pool when the marker is dropped."""
 
     __slots__ = ()
 
     def __del__(self) -> None:
         try:
-            self.stream.ctx._marker_events.append(self.event)
+            self.stream.owner.return_marker_event(self.event)
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
 
@@ -171,36 +183,120 @@ class CudaGate:
         return f"<CudaGate stream {self.stream.index} seq {self.seq} {'open' if self.opened else 'closed'}>"
 
 
-class StreamsMixin(ContextState):
-    """The streams, markers and gates of :class:`~.context.CudaContext`."""
+@final
+class StreamTable:
+    """The streams, flag pages, markers and gates of one context, and the
+    signal that wakes its parked completion waiter."""
 
-    def _stream(self, stream: StreamHandle) -> CudaStream:
-        if type(stream) is not CudaStream or stream.ctx is not self:
+    __slots__ = (
+        "_all_events",
+        "_cu_ctx",
+        "_dirty",
+        "_free_events",
+        "_hot",
+        "_marker_events",
+        "_pages",
+        "_pages_shared",
+        "_scratch_event",
+        "_state",
+        "capturing",
+        "marker_mode",
+        "new_head",
+        "record_events",
+        "streams",
+        "wait_marker_mode",
+        "wake_ev",
+    )
+
+    def __init__(self, state: ContextState) -> None:
+        self._state = state
+        #: the CUcontext, made current before each call once scopes on several
+        #: devices are open (the state's, copied: it never changes)
+        self._cu_ctx = state.ctx
+        self._pages: list[_FlagPage] = []
+        #: another context's stream waited on one of our flags: never free the pages
+        self._pages_shared = False
+        #: the live streams
+        self.streams: dict[CudaStream, None] = {}
+        self._free_events: list[Any] = []  # blocking-sync, timing-disabled events
+        self._marker_events: list[Any] = []  # returned by dropped _EventMarkers
+        self._all_events: list[Any] = []
+        self._scratch_event: Any = None
+        #: a marker landed on a stream no waiter watches since the waiter parked
+        self.new_head = False
+        #: the event the parked completion waiter sleeps on (set by it; a new head sets it)
+        self.wake_ev: trio.Event | None = None
+        self._dirty: list[CudaStream] = []  # streams with a deferred marker write
+        self._hot: list[CudaStream] = []  # streams that wrote a marker since the last flush
+        #: the stream capturing a graph (one capture at a time; set by ``graphs``)
+        self.capturing: CudaStream | None = None
+        # tunables
+        #: markers also record events (the "event" and "thread" wait strategies)
+        self.record_events = False
+        self.wait_marker_mode = "flag"  # measured: 6.9 vs 14.6 us per dependent hop (see completion.md)
+        #: "hybrid": the first marker of a stream after each flush is
+        #: written at once (so the write queues right behind the work and adds
+        #: no latency), later ones are deferred and coalesced until the next
+        #: flush; "deferred": always deferred; "eager": a write per marker
+        self.marker_mode = "eager"  # the core already coalesces markers (batch_markers)
+
+    def stream(self, stream: StreamHandle) -> CudaStream:
+        """``stream``, checked to be a live stream of this table (and the
+        context made current where several devices are in use)."""
+        if type(stream) is not CudaStream or stream.owner is not self:
             raise _common.wrong_handle("stream", stream, CudaStream, "CUDA")
         if stream.destroyed:
             raise _common.stream_destroyed(stream.index)
         if _primary.multi_device:  # scopes on several devices: each call runs in its own context
-            cu.cuCtxSetCurrent(self._ctx)
+            cu.cuCtxSetCurrent(self._cu_ctx)
         return stream
 
-    def _new_event(self) -> Any:
+    def make_current(self) -> None:
+        """Make this table's context current (before recording in it from another context)."""
+        cu.cuCtxSetCurrent(self._cu_ctx)
+
+    # ------------------------------------------------------------------ events
+    def new_event(self) -> Any:
+        """A blocking-sync, timing-disabled event from the pool (or a new one)."""
         if self._free_events:
             return self._free_events.pop()
-        self._make_current_if_needed()  # the event belongs to the current context
+        self._state.make_current_if_needed()  # the event belongs to the current context
         flags = cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC | cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         ev = check(cu.cuEventCreate(flags), "cuEventCreate")
         self._all_events.append(ev)
         return ev
 
+    def recycle_event(self, ev: Any) -> None:
+        """Return an event of :meth:`new_event` to the pool."""
+        self._free_events.append(ev)
+
+    def return_marker_event(self, ev: Any) -> None:
+        """Return the event of a dropped marker (``record_events``) to the pool."""
+        self._marker_events.append(ev)
+
     def _take_event(self) -> Any:
         if self._marker_events:
             return self._marker_events.pop()
-        return self._new_event()
+        return self.new_event()
+
+    def record_scratch(self, stream: CudaStream) -> tuple[Any, Any]:
+        """Record this table's scratch event at the tail of ``stream`` (one of
+        its streams): ``(CUresult, event)``. Re-recording it later does not
+        affect a wait already enqueued on it."""
+        ev = self._scratch_event
+        if ev is None:
+            ev = self._scratch_event = self.new_event()
+        (err,) = cu.cuEventRecord(ev, stream.cu)
+        return err, ev
+
+    def share_pages(self) -> None:
+        """A stream of another context waits on one of our flags: never free the pages."""
+        self._pages_shared = True
 
     # ------------------------------------------------------------------ streams
     def create_stream(self, index: int) -> CudaStream:
-        self._check_open()
-        self._make_current_if_needed()
+        self._state.check_open()
+        self._state.make_current_if_needed()
         page = self._pages[-1] if self._pages and self._pages[-1].used < _STREAMS_PER_PAGE else None
         if page is None:
             page = _FlagPage()
@@ -208,14 +304,14 @@ class StreamsMixin(ContextState):
         handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         s = CudaStream(self, index, handle, page, page.used)
         page.used += 1
-        self._streams[s] = None
+        self.streams[s] = None
         return s
 
     def destroy_stream(self, stream: StreamHandle) -> None:
-        s = self._stream(stream)
+        s = self.stream(stream)
         s.destroyed = True
-        self._streams.pop(s, None)
-        if self._sticky is None:
+        self.streams.pop(s, None)
+        if self._state.sticky is None:
             (err,) = cu.cuStreamDestroy(s.cu)
             if err:
                 raise cuda_error(err, "cuStreamDestroy")
@@ -223,48 +319,48 @@ class StreamsMixin(ContextState):
     # ------------------------------------------------------------------ ordering
     def record_marker(self, stream: StreamHandle) -> CudaMarker:
         s = stream
-        if type(s) is not CudaStream or s.ctx is not self or s.destroyed:
-            s = self._stream(stream)
+        if type(s) is not CudaStream or s.owner is not self or s.destroyed:
+            s = self.stream(stream)
         elif _primary.multi_device:
-            cu.cuCtxSetCurrent(self._ctx)
+            cu.cuCtxSetCurrent(self._cu_ctx)
         seq = s.seq + 1
-        if s is self._capturing:
+        if s is self.capturing:
             raise _common.not_capturable(f"marker {seq}", s.index)
         mode = self.marker_mode
         if mode == "hybrid" and not s.hot and not self.record_events:
             # first marker since the last flush: write it now
             (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, seq & _M32, 0)
             if err:
-                self._fail(err, "cuStreamWriteValue32")
+                self._state.fail(err, "cuStreamWriteValue32")
             s.seq = seq
             s.hot = True
             self._hot.append(s)
             if not s.watched:
-                self._new_head = True
+                self.new_head = True
             return CudaMarker(s, seq)
         if mode != "eager" and not self.record_events:
             # Deferred and coalesced: the flag write for the newest marker of
-            # the stream is enqueued by _flush (before anyone waits on it). It
+            # the stream is enqueued by flush (before anyone waits on it). It
             # lands at the stream's tail then, i.e. at or after this point.
             s.seq = seq
             if not s.dirty:
                 s.dirty = True
                 self._dirty.append(s)
             if not s.watched:
-                self._new_head = True
+                self.new_head = True
             return CudaMarker(s, seq)
         (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, seq & _M32, 0)
         if err:
-            self._fail(err, "cuStreamWriteValue32")
+            self._state.fail(err, "cuStreamWriteValue32")
         s.seq = seq
         if not s.watched:
-            self._new_head = True
+            self.new_head = True
         if self.record_events:
             ev = self._take_event()
             (err,) = cu.cuEventRecord(ev, s.cu)
             if err:
                 self._marker_events.append(ev)
-                self._fail(err, "cuEventRecord")
+                self._state.fail(err, "cuEventRecord")
             return _EventMarker(s, seq, ev)
         return CudaMarker(s, seq)
 
@@ -272,28 +368,24 @@ class StreamsMixin(ContextState):
         s = marker.stream
         if ((s.mv[s.slot] - marker.seq) & _M32) < _HALF:  # type: ignore[attr-defined, unused-ignore]
             return DONE
-        sticky = self._sticky
+        sticky = self._state.sticky
         if sticky is not None:
             return Poll(MarkerState.UNKNOWN, sticky)
         return PENDING
 
-    def _done(self, marker: CudaMarker) -> bool:
-        s = marker.stream
-        return ((s.mv[s.slot] - marker.seq) & _M32) < _HALF
-
     def wait_marker(self, stream: StreamHandle, marker: Marker) -> None:
-        s = self._stream(stream)
+        s = self.stream(stream)
         m = marker
         if not isinstance(m, CudaMarker):
             raise _common.not_a("marker", m, CudaMarker)
         other = m.stream
-        if s is self._capturing:
+        if s is self.capturing:
             raise _common.not_capturable(f"wait stream {other.index} marker {m.seq}", s.index)
         ev = m.event
-        owner = other.ctx  # another device's context for cross-device waits
+        owner = other.owner  # another device's context for cross-device waits
         if owner is not self:  # record (below) in the marker's context, wait in ours
-            cu.cuCtxSetCurrent(owner._ctx)
-            owner._flush_stream(other)
+            owner.make_current()
+            owner.flush_stream(other)
         if (
             ev is None
             and (self.wait_marker_mode == "event" or owner is not self)
@@ -305,31 +397,28 @@ class StreamsMixin(ContextState):
             # not affect a wait already enqueued. The event belongs to the
             # recording stream's context; across devices (cuEventRecord there,
             # cuStreamWaitEvent here) this is the default, flags the fallback.
-            ev = owner._scratch_event
-            if ev is None:
-                ev = owner._scratch_event = owner._new_event()
-            (err,) = cu.cuEventRecord(ev, other.cu)
+            err, ev = owner.record_scratch(other)
             if err:
-                self._fail(err, "cuEventRecord")
+                self._state.fail(err, "cuEventRecord")
         if owner is not self:
-            cu.cuCtxSetCurrent(self._ctx)
+            cu.cuCtxSetCurrent(self._cu_ctx)
         if ev is not None:
             (err,) = cu.cuStreamWaitEvent(s.cu, ev, 0)
             if err:
-                self._fail(err, "cuStreamWaitEvent")
+                self._state.fail(err, "cuStreamWaitEvent")
             return
-        owner._flush_stream(other)
+        owner.flush_stream(other)
         if owner is not self:
             # Our stream will read the other context's flag page, perhaps after
             # that context closed: it must never free its pages (a leak of a
             # few KiB, rather than a wait on freed memory).
-            owner._pages_shared = True
+            owner.share_pages()
         geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         (err,) = cu.cuStreamWaitValue32(s.cu, other.slot_dptr, m.seq & _M32, geq)
         if err:
-            self._fail(err, "cuStreamWaitValue32")
+            self._state.fail(err, "cuStreamWaitValue32")
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """Enqueue the pending (deferred) marker writes: one
         ``cuStreamWriteValue32`` per stream, of its newest sequence number."""
         hot = self._hot
@@ -343,28 +432,41 @@ class StreamsMixin(ContextState):
                 continue
             (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, s.seq & _M32, 0)
             if err:
-                self._fail(err, "cuStreamWriteValue32")
+                self._state.fail(err, "cuStreamWriteValue32")
 
-    def _flush_stream(self, s: CudaStream) -> None:
+    def has_deferred(self) -> bool:
+        """Whether :meth:`flush` has anything to do."""
+        return bool(self._dirty or self._hot)
+
+    def flush_stream(self, s: CudaStream) -> None:
+        """Enqueue the deferred marker write of ``s`` (one of this table's streams), if any."""
         if s.dirty:
             s.dirty = False
             self._dirty.remove(s)
             (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, s.seq & _M32, 0)
             if err:
-                self._fail(err, "cuStreamWriteValue32")
+                self._state.fail(err, "cuStreamWriteValue32")
+
+    def notify_submitted(self) -> None:
+        """Wake the parked completion waiter if a marker landed on a stream it does not watch."""
+        if self.new_head:
+            ev = self.wake_ev
+            if ev is not None:
+                self.wake_ev = None
+                ev.set()
 
     def create_gate(self, stream: StreamHandle) -> CudaGate:
-        s = self._stream(stream)
-        if s is self._capturing:
+        s = self.stream(stream)
+        if s is self.capturing:
             raise _common.not_capturable("gate", s.index)
         # The marker before a gate must be written before the stream waits on
         # the host, or the host would wait for the gate it has to open.
-        self._flush_stream(s)
+        self.flush_stream(s)
         seq = s.gate_seq + 1
         geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         (err,) = cu.cuStreamWaitValue32(s.cu, s.gate_dptr, seq & _M32, geq)
         if err:
-            self._fail(err, "cuStreamWaitValue32(gate)")
+            self._state.fail(err, "cuStreamWaitValue32(gate)")
         s.gate_seq = seq
         return CudaGate(s, seq)
 
@@ -379,6 +481,29 @@ class StreamsMixin(ContextState):
         # gates of a stream open in order; never move the slot backwards
         if ((gate.seq - cur) & _M32) < _HALF:
             s.mv[s.gate_slot] = gate.seq & _M32
+
+    # ------------------------------------------------------------------ close
+    def destroy_streams(self) -> None:
+        """At close (not after a sticky error): destroy every live stream."""
+        for s in list(self.streams):
+            if not s.destroyed:
+                s.destroyed = True
+                cu.cuStreamDestroy(s.cu)
+        self.streams.clear()
+
+    def release(self) -> None:
+        """At close, last (not after a sticky error): destroy the pooled
+        events and free the flag pages, unless another context's stream may
+        still read them. Events still held by waiter threads (or markers) are
+        left alone."""
+        for ev in self._free_events:
+            cu.cuEventDestroy(ev)
+        self._free_events.clear()
+        for page in self._pages:
+            page.mv.release()
+            if not self._pages_shared:
+                cu.cuMemFreeHost(page.host)
+        self._pages.clear()
 
 
 _cuStreamWriteValue32: Any = cu.cuStreamWriteValue32 if cu is not None else None

@@ -13,40 +13,54 @@ Invariants:
   completed; a mark that cannot be read is left out (the trace then shows
   host-observed times for that work). The events are destroyed with the
   context.
+* :class:`Timing` owns the reference and the marks: ``None`` marks until
+  ``start``; ``close`` destroys the events and leaves an empty list (so a
+  later ``start`` does nothing).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, final
 
 from ..._core._driver import StreamHandle
 from .bindings import cu
 from .errors import check
-from .streams import StreamsMixin
+
+if TYPE_CHECKING:
+    from .streams import StreamTable
+
+__all__ = ["Timing"]
 
 
-class TimingMixin(StreamsMixin):
-    """Part of :class:`~.context.CudaContext`: timing events for traces."""
+@final
+class Timing:
+    """The timing events of one traced context (none until ``start``)."""
 
-    _timing_ref: Any
-    _timing_t0: float
-    _timing_marks: list[Any]
+    __slots__ = ("_marks", "_ref", "_stream", "_t0")
 
-    def timing_start(self, stream: StreamHandle) -> None:
-        if getattr(self, "_timing_marks", None) is not None:
+    def __init__(self, table: StreamTable) -> None:
+        self._stream = table.stream
+        #: the reference event and its host time, set by ``start``
+        self._ref: Any = None
+        self._t0 = 0.0
+        #: the mark events, by id; None until ``start``
+        self._marks: list[Any] | None = None
+
+    def start(self, stream: StreamHandle) -> None:
+        if self._marks is not None:
             return
         s = self._stream(stream)
         ref = check(cu.cuEventCreate(0), "cuEventCreate")
         check(cu.cuEventRecord(ref, s.cu), "cuEventRecord")
         check(cu.cuEventSynchronize(ref), "cuEventSynchronize")  # an idle stream: at once
-        self._timing_t0 = time.perf_counter()
-        self._timing_ref = ref
-        self._timing_marks = []
+        self._t0 = time.perf_counter()
+        self._ref = ref
+        self._marks = []
 
-    def timing_mark(self, stream: StreamHandle) -> int | None:
-        marks = getattr(self, "_timing_marks", None)
+    def mark(self, stream: StreamHandle) -> int | None:
+        marks = self._marks
         if marks is None:
             return None
         ev = check(cu.cuEventCreate(0), "cuEventCreate")
@@ -54,23 +68,24 @@ class TimingMixin(StreamsMixin):
         marks.append(ev)
         return len(marks) - 1
 
-    def mark_times(self, ids: Sequence[int]) -> dict[int, float]:
-        marks = getattr(self, "_timing_marks", None)
+    def times(self, ids: Sequence[int]) -> dict[int, float]:
+        marks = self._marks
         out: dict[int, float] = {}
         if not marks:
             return out
         for i in ids:
             if 0 <= i < len(marks):
-                err, ms = cu.cuEventElapsedTime(self._timing_ref, marks[i])
+                err, ms = cu.cuEventElapsedTime(self._ref, marks[i])
                 if not err:
-                    out[i] = self._timing_t0 + float(ms) / 1000.0
+                    out[i] = self._t0 + float(ms) / 1000.0
         return out
 
-    def _close_timing(self) -> None:
-        marks = getattr(self, "_timing_marks", None)
+    def close(self) -> None:
+        """At close (not after a sticky error): destroy the events."""
+        marks = self._marks
         if marks is None:
             return
         for ev in marks:
             cu.cuEventDestroy(ev)
-        cu.cuEventDestroy(self._timing_ref)
-        self._timing_marks = []
+        cu.cuEventDestroy(self._ref)
+        self._marks = []
