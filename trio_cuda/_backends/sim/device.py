@@ -4,11 +4,11 @@ Invariants:
 
 * One :class:`SimDevice` is one address space and one engine, shared by every
   :class:`~.context.SimContext` (one per scope) opened on it. The device holds
-  its :class:`~.engine.SimEngine` as a field: the engine owns every piece of
-  mutable state, the device keeps its settings and the public controls, each
-  a call into the engine. Everything is
-  called from one thread (the Trio loop, or synchronous test code); nothing
-  here blocks.
+  its :class:`~.engine.SimEngine` as a field: the engine owns the
+  device-wide mutable state (each stream owns its own, see ``handles``), the
+  device keeps its settings and the public controls, each a call into the
+  engine. Everything is called from one thread (the Trio loop, or
+  synchronous test code); nothing here blocks.
 * The controls have fixed names, which tests and users rely on (see
   ``docs/testing.rst``): ``hold``, ``release``, ``complete_next``,
   ``run_until_idle``, ``inject_fault``, ``violations``, ``live_allocations``.
@@ -125,8 +125,9 @@ class SimDevice:
     #: both in a worker thread, as it does on a GPU
     graph_host_time: float = attrs.field(default=0.0, kw_only=True, validator=_check_time)
 
-    #: the engine: all of the device's mutable state (memory, memcheck,
-    #: faults, streams' commands, counters), behind its internal interface
+    #: the engine: the device-wide mutable state (memory, memcheck, faults,
+    #: the scheduling of the streams' commands, counters), behind its
+    #: internal interface
     _engine: SimEngine = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
