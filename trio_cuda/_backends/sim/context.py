@@ -49,7 +49,7 @@ from ..._core._driver import (
 from ..._core._errors import GraphCaptureError, LaunchError, MissingReferenceError
 from ..._core._kernel import signature
 from .. import _common, _nvrtc
-from .engine import _ALIGN, _Cmd
+from .engine import ALIGN, Command
 from .handles import SimFunction, SimGate, SimGraph, SimGraphExec, SimMarker, SimStream
 from .records import Violation
 
@@ -196,7 +196,7 @@ class SimContext:
         staged = np.frombuffer(np.ascontiguousarray(src).tobytes(), dtype=np.uint8)
         n = staged.nbytes
         eng.enqueue(
-            s, _Cmd("h2d", eng.next_seq(), f"h2d {n} B", self._device.copy_time, staged, dst=dst, nbytes=n)
+            s, Command("h2d", eng.next_seq(), f"h2d {n} B", self._device.copy_time, staged, dst=dst, nbytes=n)
         )
         return None
 
@@ -210,7 +210,7 @@ class SimContext:
         eng = self.engine
         n = dst.nbytes
         eng.enqueue(
-            s, _Cmd("d2h", eng.next_seq(), f"d2h {n} B", self._device.copy_time, dst, src=src, nbytes=n)
+            s, Command("d2h", eng.next_seq(), f"d2h {n} B", self._device.copy_time, dst, src=src, nbytes=n)
         )
         return None
 
@@ -220,7 +220,7 @@ class SimContext:
         eng = self.engine
         eng.enqueue(
             s,
-            _Cmd(
+            Command(
                 "d2d",
                 eng.next_seq(),
                 f"d2d {nbytes} B",
@@ -263,7 +263,10 @@ class SimContext:
         eng = self.engine
         n = len(pattern) * count
         eng.enqueue(
-            s, _Cmd("fill", eng.next_seq(), f"fill {n} B", self._device.copy_time, pattern, dst=dst, nbytes=n)
+            s,
+            Command(
+                "fill", eng.next_seq(), f"fill {n} B", self._device.copy_time, pattern, dst=dst, nbytes=n
+            ),
         )
 
     # ------------------------------------------------------------------ kernels
@@ -285,7 +288,7 @@ class SimContext:
             _nvrtc.check_kernel(kernel, self.info.compute_capability)
             if kernel.reference is None:
                 raise missing_reference(kernel)
-        return SimFunction(kernel, self, _MODULE_BASE + self.engine.kernel_loaded() * _ALIGN)
+        return SimFunction(kernel, self, _MODULE_BASE + self.engine.kernel_loaded() * ALIGN)
 
     def unload_kernel(self, function: object) -> None:
         """Unload a module from :meth:`load_kernel`. A launch of it that executes
@@ -341,7 +344,7 @@ class SimContext:
             fault = eng.launch_fault("kernel", kernel.name, "cuLaunchKernel")
         eng.enqueue(
             s,
-            _Cmd(
+            Command(
                 "launch",
                 eng.next_seq(),
                 kernel.name,
@@ -367,13 +370,13 @@ class SimContext:
         m = self._marker(marker)
         eng = self.engine
         label = f"wait stream {m.stream.index} marker {m.seq}"
-        eng.enqueue(s, _Cmd("wait_marker", eng.next_seq(), label, 0.0, m))
+        eng.enqueue(s, Command("wait_marker", eng.next_seq(), label, 0.0, m))
 
     def create_gate(self, stream: StreamHandle) -> SimGate:
         s = self._stream(stream)
         eng = self.engine
         gate = SimGate(s)
-        eng.enqueue(s, _Cmd("gate", eng.next_seq(), "gate", 0.0, gate))
+        eng.enqueue(s, Command("gate", eng.next_seq(), "gate", 0.0, gate))
         return gate
 
     def open_gate(self, gate: Gate) -> None:
@@ -434,7 +437,7 @@ class SimContext:
     def _mark(self, s: SimStream) -> SimMarker:
         marker = s.new_marker()  # a capturing stream refuses it
         eng = self.engine
-        eng.enqueue(s, _Cmd("marker", eng.next_seq(), f"marker {marker.seq}", 0.0, marker.seq))
+        eng.enqueue(s, Command("marker", eng.next_seq(), f"marker {marker.seq}", 0.0, marker.seq))
         return marker
 
     def foreign_wait(self, foreign: int, stream: StreamHandle) -> None:
@@ -445,7 +448,7 @@ class SimContext:
         marker = self._mark(s)
         eng = self.engine
         label = f"wait stream {s.index} marker {marker.seq}"
-        eng.enqueue(fs, _Cmd("wait_marker", eng.next_seq(), label, 0.0, marker))
+        eng.enqueue(fs, Command("wait_marker", eng.next_seq(), label, 0.0, marker))
 
     def foreign_fence(self, foreign: int | None) -> tuple[SimMarker, ...]:
         """A point after the work enqueued so far on the foreign stream, or,
@@ -468,7 +471,7 @@ class SimContext:
         eng = self.engine
         for m in fence:
             label = f"wait stream {m.stream.index} marker {m.seq}"
-            eng.enqueue(s, _Cmd("wait_marker", eng.next_seq(), label, 0.0, m))
+            eng.enqueue(s, Command("wait_marker", eng.next_seq(), label, 0.0, m))
 
     def drop_fence(self, fence: object) -> None:
         """Nothing to free on the simulator."""
@@ -507,7 +510,7 @@ class SimContext:
         s.begin_capture()
         self._capturing = s
 
-    def _end(self, stream: StreamHandle) -> list[_Cmd]:
+    def _end(self, stream: StreamHandle) -> list[Command]:
         s = self._stream(stream)
         nodes = s.end_capture()  # raises unless capturing
         self._capturing = None
@@ -529,7 +532,7 @@ class SimContext:
         dev = self._device
         if dev.graph_host_time:
             time.sleep(dev.graph_host_time)
-        handle = _GRAPH_BASE + self.engine.graph_made() * _ALIGN
+        handle = _GRAPH_BASE + self.engine.graph_made() * ALIGN
         return SimGraphExec(self, g.nodes, handle)
 
     def graph_upload(self, graph_exec: object) -> None:
@@ -550,7 +553,7 @@ class SimContext:
         nodes = ge.nodes  # a snapshot: graph_update only affects later launches
         duration = sum(n.duration for n in nodes)
         label = f"graph {ge.handle:#x} ({len(nodes)} commands)"
-        eng.enqueue(s, _Cmd("graph", eng.next_seq(), label, duration, (ge, nodes), fault=fault))
+        eng.enqueue(s, Command("graph", eng.next_seq(), label, duration, (ge, nodes), fault=fault))
 
     def graph_update(self, graph_exec: object, graph: object) -> None:
         """Take the parameters of ``graph``: it must have the same topology (the

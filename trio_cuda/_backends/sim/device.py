@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["SimDevice"]
 
 _FAULT_KINDS: tuple[str, ...] = ("launch_error", "out_of_memory", "kernel_fault", "completion_unknown")
-_BASE_ADDRESS = 0x7F00_0000_0000
+BASE_ADDRESS = 0x7F00_0000_0000
 _sim_device_ids = iter(range(1 << 30))
 
 
@@ -144,7 +144,7 @@ class SimDevice:
             max_shared_memory_per_multiprocessor=233472,
             reserved_shared_memory_per_block=1024,
         )
-        self._engine = SimEngine(self, info, next(_sim_device_ids), _BASE_ADDRESS)
+        self._engine = SimEngine(self, info, next(_sim_device_ids), BASE_ADDRESS)
 
     def __repr__(self) -> str:
         stats = self._engine.statistics()

@@ -62,7 +62,9 @@ Invariants:
   and counters (``record_violation``, ``kernel_loaded``, ``graph_made``, ...)
   and a host's ``is_fresh``, ``clock`` and ``join_host``; ``info``, ``dl_id``
   and ``host`` are plain attributes, set once (``host`` and ``info`` by
-  ``join_host``).
+  ``join_host``). The other modules import only plain names from here:
+  :class:`Command` (what a context builds and enqueues), ``ALIGN`` (the
+  allocation alignment, which fake handles are spaced by) and the engine.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ from ..._core._kernel import NO_REFERENCE
 from ..._core._ops import Access
 from .. import _common
 from .clock import SimClock
-from .launch_errors import _describer, _launch_failed, illegal_address, reference_failed, tile_failed
+from .launch_errors import describer, illegal_address, launch_failed, reference_failed, tile_failed
 from .records import SimAllocation, SimCommandRecord, SimStatistics, Violation, ViolationKind
 from .views import LaunchCheck, OutOfBounds, bounded
 
@@ -95,9 +97,10 @@ if TYPE_CHECKING:
     from .handles import SimFunction, SimGate, SimGraphExec, SimMarker, SimStream
     from .host import SimHost
 
-__all__ = ["SimEngine"]
+__all__ = ["ALIGN", "Command", "SimEngine"]
 
-_ALIGN = 256
+#: allocation alignment; fake module and graph handles are spaced by it too
+ALIGN = 256
 _RED_ZONE = 256
 _POISON = 0xDB
 _EMPTY = np.empty(0, dtype=np.uint8)
@@ -119,7 +122,7 @@ class _Alloc:
         self.freed = False
 
 
-class _Cmd:
+class Command:
     """One queued command. ``data`` is the kind's payload: the staged bytes (h2d),
     the host array (d2h), the pattern (fill), the PreparedLaunch (launch), the
     marker sequence number (marker), the SimMarker (wait_marker) or the SimGate.
@@ -470,7 +473,7 @@ class SimEngine:
                 f"{self.device.memory} bytes are in use"
             )
         ptr = self._next_ptr
-        span = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        span = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         self._next_ptr = ptr + span + _RED_ZONE
         alloc = _Alloc(ptr, nbytes, np.zeros(nbytes, dtype=np.uint8) if nbytes else _EMPTY)
         self._bases.append(ptr)
@@ -538,7 +541,7 @@ class SimEngine:
 
     # ------------------------------------------------------------------ engine
 
-    def enqueue(self, stream: SimStream, cmd: _Cmd) -> None:
+    def enqueue(self, stream: SimStream, cmd: Command) -> None:
         cmd.t_enqueue = self._time.now()
         if stream.capturing:
             stream.capture(cmd)  # recorded, not executed (or refused)
@@ -686,12 +689,12 @@ class SimEngine:
         self._executed += 1
         self._record(s, cmd, start, end)
 
-    def _record(self, s: SimStream, cmd: _Cmd, start: float, end: float) -> None:
+    def _record(self, s: SimStream, cmd: Command, start: float, end: float) -> None:
         if self.device.trace_limit != 0:
             record = SimCommandRecord(cmd.seq, s.index, cmd.kind, cmd.label, cmd.t_enqueue, start, end)
             self._trace.append(record)
 
-    def _effect(self, s: SimStream, cmd: _Cmd) -> None:
+    def _effect(self, s: SimStream, cmd: Command) -> None:
         kind = cmd.kind
         if kind == "launch":
             self._launches += 1
@@ -735,11 +738,11 @@ class SimEngine:
         else:  # pragma: no cover - enqueue only makes the kinds above
             raise AssertionError(f"unknown command kind {kind!r}")
 
-    def _run_graph(self, s: SimStream, cmd: _Cmd) -> None:
+    def _run_graph(self, s: SimStream, cmd: Command) -> None:
         """One replay: the captured commands, in capture order. Their device
         addresses are resolved now, so memcheck covers every replay."""
         graph_exec: SimGraphExec = cmd.data[0]
-        nodes: tuple[_Cmd, ...] = cmd.data[1]
+        nodes: tuple[Command, ...] = cmd.data[1]
         self._graph_launches += 1
         if graph_exec.destroyed:
             self._violations.append(
@@ -757,13 +760,13 @@ class SimEngine:
             return
         if cmd.fault == "kernel_fault":
             s.add_error(
-                _launch_failed(f"injected kernel_fault in graph {graph_exec.handle:#x}", "cuGraphLaunch")
+                launch_failed(f"injected kernel_fault in graph {graph_exec.handle:#x}", "cuGraphLaunch")
             )
             return
         for node in nodes:
             self._effect(s, node)
 
-    def _run_peer_copy(self, s: SimStream, cmd: _Cmd) -> None:
+    def _run_peer_copy(self, s: SimStream, cmd: Command) -> None:
         """A copy between the memories of two devices of this device's host.
         Both ends are resolved now, each in its own device's memory."""
         src_engine: SimEngine
@@ -785,7 +788,7 @@ class SimEngine:
         assert host is not None  # only a host's contexts enqueue peer copies
         host.count_peer_copy(staged, moved)
 
-    def _run_launch(self, s: SimStream, cmd: _Cmd) -> None:
+    def _run_launch(self, s: SimStream, cmd: Command) -> None:
         launch: PreparedLaunch = cmd.data
         kernel = launch.kernel
         fn = cmd.fn
@@ -800,7 +803,7 @@ class SimEngine:
             s.mark_unknown()
             return
         if cmd.fault == "kernel_fault":
-            s.add_error(_launch_failed(f"injected kernel_fault in kernel {kernel.name}", "cuLaunchKernel"))
+            s.add_error(launch_failed(f"injected kernel_fault in kernel {kernel.name}", "cuLaunchKernel"))
             return
         views = launch.arg_views()
         check = LaunchCheck(kernel.name, s.index, self._violations)
@@ -869,7 +872,7 @@ class SimEngine:
                 readonly = av.access is Access.READ
                 if readonly:
                     view.setflags(write=False)
-                out.append(bounded(view, check, av.ptr, readonly, _describer(kernel, i, av, len(views))))
+                out.append(bounded(view, check, av.ptr, readonly, describer(kernel, i, av, len(views))))
                 if kind == "slice":
                     len_dtype = av.len_dtype if av.len_dtype is not None else np.dtype(np.uint64)
                     out.append(len_dtype.type(av.length))

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ..._core._kernel import Kernel
     from .context import SimContext
     from .device import SimDevice
-    from .engine import _Cmd
+    from .engine import Command
 
 __all__ = ["SimFunction", "SimGate", "SimGraph", "SimGraphExec", "SimMarker", "SimStream"]
 
@@ -75,7 +75,7 @@ class SimStream:
     def __init__(self, index: int, context: SimContext) -> None:
         self.index = index
         self._context = context
-        self._queue: deque[_Cmd] = deque()
+        self._queue: deque[Command] = deque()
         self._marker_seq = 0  # last marker recorded
         self._done_seq = 0  # last marker executed (the host-visible counter)
         self._results: dict[int, Poll] = {}  # only markers that did not end DONE
@@ -87,7 +87,7 @@ class SimStream:
         self._clock = 0.0
         self._destroyed = False
         #: commands recorded instead of enqueued while a graph capture runs
-        self._capture: list[_Cmd] | None = None
+        self._capture: list[Command] | None = None
 
     @property
     def context(self) -> SimContext:
@@ -133,17 +133,17 @@ class SimStream:
 
     # ------------------------------------------------------------------ the queue
 
-    def push(self, cmd: _Cmd) -> bool:
+    def push(self, cmd: Command) -> bool:
         """Queue ``cmd``; True if it is the only command (the stream became busy)."""
         q = self._queue
         q.append(cmd)
         return len(q) == 1
 
-    def head(self) -> _Cmd:
+    def head(self) -> Command:
         """The oldest queued command (the stream must have one)."""
         return self._queue[0]
 
-    def pop(self) -> _Cmd:
+    def pop(self) -> Command:
         """Remove and return the head; executing it is the engine's."""
         return self._queue.popleft()
 
@@ -156,7 +156,7 @@ class SimStream:
         """The command just popped ended at device time ``t``."""
         self._clock = t
 
-    def due(self, cmd: _Cmd) -> float:
+    def due(self, cmd: Command) -> float:
         """When ``cmd``, at the head, ends if it starts as soon as it may."""
         return max(self._clock, cmd.t_enqueue) + cmd.duration
 
@@ -169,7 +169,7 @@ class SimStream:
     def begin_capture(self) -> None:
         self._capture = []
 
-    def capture(self, cmd: _Cmd) -> None:
+    def capture(self, cmd: Command) -> None:
         """Record ``cmd`` in the running capture instead of queueing it; only
         work commands can be captured (``GraphCaptureError`` otherwise)."""
         assert self._capture is not None
@@ -177,7 +177,7 @@ class SimStream:
             raise _common.not_capturable(cmd.label, self.index)
         self._capture.append(cmd)
 
-    def end_capture(self) -> list[_Cmd]:
+    def end_capture(self) -> list[Command]:
         """End the running capture; its commands, in capture order."""
         nodes = self._capture
         if nodes is None:
@@ -318,7 +318,7 @@ class SimGraph:
 
     __slots__ = ("consumed", "context", "nodes")
 
-    def __init__(self, context: SimContext, nodes: tuple[_Cmd, ...]) -> None:
+    def __init__(self, context: SimContext, nodes: tuple[Command, ...]) -> None:
         self.context = context
         self.nodes = nodes
         self.consumed = False
@@ -335,7 +335,7 @@ class SimGraphExec:
 
     __slots__ = ("context", "destroyed", "handle", "nodes", "uploads")
 
-    def __init__(self, context: SimContext, nodes: tuple[_Cmd, ...], handle: int) -> None:
+    def __init__(self, context: SimContext, nodes: tuple[Command, ...], handle: int) -> None:
         self.context = context
         self.nodes = nodes
         self.handle = handle

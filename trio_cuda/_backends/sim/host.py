@@ -44,8 +44,8 @@ from ..._core._final import final
 from .. import _common
 from .clock import SimClock
 from .context import SimContext
-from .device import _BASE_ADDRESS, SimDevice, engine_of
-from .engine import SimEngine, _Cmd
+from .device import BASE_ADDRESS, SimDevice, engine_of
+from .engine import Command, SimEngine
 from .records import Violation
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class SimHost:
             raise TypeError(f"peer_access: expected a bool, got {peer_access!r}")
         clock = SimClock.merged(engine_of(d).clock() for d in made)  # one time for all: their times compare
         for i, d in enumerate(made):
-            engine_of(d).join_host(self, clock, _BASE_ADDRESS + i * _SPAN, i)
+            engine_of(d).join_host(self, clock, BASE_ADDRESS + i * _SPAN, i)
         self._devices: tuple[SimDevice, ...] = tuple(made)
         self._no_peer: set[frozenset[int]] = set()
         if not peer_access:
@@ -348,5 +348,5 @@ def copy_peer(
     label = f"{how} copy {nbytes} B {sd.name}->{dd.name}"
     duration = dev.copy_time * (2.0 if staged else 1.0)
     peers = (src_context.engine, dst_context.engine, staged)
-    eng.enqueue(s, _Cmd("peer", eng.next_seq(), label, duration, peers, dst=dst, src=src, nbytes=nbytes))
+    eng.enqueue(s, Command("peer", eng.next_seq(), label, duration, peers, dst=dst, src=src, nbytes=nbytes))
     return None
