@@ -8,13 +8,15 @@ Invariants:
   outside), ``records`` (what the device records and reports), ``views``
   (the bounds-checked views a reference gets), ``launch_errors`` (what a
   launch's CPU behaviour raises, and how it names arguments), ``handles`` (streams,
-  markers, gates, loaded kernels, graphs), ``engine`` (memory, memcheck,
-  faults and the command queue: all of a device's mutable state),
+  markers, gates, loaded kernels, graphs; a stream owns its queue, markers
+  and errors), ``engine`` (memory, memcheck, faults and the scheduling of
+  the streams' commands: the device-wide mutable state),
   ``context`` (:class:`SimContext`, the DeviceContext of one scope),
   ``device`` (:class:`SimDevice`: settings and test controls; it holds its
   engine as a field), ``host`` (:class:`SimHost`: several devices of one machine).
-  ``engine`` and ``context`` reach ``host`` only through imports inside the
-  functions that need it (peer copies, cross-device waits).
+  ``context`` reaches ``host`` only through imports inside the functions
+  that need it (peer copies); ``engine`` only through its ``host``
+  attribute (cross-device waits, the host's peer-copy counters).
 * Checks and errors the cuda backend raises alike come from
   ``trio_cuda._backends._common``.
 * The names below are this package's import surface (tests monkeypatch

@@ -37,7 +37,6 @@ import trio
 
 from ..._core._config import check_cooperative_occupancy, modeled_blocks_per_sm
 from ..._core._driver import (
-    DONE,
     PENDING,
     Capabilities,
     DeviceInfo,
@@ -50,7 +49,7 @@ from ..._core._driver import (
 from ..._core._errors import GraphCaptureError, LaunchError, MissingReferenceError
 from ..._core._kernel import signature
 from .. import _common, _nvrtc
-from .engine import _ALIGN, _Cmd
+from .engine import ALIGN, Command
 from .handles import SimFunction, SimGate, SimGraph, SimGraphExec, SimMarker, SimStream
 from .records import Violation
 
@@ -149,9 +148,9 @@ class SimContext:
             raise _common.context_closed(self._device.name)
 
     def _stream(self, stream: StreamHandle) -> SimStream:
-        if not isinstance(stream, SimStream) or stream._context is not self:
+        if not isinstance(stream, SimStream) or stream.context is not self:
             raise _common.wrong_handle("stream", stream, SimStream, "simulator")
-        if stream._destroyed:
+        if stream.destroyed:
             raise _common.stream_destroyed(stream.index)
         if self._closed:
             raise _common.context_closed(self._device.name)
@@ -160,7 +159,7 @@ class SimContext:
     def _marker(self, marker: Marker) -> SimMarker:
         if not isinstance(marker, SimMarker):
             raise _common.not_a("marker", marker, SimMarker)
-        eng = marker.stream._context.engine
+        eng = marker.stream.context.engine
         if eng is not self.engine and (eng.host is None or eng.host is not self.engine.host):
             raise ValueError(
                 f"marker: {marker!r} was recorded on another simulated device, not of this one's SimHost"
@@ -177,15 +176,7 @@ class SimContext:
 
     def destroy_stream(self, stream: StreamHandle) -> None:
         s = self._stream(stream)
-        if s._queue:
-            raise RuntimeError(
-                f"destroy_stream: stream {s.index} still has {len(s._queue)} queued command(s); "
-                f"destroying it would lose them"
-            )
-        s._destroyed = True
-        # Failed markers' errors may carry tracebacks whose frames hold the
-        # scope's arrays: drop them with the stream, or they pin the scope.
-        s._results.clear()
+        s.destroy()  # refused while commands are queued
         del self._streams[s]
 
     # ------------------------------------------------------------------ memory
@@ -205,7 +196,7 @@ class SimContext:
         staged = np.frombuffer(np.ascontiguousarray(src).tobytes(), dtype=np.uint8)
         n = staged.nbytes
         eng.enqueue(
-            s, _Cmd("h2d", eng.next_seq(), f"h2d {n} B", self._device.copy_time, staged, dst=dst, nbytes=n)
+            s, Command("h2d", eng.next_seq(), f"h2d {n} B", self._device.copy_time, staged, dst=dst, nbytes=n)
         )
         return None
 
@@ -214,12 +205,12 @@ class SimContext:
     ) -> Finisher | None:
         s = self._stream(stream)
         _common.check_host_dst(dst)
-        if direct and s._capture is not None:
+        if direct and s.capturing:
             raise _common.sync_copy_in_capture(s.index)
         eng = self.engine
         n = dst.nbytes
         eng.enqueue(
-            s, _Cmd("d2h", eng.next_seq(), f"d2h {n} B", self._device.copy_time, dst, src=src, nbytes=n)
+            s, Command("d2h", eng.next_seq(), f"d2h {n} B", self._device.copy_time, dst, src=src, nbytes=n)
         )
         return None
 
@@ -229,7 +220,7 @@ class SimContext:
         eng = self.engine
         eng.enqueue(
             s,
-            _Cmd(
+            Command(
                 "d2d",
                 eng.next_seq(),
                 f"d2d {nbytes} B",
@@ -272,7 +263,10 @@ class SimContext:
         eng = self.engine
         n = len(pattern) * count
         eng.enqueue(
-            s, _Cmd("fill", eng.next_seq(), f"fill {n} B", self._device.copy_time, pattern, dst=dst, nbytes=n)
+            s,
+            Command(
+                "fill", eng.next_seq(), f"fill {n} B", self._device.copy_time, pattern, dst=dst, nbytes=n
+            ),
         )
 
     # ------------------------------------------------------------------ kernels
@@ -294,7 +288,7 @@ class SimContext:
             _nvrtc.check_kernel(kernel, self.info.compute_capability)
             if kernel.reference is None:
                 raise missing_reference(kernel)
-        return SimFunction(kernel, self, _MODULE_BASE + self.engine.kernel_loaded() * _ALIGN)
+        return SimFunction(kernel, self, _MODULE_BASE + self.engine.kernel_loaded() * ALIGN)
 
     def unload_kernel(self, function: object) -> None:
         """Unload a module from :meth:`load_kernel`. A launch of it that executes
@@ -346,11 +340,11 @@ class SimContext:
             )
         eng = self.engine
         fault: str | None = None
-        if s._capture is None:  # a capture runs nothing: faults wait for a replay
+        if not s.capturing:  # a capture runs nothing: faults wait for a replay
             fault = eng.launch_fault("kernel", kernel.name, "cuLaunchKernel")
         eng.enqueue(
             s,
-            _Cmd(
+            Command(
                 "launch",
                 eng.next_seq(),
                 kernel.name,
@@ -369,35 +363,29 @@ class SimContext:
     def poll_marker(self, marker: Marker) -> Poll:
         m = self._marker(marker)
         self.engine.pump_due()
-        s = m.stream
-        if m.seq > s._done_seq:
-            return PENDING
-        if s._results:
-            return s._results.get(m.seq, DONE)
-        return DONE
+        return m.stream.poll(m.seq)
 
     def wait_marker(self, stream: StreamHandle, marker: Marker) -> None:
         s = self._stream(stream)
         m = self._marker(marker)
         eng = self.engine
         label = f"wait stream {m.stream.index} marker {m.seq}"
-        eng.enqueue(s, _Cmd("wait_marker", eng.next_seq(), label, 0.0, m))
+        eng.enqueue(s, Command("wait_marker", eng.next_seq(), label, 0.0, m))
 
     def create_gate(self, stream: StreamHandle) -> SimGate:
         s = self._stream(stream)
         eng = self.engine
         gate = SimGate(s)
-        eng.enqueue(s, _Cmd("gate", eng.next_seq(), "gate", 0.0, gate))
+        eng.enqueue(s, Command("gate", eng.next_seq(), "gate", 0.0, gate))
         return gate
 
     def open_gate(self, gate: Gate) -> None:
         if not isinstance(gate, SimGate):
             raise _common.not_a("gate", gate, SimGate)
-        if gate.stream._context.engine is not self.engine:
+        if gate.stream.context.engine is not self.engine:
             raise ValueError(f"gate: {gate!r} was created on another simulated device")
         if gate.opened:
             return
-        gate.opened = True
         self.engine.open_gate(gate)
 
     async def wait_for_progress(self, pending: Sequence[Marker]) -> None:
@@ -435,7 +423,7 @@ class SimContext:
 
     def _foreign_stream(self, address: object) -> SimStream:
         s = self.engine.stream_at(address) if isinstance(address, int) else None
-        if s is None or s._destroyed:
+        if s is None or s.destroyed:
             raise ValueError(
                 f"stream: expected the address of a live stream of simulated device "
                 f"{self._device.name!r} (from stream_address()), got {address!r}"
@@ -447,12 +435,9 @@ class SimContext:
         self._foreign_stream(address)
 
     def _mark(self, s: SimStream) -> SimMarker:
-        if s._capture is not None:  # before the sequence number is taken
-            raise _common.not_capturable(f"marker {s._marker_seq + 1}", s.index)
+        marker = s.new_marker()  # a capturing stream refuses it
         eng = self.engine
-        s._marker_seq += 1
-        marker = SimMarker(s, s._marker_seq)
-        eng.enqueue(s, _Cmd("marker", eng.next_seq(), f"marker {marker.seq}", 0.0, marker.seq))
+        eng.enqueue(s, Command("marker", eng.next_seq(), f"marker {marker.seq}", 0.0, marker.seq))
         return marker
 
     def foreign_wait(self, foreign: int, stream: StreamHandle) -> None:
@@ -463,7 +448,7 @@ class SimContext:
         marker = self._mark(s)
         eng = self.engine
         label = f"wait stream {s.index} marker {marker.seq}"
-        eng.enqueue(fs, _Cmd("wait_marker", eng.next_seq(), label, 0.0, marker))
+        eng.enqueue(fs, Command("wait_marker", eng.next_seq(), label, 0.0, marker))
 
     def foreign_fence(self, foreign: int | None) -> tuple[SimMarker, ...]:
         """A point after the work enqueued so far on the foreign stream, or,
@@ -473,10 +458,10 @@ class SimContext:
             streams = self.engine.busy_streams()
         else:
             fs = self.engine.stream_at(foreign)
-            if fs is not None and fs._destroyed:
+            if fs is not None and fs.destroyed:
                 return ()  # a destroyed stream had no queued work left
             streams = [self._foreign_stream(foreign)]
-        return tuple(self._mark(fs) for fs in streams if not fs._destroyed)
+        return tuple(self._mark(fs) for fs in streams if not fs.destroyed)
 
     def wait_fence(self, stream: StreamHandle, fence: object) -> None:
         """Make ``stream`` wait, device-side, for a fence of :meth:`foreign_fence`."""
@@ -486,7 +471,7 @@ class SimContext:
         eng = self.engine
         for m in fence:
             label = f"wait stream {m.stream.index} marker {m.seq}"
-            eng.enqueue(s, _Cmd("wait_marker", eng.next_seq(), label, 0.0, m))
+            eng.enqueue(s, Command("wait_marker", eng.next_seq(), label, 0.0, m))
 
     def drop_fence(self, fence: object) -> None:
         """Nothing to free on the simulator."""
@@ -522,15 +507,12 @@ class SimContext:
         s = self._stream(stream)
         if self._capturing is not None:
             raise _common.already_capturing(self._capturing.index)
-        s._capture = []
+        s.begin_capture()
         self._capturing = s
 
-    def _end(self, stream: StreamHandle) -> list[_Cmd]:
+    def _end(self, stream: StreamHandle) -> list[Command]:
         s = self._stream(stream)
-        if s._capture is None:
-            raise _common.not_capturing(s.index)
-        nodes = s._capture
-        s._capture = None
+        nodes = s.end_capture()  # raises unless capturing
         self._capturing = None
         return nodes
 
@@ -539,7 +521,7 @@ class SimContext:
 
     def abort_capture(self, stream: StreamHandle) -> None:
         s = self._stream(stream)
-        if s._capture is not None:
+        if s.capturing:
             self._end(s)
 
     def instantiate(self, graph: object) -> SimGraphExec:
@@ -550,7 +532,7 @@ class SimContext:
         dev = self._device
         if dev.graph_host_time:
             time.sleep(dev.graph_host_time)
-        handle = _GRAPH_BASE + self.engine.graph_made() * _ALIGN
+        handle = _GRAPH_BASE + self.engine.graph_made() * ALIGN
         return SimGraphExec(self, g.nodes, handle)
 
     def graph_upload(self, graph_exec: object) -> None:
@@ -566,12 +548,12 @@ class SimContext:
         ge = self._exec(graph_exec)
         eng = self.engine
         fault: str | None = None
-        if s._capture is None:
+        if not s.capturing:
             fault = eng.launch_fault("graph", f"{ge.handle:#x}", "cuGraphLaunch")
         nodes = ge.nodes  # a snapshot: graph_update only affects later launches
         duration = sum(n.duration for n in nodes)
         label = f"graph {ge.handle:#x} ({len(nodes)} commands)"
-        eng.enqueue(s, _Cmd("graph", eng.next_seq(), label, duration, (ge, nodes), fault=fault))
+        eng.enqueue(s, Command("graph", eng.next_seq(), label, duration, (ge, nodes), fault=fault))
 
     def graph_update(self, graph_exec: object, graph: object) -> None:
         """Take the parameters of ``graph``: it must have the same topology (the
@@ -629,8 +611,7 @@ class SimContext:
             return
         self._closed = True
         for s in self._streams:
-            if not s._queue:
-                s._destroyed = True
+            s.context_closed()
         self._streams.clear()
 
 

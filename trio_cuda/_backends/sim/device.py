@@ -4,11 +4,11 @@ Invariants:
 
 * One :class:`SimDevice` is one address space and one engine, shared by every
   :class:`~.context.SimContext` (one per scope) opened on it. The device holds
-  its :class:`~.engine.SimEngine` as a field: the engine owns every piece of
-  mutable state, the device keeps its settings and the public controls, each
-  a call into the engine. Everything is
-  called from one thread (the Trio loop, or synchronous test code); nothing
-  here blocks.
+  its :class:`~.engine.SimEngine` as a field: the engine owns the
+  device-wide mutable state (each stream owns its own, see ``handles``), the
+  device keeps its settings and the public controls, each a call into the
+  engine. Everything is called from one thread (the Trio loop, or
+  synchronous test code); nothing here blocks.
 * The controls have fixed names, which tests and users rely on (see
   ``docs/testing.rst``): ``hold``, ``release``, ``complete_next``,
   ``run_until_idle``, ``inject_fault``, ``violations``, ``live_allocations``.
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["SimDevice"]
 
 _FAULT_KINDS: tuple[str, ...] = ("launch_error", "out_of_memory", "kernel_fault", "completion_unknown")
-_BASE_ADDRESS = 0x7F00_0000_0000
+BASE_ADDRESS = 0x7F00_0000_0000
 _sim_device_ids = iter(range(1 << 30))
 
 
@@ -125,8 +125,9 @@ class SimDevice:
     #: both in a worker thread, as it does on a GPU
     graph_host_time: float = attrs.field(default=0.0, kw_only=True, validator=_check_time)
 
-    #: the engine: all of the device's mutable state (memory, memcheck,
-    #: faults, streams' commands, counters), behind its internal interface
+    #: the engine: the device-wide mutable state (memory, memcheck, faults,
+    #: the scheduling of the streams' commands, counters), behind its
+    #: internal interface
     _engine: SimEngine = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -143,7 +144,7 @@ class SimDevice:
             max_shared_memory_per_multiprocessor=233472,
             reserved_shared_memory_per_block=1024,
         )
-        self._engine = SimEngine(self, info, next(_sim_device_ids), _BASE_ADDRESS)
+        self._engine = SimEngine(self, info, next(_sim_device_ids), BASE_ADDRESS)
 
     def __repr__(self) -> str:
         stats = self._engine.statistics()

@@ -19,7 +19,7 @@ Invariants:
   CUDA_ERROR_ILLEGAL_ADDRESS (700), as a GPU faults on one. Unlike the ranges
   above, it is found while the reference runs, after what it already wrote.
 * Streams are FIFO. Bookkeeping commands (markers, satisfied waits, opened
-  gates) at a stream head execute at once, even while held (``_settle``). Work
+  gates) at a stream head execute at once, even while held (``settle``). Work
   commands (launches, copies, fills, graph replays, peer copies) execute on
   enqueue when free-running, when due if ``kernel_time`` or ``copy_time`` is
   positive, and only through ``complete_next`` / ``run_until_idle`` while
@@ -29,28 +29,42 @@ Invariants:
   the same clock (``SimContext.wait_for_progress``): under a Trio
   ``MockClock`` timed work takes virtual time, never wall-clock time.
 * On a capturing stream, work commands are recorded instead of enqueued; any
-  other command raises ``GraphCaptureError`` (``_common.not_capturable``).
+  other command raises ``GraphCaptureError`` (``_common.not_capturable``,
+  raised by the stream's ``capture``).
 * Errors (an injected ``kernel_fault``, a reference that raises or accesses
   out of bounds) attach to the stream's next marker, which then polls
   ``FAILED``; they are not sticky. A reference's exception is the error's
   ``__cause__``, and its message names the kernel and what was raised (the
   expected arguments of a wrong arity, the read-only argument written). An
   injected ``completion_unknown`` skips its launch and makes the stream's next
-  marker poll ``UNKNOWN`` forever. The engine never raises into whoever pumps
-  it.
-* :class:`SimEngine` owns all of a device's mutable state; the public
-  :class:`~.device.SimDevice` holds one as a field and keeps only its
-  settings, which the engine reads through ``device`` (so a setting changed on
-  the device takes effect as before). Nothing outside this module touches the
-  engine's underscored fields: the contexts, handles and host use its
-  internal interface, the methods without a leading underscore: memory
-  (``alloc``, ``free``, ``find_live``, ``resolve``), commands (``next_seq``,
-  ``enqueue``, ``launch_fault``, ``open_gate``, ``mark_ready``), running
-  (``pump``, ``pump_due``, ``settle``, ``progress_event``, ``next_due``,
-  ``deadline``), records and counters (``record_violation``,
-  ``kernel_loaded``, ``graph_made``, ``count_copy``, ...) and a host's
-  ``join_host``; ``info``, ``dl_id`` and ``host`` are plain attributes, set
-  once (``host`` and ``info`` by ``join_host``).
+  marker poll ``UNKNOWN`` forever. The stream gathers them (``add_error``,
+  ``mark_unknown``) and its marker takes them (``complete_marker``). The
+  engine never raises into whoever pumps it.
+* One owner per piece of state. :class:`SimEngine` owns the device-wide
+  mutable state: memory and memcheck, faults, the clock, which streams are
+  busy or ready to run, what is pending, the trace and the counters. Each
+  :class:`~.handles.SimStream` owns its queue, markers, errors, waiters,
+  clock and capture, and a :class:`~.handles.SimGate` its opening; the
+  engine schedules and executes through their internal interface (see
+  ``handles``). A :class:`~.host.SimHost` owns its cross-device counters and
+  its kick loop: a marker's waiters on a host go to ``SimHost.wake_waiters``,
+  and a peer copy, which the engine executes, is counted by
+  ``SimHost.count_peer_copy``.
+* The public :class:`~.device.SimDevice` holds its engine as a field and
+  keeps only its settings, which the engine reads through ``device`` (so a
+  setting changed on the device takes effect as before). Nothing outside
+  this module touches the engine's underscored fields: the contexts, handles
+  and host use its internal interface, the methods without a leading
+  underscore: memory (``alloc``, ``free``, ``find_live``, ``resolve``),
+  commands (``next_seq``, ``enqueue``, ``launch_fault``, ``open_gate``,
+  ``mark_ready``), running (``pump``, ``pump_due``, ``settle``,
+  ``progress_event``, ``next_due``, ``deadline``, ``busy_streams``), records
+  and counters (``record_violation``, ``kernel_loaded``, ``graph_made``, ...)
+  and a host's ``is_fresh``, ``clock`` and ``join_host``; ``info``, ``dl_id``
+  and ``host`` are plain attributes, set once (``host`` and ``info`` by
+  ``join_host``). The other modules import only plain names from here:
+  :class:`Command` (what a context builds and enqueues), ``ALIGN`` (the
+  allocation alignment, which fake handles are spaced by) and the engine.
 """
 
 from __future__ import annotations
@@ -66,13 +80,13 @@ import attrs
 import numpy as np
 import trio
 
-from ..._core._driver import DeviceInfo, MarkerState, Poll
-from ..._core._errors import CompletionUnknownError, LaunchError, OutOfMemoryError
+from ..._core._driver import DeviceInfo
+from ..._core._errors import LaunchError, OutOfMemoryError
 from ..._core._kernel import NO_REFERENCE
 from ..._core._ops import Access
 from .. import _common
 from .clock import SimClock
-from .launch_errors import _describer, _launch_failed, illegal_address, reference_failed, tile_failed
+from .launch_errors import describer, illegal_address, launch_failed, reference_failed, tile_failed
 from .records import SimAllocation, SimCommandRecord, SimStatistics, Violation, ViolationKind
 from .views import LaunchCheck, OutOfBounds, bounded
 
@@ -81,10 +95,12 @@ if TYPE_CHECKING:
     from ..._core._launch import ArgView, PreparedLaunch
     from .device import SimDevice
     from .handles import SimFunction, SimGate, SimGraphExec, SimMarker, SimStream
+    from .host import SimHost
 
-__all__ = ["SimEngine"]
+__all__ = ["ALIGN", "Command", "SimEngine"]
 
-_ALIGN = 256
+#: allocation alignment; fake module and graph handles are spaced by it too
+ALIGN = 256
 _RED_ZONE = 256
 _POISON = 0xDB
 _EMPTY = np.empty(0, dtype=np.uint8)
@@ -106,7 +122,7 @@ class _Alloc:
         self.freed = False
 
 
-class _Cmd:
+class Command:
     """One queued command. ``data`` is the kind's payload: the staged bytes (h2d),
     the host array (d2h), the pattern (fill), the PreparedLaunch (launch), the
     marker sequence number (marker), the SimMarker (wait_marker) or the SimGate.
@@ -156,9 +172,10 @@ class _Cmd:
 
 class SimEngine:
     """Memory, memcheck, faults and the command engine of one
-    :class:`~.device.SimDevice`, which holds it as a field. It owns every piece
-    of the device's mutable state; the device's settings it reads from
-    ``device`` (they stay the public attributes users set). The simulator's
+    :class:`~.device.SimDevice`, which holds it as a field. It owns the
+    device-wide mutable state (each stream owns its own); the device's
+    settings it reads from ``device`` (they stay the public attributes users
+    set). The simulator's
     contexts, handles and host use it through the methods without a leading
     underscore (see the module invariants)."""
 
@@ -210,7 +227,7 @@ class SimEngine:
         #: this device's DLPack device id
         self.dl_id = dl_id
         #: the SimHost the device belongs to (see ``host``), or None; set by ``join_host``
-        self.host: Any = None
+        self.host: SimHost | None = None
         self._held = False
         #: the device clock every time comes from (see ``clock``); a SimHost's
         #: devices share one
@@ -273,7 +290,7 @@ class SimEngine:
         best: SimStream | None = None
         best_seq = 0
         for s in self._busy:
-            head = s._queue[0]
+            head = s.head()
             if head.work and (best is None or head.seq < best_seq):
                 best, best_seq = s, head.seq
         if best is None:
@@ -388,7 +405,8 @@ class SimEngine:
         return 0
 
     def open_gate(self, gate: SimGate) -> None:
-        gate._opened_at = self._time.now()
+        """Open ``gate`` now; its stream's head may run."""
+        gate.open(self._time.now())
         self._dirty.append(gate.stream)
         self.pump()
 
@@ -400,16 +418,11 @@ class SimEngine:
         """``stream``'s head may run now (a wait it queued on was satisfied)."""
         self._dirty.append(stream)
 
-    def count_copy(self, nbytes: int) -> None:
-        """Count a copy (a peer copy's), and its bytes if it moved any."""
-        self._copies += 1
-        self._bytes_copied += nbytes
-
     def is_fresh(self) -> bool:
         """Nothing was ever allocated and nothing is enqueued."""
         return not (self._alloc_count or self._pending)
 
-    def join_host(self, host: Any, clock: SimClock, base_address: int, ordinal: int) -> None:
+    def join_host(self, host: SimHost, clock: SimClock, base_address: int, ordinal: int) -> None:
         """Become device ``ordinal`` of ``host``: its shared clock, its address range."""
         self.host = host
         self._time = clock
@@ -460,7 +473,7 @@ class SimEngine:
                 f"{self.device.memory} bytes are in use"
             )
         ptr = self._next_ptr
-        span = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        span = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         self._next_ptr = ptr + span + _RED_ZONE
         alloc = _Alloc(ptr, nbytes, np.zeros(nbytes, dtype=np.uint8) if nbytes else _EMPTY)
         self._bases.append(ptr)
@@ -528,20 +541,16 @@ class SimEngine:
 
     # ------------------------------------------------------------------ engine
 
-    def enqueue(self, stream: SimStream, cmd: _Cmd) -> None:
+    def enqueue(self, stream: SimStream, cmd: Command) -> None:
         cmd.t_enqueue = self._time.now()
-        capture = stream._capture
-        if capture is not None:
-            if not cmd.work:
-                raise _common.not_capturable(cmd.label, stream.index)
-            capture.append(cmd)  # recorded, not executed
+        if stream.capturing:
+            stream.capture(cmd)  # recorded, not executed (or refused)
             return
-        q = stream._queue
-        q.append(cmd)
+        became_busy = stream.push(cmd)
         self._pending += 1
         if cmd.duration > 0.0:
             self._timed_pending += 1
-        if len(q) == 1:
+        if became_busy:
             self._busy[stream] = None
             self._dirty.append(stream)
             self.pump()
@@ -570,9 +579,9 @@ class SimEngine:
             return None
         best: float | None = None
         for s in self._busy:
-            head = s._queue[0]
+            head = s.head()
             if head.work:
-                due = max(s._clock, head.t_enqueue) + head.duration
+                due = s.due(head)
                 if best is None or due < best:
                     best = due
         return best
@@ -591,10 +600,10 @@ class SimEngine:
                     best: SimStream | None = None
                     best_key = (math.inf, 0)
                     for s in self._busy:
-                        head = s._queue[0]
+                        head = s.head()
                         if not head.work:
                             continue
-                        due = max(s._clock, head.t_enqueue) + head.duration
+                        due = s.due(head)
                         if head.duration > 0.0 and due > now:
                             continue
                         key = (due, head.seq)
@@ -602,7 +611,7 @@ class SimEngine:
                             best, best_key = s, key
                     if best is None:
                         break
-                    head = best._queue[0]
+                    head = best.head()
                     self._exec_work(best, best_key[0] if head.duration > 0.0 else None)
                     n += 1 + self.settle()
         finally:
@@ -618,75 +627,52 @@ class SimEngine:
         busy = self._busy
         while dirty:
             s = dirty.popleft()
-            q = s._queue
-            while q:
-                cmd = q[0]
+            while s.queued:
+                cmd = s.head()
                 kind = cmd.kind
                 if kind == "marker":
-                    finish = max(s._clock, cmd.t_enqueue)
+                    finish = max(s.clock, cmd.t_enqueue)
                     self._exec_marker(s, cmd.data)
                 elif kind == "wait_marker":
                     target: SimMarker = cmd.data
                     ts = target.stream
-                    if ts._done_seq < target.seq:
-                        ts._waiters[s] = None
+                    if not ts.reached(target.seq):
+                        ts.add_waiter(s)
                         break
-                    finish = max(s._clock, cmd.t_enqueue, ts._clock)
+                    finish = max(s.clock, cmd.t_enqueue, ts.clock)
                 elif kind == "gate":
                     gate: SimGate = cmd.data
                     if not gate.opened:
                         break
-                    finish = max(s._clock, cmd.t_enqueue, gate._opened_at)
+                    finish = max(s.clock, cmd.t_enqueue, gate.opened_at)
                 else:
                     break
-                q.popleft()
+                s.pop()
                 self._pending -= 1
                 self._executed += 1
-                s._clock = finish
+                s.ended(finish)
                 n += 1
                 self._record(s, cmd, finish, finish)
-            if not q:
+            if not s.queued:
                 busy.pop(s, None)
         return n
 
     def _exec_marker(self, s: SimStream, seq: int) -> None:
-        if s._unknown:
-            s._results[seq] = Poll(
-                MarkerState.UNKNOWN,
-                CompletionUnknownError(
-                    f"{self.device.name}: completion of work before marker {seq} on stream {s.index} "
-                    f"cannot be established (injected completion_unknown)"
-                ),
-            )
-        elif s._error is not None:
-            error = s._error
-            if s._extra_errors:
-                error.add_note(f"{s._extra_errors} more error(s) on stream {s.index} before this marker")
-            s._results[seq] = Poll(MarkerState.FAILED, error)
-        s._unknown = False
-        s._error = None
-        s._extra_errors = 0
-        s._done_seq = seq
-        if s._waiters:
+        waiters = s.complete_marker(seq)
+        if waiters:
             if self.host is None:
-                self._dirty.extend(s._waiters)
-                s._waiters.clear()
+                self._dirty.extend(waiters)
             else:  # waiters may be streams of other devices of the host
-                from .host import wake_waiters
-
-                waiters = list(s._waiters)
-                s._waiters.clear()
-                wake_waiters(self, waiters)
+                self.host.wake_waiters(self, waiters)
 
     def _exec_work(self, s: SimStream, due: float | None) -> None:
         """Pop and execute the work command at ``s``'s head. ``due`` is its
         simulated end time (timed free-running), or None to read the clock."""
-        q = s._queue
-        cmd = q.popleft()
+        cmd = s.pop()
         self._pending -= 1
         if cmd.duration > 0.0:
             self._timed_pending -= 1
-        if q:
+        if s.queued:
             self._dirty.append(s)
         else:
             del self._busy[s]
@@ -699,16 +685,16 @@ class SimEngine:
             start = due - cmd.duration
             self._effect(s, cmd)
             end = due
-        s._clock = end
+        s.ended(end)
         self._executed += 1
         self._record(s, cmd, start, end)
 
-    def _record(self, s: SimStream, cmd: _Cmd, start: float, end: float) -> None:
+    def _record(self, s: SimStream, cmd: Command, start: float, end: float) -> None:
         if self.device.trace_limit != 0:
             record = SimCommandRecord(cmd.seq, s.index, cmd.kind, cmd.label, cmd.t_enqueue, start, end)
             self._trace.append(record)
 
-    def _effect(self, s: SimStream, cmd: _Cmd) -> None:
+    def _effect(self, s: SimStream, cmd: Command) -> None:
         kind = cmd.kind
         if kind == "launch":
             self._launches += 1
@@ -748,17 +734,15 @@ class SimEngine:
         elif kind == "graph":
             self._run_graph(s, cmd)
         elif kind == "peer":
-            from .host import run_peer_copy
-
-            run_peer_copy(self, s, cmd)
+            self._run_peer_copy(s, cmd)
         else:  # pragma: no cover - enqueue only makes the kinds above
             raise AssertionError(f"unknown command kind {kind!r}")
 
-    def _run_graph(self, s: SimStream, cmd: _Cmd) -> None:
+    def _run_graph(self, s: SimStream, cmd: Command) -> None:
         """One replay: the captured commands, in capture order. Their device
         addresses are resolved now, so memcheck covers every replay."""
         graph_exec: SimGraphExec = cmd.data[0]
-        nodes: tuple[_Cmd, ...] = cmd.data[1]
+        nodes: tuple[Command, ...] = cmd.data[1]
         self._graph_launches += 1
         if graph_exec.destroyed:
             self._violations.append(
@@ -772,17 +756,39 @@ class SimEngine:
             )
             return
         if cmd.fault == "completion_unknown":
-            s._unknown = True
+            s.mark_unknown()
             return
         if cmd.fault == "kernel_fault":
-            s._add_error(
-                _launch_failed(f"injected kernel_fault in graph {graph_exec.handle:#x}", "cuGraphLaunch")
+            s.add_error(
+                launch_failed(f"injected kernel_fault in graph {graph_exec.handle:#x}", "cuGraphLaunch")
             )
             return
         for node in nodes:
             self._effect(s, node)
 
-    def _run_launch(self, s: SimStream, cmd: _Cmd) -> None:
+    def _run_peer_copy(self, s: SimStream, cmd: Command) -> None:
+        """A copy between the memories of two devices of this device's host.
+        Both ends are resolved now, each in its own device's memory."""
+        src_engine: SimEngine
+        dst_engine: SimEngine
+        src_engine, dst_engine, staged = cmd.data
+        n = cmd.nbytes
+        name = self.device.name
+        src = src_engine.resolve(cmd.src, n, f"peer copy source (from {name})", s)
+        dst = dst_engine.resolve(cmd.dst, n, f"peer copy destination (from {name})", s)
+        moved = 0
+        if src is not None and dst is not None and n:
+            so = cmd.src - src.ptr
+            do = cmd.dst - dst.ptr
+            dst.buf[do : do + n] = src.buf[so : so + n]
+            moved = n
+        self._copies += 1
+        self._bytes_copied += moved
+        host = self.host
+        assert host is not None  # only a host's contexts enqueue peer copies
+        host.count_peer_copy(staged, moved)
+
+    def _run_launch(self, s: SimStream, cmd: Command) -> None:
         launch: PreparedLaunch = cmd.data
         kernel = launch.kernel
         fn = cmd.fn
@@ -794,10 +800,10 @@ class SimEngine:
             )
             return
         if cmd.fault == "completion_unknown":
-            s._unknown = True
+            s.mark_unknown()
             return
         if cmd.fault == "kernel_fault":
-            s._add_error(_launch_failed(f"injected kernel_fault in kernel {kernel.name}", "cuLaunchKernel"))
+            s.add_error(launch_failed(f"injected kernel_fault in kernel {kernel.name}", "cuLaunchKernel"))
             return
         views = launch.arg_views()
         check = LaunchCheck(kernel.name, s.index, self._violations)
@@ -832,7 +838,7 @@ class SimEngine:
             # reference did next (it may have caught OutOfBounds)
             error = illegal_address(check, fault, tile=tile is not None and not callable(reference))
         if error is not None:
-            s._add_error(error)
+            s.add_error(error)
         # The error's traceback holds this frame: drop what would make cycles
         # through it (the views hold the device's buffers).
         del args, error, fault
@@ -866,7 +872,7 @@ class SimEngine:
                 readonly = av.access is Access.READ
                 if readonly:
                     view.setflags(write=False)
-                out.append(bounded(view, check, av.ptr, readonly, _describer(kernel, i, av, len(views))))
+                out.append(bounded(view, check, av.ptr, readonly, describer(kernel, i, av, len(views))))
                 if kind == "slice":
                     len_dtype = av.len_dtype if av.len_dtype is not None else np.dtype(np.uint64)
                     out.append(len_dtype.type(av.length))

@@ -16,10 +16,10 @@ Invariants:
   and memcheck catches a device touching another's memory except through a
   peer copy.
 * A stream may wait (``wait_marker``) on a marker of any device of its host.
-  When the marker executes, its device hands the waiting streams to their own
-  devices' engines (``wake_waiters``); those run their bookkeeping at once (a
-  held device still runs bookkeeping, not work), through one re-entrancy-safe
-  kick loop per host.
+  When the marker executes, its device hands the waiting streams to the host
+  (``SimHost.wake_waiters``), which makes them ready on their own devices'
+  engines; those run their bookkeeping at once (a held device still runs
+  bookkeeping, not work), through one re-entrancy-safe kick loop per host.
 * A peer copy is one work command on the stream that enqueued it. It resolves
   its source in the source device's memory and its destination in the
   destination device's when it *executes*, so a use after free on either side
@@ -27,6 +27,9 @@ Invariants:
   without peer access (:meth:`SimHost.disable_peer_access`) the copy is
   staged through host memory: the same bytes, twice the ``copy_time``, and
   counted as staged.
+* The host owns its counters and its kick loop; the engines reach them only
+  through its internal interface, ``wake_waiters`` and ``count_peer_copy``
+  (the engine that executes a peer copy counts it there).
 * Everything runs on one thread (the Trio loop or synchronous test code).
 """
 
@@ -41,8 +44,8 @@ from ..._core._final import final
 from .. import _common
 from .clock import SimClock
 from .context import SimContext
-from .device import _BASE_ADDRESS, SimDevice, engine_of
-from .engine import SimEngine, _Cmd
+from .device import BASE_ADDRESS, SimDevice, engine_of
+from .engine import Command, SimEngine
 from .records import Violation
 
 if TYPE_CHECKING:
@@ -129,7 +132,7 @@ class SimHost:
             raise TypeError(f"peer_access: expected a bool, got {peer_access!r}")
         clock = SimClock.merged(engine_of(d).clock() for d in made)  # one time for all: their times compare
         for i, d in enumerate(made):
-            engine_of(d).join_host(self, clock, _BASE_ADDRESS + i * _SPAN, i)
+            engine_of(d).join_host(self, clock, BASE_ADDRESS + i * _SPAN, i)
         self._devices: tuple[SimDevice, ...] = tuple(made)
         self._no_peer: set[frozenset[int]] = set()
         if not peer_access:
@@ -211,7 +214,7 @@ class SimHost:
             eng = engine_of(d)
             eng.settle()
             for s in eng.busy_streams():
-                head = s._queue[0]
+                head = s.head()
                 if head.work and (best is None or head.t_enqueue < best_t):
                     best, best_t = d, head.t_enqueue
         if best is None:
@@ -251,7 +254,30 @@ class SimHost:
             cross_device_waits=self._cross_waits,
         )
 
-    # ------------------------------------------------------------------ engine
+    # ------------------------------------------------------------------ the engines' interface
+    def wake_waiters(self, engine: SimEngine, waiters: list[SimStream]) -> None:
+        """A marker of ``engine``'s device executed: the streams waiting on it
+        (of any device of this host) may run their wait now."""
+        foreign: list[SimDevice] = []
+        for w in waiters:
+            eng = w.context.engine
+            eng.mark_ready(w)
+            if eng is not engine:
+                d = eng.device
+                self._cross_waits += 1
+                if d not in foreign:
+                    foreign.append(d)
+        for d in foreign:
+            self._kick(d)
+
+    def count_peer_copy(self, staged: bool, nbytes: int) -> None:
+        """Count a peer copy that executed (``staged`` through host memory),
+        and the bytes it moved."""
+        self._peer_copies += 1
+        if staged:
+            self._staged_copies += 1
+        self._peer_bytes += nbytes
+
     def _kick(self, device: SimDevice) -> None:
         """Let ``device`` run the bookkeeping its streams became ready for.
         Re-entrant calls (a kick that completes a marker another device waits
@@ -269,24 +295,7 @@ class SimHost:
             self._kicking = False
 
 
-# --------------------------------------------------------------------------- engine hooks
-
-
-def wake_waiters(device: SimEngine, waiters: list[SimStream]) -> None:
-    """A marker of ``device`` executed: the streams waiting on it (of any
-    device of its host) may run their wait now."""
-    host: SimHost = device.host
-    foreign: list[SimDevice] = []
-    for w in waiters:
-        eng = w._context.engine
-        eng.mark_ready(w)
-        if eng is not device:
-            d = eng.device
-            host._cross_waits += 1
-            if d not in foreign:
-                foreign.append(d)
-    for d in foreign:
-        host._kick(d)
+# --------------------------------------------------------------------------- the contexts' peer copies
 
 
 def check_copy_peer(ctx: SimContext, dst_context: object, src_context: object) -> None:
@@ -332,34 +341,12 @@ def copy_peer(
         ctx.copy_d2d(s, dst, src, nbytes)
         return None
     eng = ctx.engine
-    host: SimHost = eng.host
+    host = eng.host
+    assert host is not None  # check_copy_peer: devices of one host
     staged = not host.can_access_peer(sd, dd)
     how = "staged" if staged else "peer"
     label = f"{how} copy {nbytes} B {sd.name}->{dd.name}"
     duration = dev.copy_time * (2.0 if staged else 1.0)
     peers = (src_context.engine, dst_context.engine, staged)
-    eng.enqueue(s, _Cmd("peer", eng.next_seq(), label, duration, peers, dst=dst, src=src, nbytes=nbytes))
+    eng.enqueue(s, Command("peer", eng.next_seq(), label, duration, peers, dst=dst, src=src, nbytes=nbytes))
     return None
-
-
-def run_peer_copy(device: SimEngine, s: SimStream, cmd: _Cmd) -> None:
-    """Execute a peer copy command on ``device``'s stream ``s``."""
-    sd: SimEngine
-    dd: SimEngine
-    sd, dd, staged = cmd.data
-    n = cmd.nbytes
-    name = device.device.name
-    src = sd.resolve(cmd.src, n, f"peer copy source (from {name})", s)
-    dst = dd.resolve(cmd.dst, n, f"peer copy destination (from {name})", s)
-    host: SimHost = device.host
-    host._peer_copies += 1
-    if staged:
-        host._staged_copies += 1
-    if src is not None and dst is not None and n:
-        so = cmd.src - src.ptr
-        do = cmd.dst - dst.ptr
-        dst.buf[do : do + n] = src.buf[so : so + n]
-        device.count_copy(n)
-        host._peer_bytes += n
-    else:
-        device.count_copy(0)

@@ -25,10 +25,18 @@ if TYPE_CHECKING:
     from ..._core._kernel import Kernel
     from ..._core._launch import ArgView
 
-__all__ = ["arg_label", "illegal_address", "read_only_mode", "reference_failed", "tile_failed"]
+__all__ = [
+    "arg_label",
+    "describer",
+    "illegal_address",
+    "launch_failed",
+    "read_only_mode",
+    "reference_failed",
+    "tile_failed",
+]
 
 
-def _launch_failed(text: str, call: str) -> LaunchError:
+def launch_failed(text: str, call: str) -> LaunchError:
     """A kernel fault, attached to the stream's next marker."""
     return LaunchError(719, "CUDA_ERROR_LAUNCH_FAILED", text, call=call)
 
@@ -73,7 +81,7 @@ def read_only_mode(kernel: Kernel, i: int, av: ArgView, count: int) -> str:
     return 'access="read"'
 
 
-def _describer(kernel: Kernel, i: int, av: ArgView, count: int) -> Describe:
+def describer(kernel: Kernel, i: int, av: ArgView, count: int) -> Describe:
     return lambda: (arg_label(kernel, i, av, count), read_only_mode(kernel, i, av, count))
 
 
@@ -128,7 +136,7 @@ def reference_failed(
         ]
         if labels:
             text += f"; the kernel only reads {'; '.join(labels)}"
-    error = _launch_failed(text, "")
+    error = launch_failed(text, "")
     error.__cause__ = exc
     return error
 
@@ -137,7 +145,7 @@ def tile_failed(kernel: Kernel, exc: Exception) -> LaunchError:
     """The error of a tile launch whose execution on NumPy tiles raised ``exc``
     (its ``__cause__``): CUDA_ERROR_LAUNCH_FAILED, as a faulting kernel."""
     what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    error = _launch_failed(f"tile kernel {kernel.name}: the simulator's execution of it raised {what}", "")
+    error = launch_failed(f"tile kernel {kernel.name}: the simulator's execution of it raised {what}", "")
     error.__cause__ = exc
     return error
 
