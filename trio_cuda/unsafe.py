@@ -9,7 +9,7 @@ from __future__ import annotations as _annotations  # (aliased: this module expo
 
 import typing
 
-from ._core import _array, _final, _stream
+from ._core import _array, _final, _scope, _stream
 
 if typing.TYPE_CHECKING:
     from typing import Any, TypeVar
@@ -34,7 +34,7 @@ def async_on(op: DeviceOp[T], stream: Stream) -> T:
     """
     if type(stream) is not _stream.Stream:
         raise TypeError(f"stream: expected a Stream, got {type(stream).__name__}")
-    return stream.scope._enqueue_unsafe(op, stream)
+    return _scope.enqueue_unsafe(op, stream)
 
 
 @_final.final
@@ -75,7 +75,7 @@ def cuda_view(arr: DeviceArray) -> CudaView:
             f"arr: expected an array on the cuda backend, got one on the {backend!r} backend, "
             "whose memory has no CUDA address"
         )
-    arr._check_usable("cuda_view")
+    _array.check_usable(arr, "cuda_view")
     dt = arr.dtype
     cai: dict[str, Any] = {
         "shape": arr.shape,

@@ -28,6 +28,8 @@ def driver_of(gpu: Any) -> Any:
 def set_driver(gpu: Any, driver: Any) -> None:
     """Run the scope on ``driver`` from now on (a spy wrapping its own driver, say)."""
     gpu._driver = driver
+    gpu._completion.driver = driver
+    gpu._memory.driver = driver
 
 
 def loaded_function(gpu: Any, kernel: Any) -> Any:
@@ -37,7 +39,7 @@ def loaded_function(gpu: Any, kernel: Any) -> Any:
 
 def allocation_records(gpu: Any) -> Any:
     """The scope's records of its live allocations (the memory table)."""
-    return gpu._allocs
+    return gpu._memory.allocs
 
 
 def policy_of(gpu: Any) -> Any:
@@ -52,26 +54,26 @@ def tracer_of(obj: Any) -> Any:
 
 def handoff_task(gpu: Any) -> Any:
     """The scope's completion-handoff task (``None`` while there is none)."""
-    return gpu._handoff_task
+    return gpu._completion.handoff_task
 
 
 def handoff_idle(gpu: Any) -> Any:
     """The event the completion-handoff task parks on while the scope is idle, or ``None``."""
-    return gpu._idle
+    return gpu._completion.idle
 
 
 def host_steps_pending(gpu: Any) -> Any:
     """The host steps (host closures) the scope has yet to run."""
-    return gpu._host_steps
+    return gpu._completion.host_steps
 
 
 def look_budget(gpu: Any) -> Any:
     """How many looks at the device an awaiting task makes before it parks."""
-    return gpu._look_budget
+    return gpu._completion.look_budget
 
 
 def set_look_budget(gpu: Any, budget: Any) -> None:
-    gpu._look_budget = budget
+    gpu._completion.look_budget = budget
 
 
 def submissions_numbered(gpu: Any) -> int:
@@ -81,7 +83,7 @@ def submissions_numbered(gpu: Any) -> int:
 
 def extension_of(gpu: Any, cls: type) -> Any:
     """The scope's per-scope extension object of class ``cls`` (graphs, exports, ...)."""
-    return gpu._find_extension(cls)
+    return gpu._extensions.find(cls)
 
 
 def set_load_in_thread(gpu: Any, value: bool) -> None:
@@ -96,11 +98,11 @@ def fake_device_info(monkeypatch: pytest.MonkeyPatch, gpu: Any, info: Any) -> No
 
 def handoff_ended(manager: Any) -> Any:
     """The event a ``ScopeManager``'s exit waits on for the handoff task's end."""
-    return manager._handoff_ended
+    return manager._scope._completion.handoff_ended
 
 
 def set_handoff_ended(manager: Any, event: Any) -> None:
-    manager._handoff_ended = event
+    manager._scope._completion.handoff_ended = event
 
 
 # --------------------------------------------------------------------------- streams
@@ -257,20 +259,31 @@ def tile_cache_key(kernel: Any, signature: Any, compiler_version: str | None) ->
 # --------------------------------------------------------------------------- completion
 
 
-def completion_steps() -> tuple[Any, Any, Any]:
-    """The scope's own retire, quarantine and host-step methods (``Completion``), to call
-    from the instrumented ones that ``patch_completion_steps`` installs."""
+#: the completion's steps that ``patch_completion_steps`` instruments
+_STEPS = ("retire", "quarantine_submission", "run_host_step")
+
+
+def completion_steps() -> tuple[Any, ...]:
+    """The scope's own retire, quarantine and host-step methods (``Completion``),
+    each called with the scope first, to call from the instrumented ones that
+    ``patch_completion_steps`` installs."""
     from trio_cuda._core._completion import Completion
 
-    return Completion._retire, Completion._quarantine_submission, Completion._run_host_step
+    def on_scope(real: Any) -> Any:  # the real one, captured before any patch
+        return lambda scope, *args, **kwargs: real(scope._completion, *args, **kwargs)
+
+    return tuple(on_scope(getattr(Completion, name)) for name in _STEPS)
 
 
 def patch_completion_steps(
     monkeypatch: pytest.MonkeyPatch, *, retire: Any, quarantine: Any, host_step: Any
 ) -> None:
-    """Replace how every scope retires a submission, quarantines one and runs a host step."""
+    """Replace how every scope retires a submission, quarantines one and runs
+    a host step; each replacement is called with the scope first."""
     from trio_cuda._core._completion import Completion
 
-    monkeypatch.setattr(Completion, "_retire", retire)
-    monkeypatch.setattr(Completion, "_quarantine_submission", quarantine)
-    monkeypatch.setattr(Completion, "_run_host_step", host_step)
+    def on_completion(fn: Any) -> Any:
+        return lambda completion, *args, **kwargs: fn(completion.scope, *args, **kwargs)
+
+    for name, fn in zip(_STEPS, (retire, quarantine, host_step), strict=True):
+        monkeypatch.setattr(Completion, name, on_completion(fn))

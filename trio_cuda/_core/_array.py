@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
     from ._extent import Extent
     from ._leases import RangeIndex
+    from ._memory import MemoryTable
     from ._scope import ResourceScope
     from ._submit import Submission
 
@@ -86,11 +87,14 @@ class Allocation:
         "readers",
         "scope",
         "state",
+        "table",
         "writers",
     )
 
-    def __init__(self, scope: ResourceScope, ptr: int, nbytes: int) -> None:
+    def __init__(self, scope: ResourceScope, table: MemoryTable, ptr: int, nbytes: int) -> None:
         self.scope = scope
+        #: the scope's memory table: handles are released through it
+        self.table = table
         self.ptr = ptr
         self.nbytes = nbytes
         self.handles = 0
@@ -129,14 +133,14 @@ class _GcInfo:
 
 
 def _release_handle_from_gc(alloc: Allocation, info: _GcInfo | None = None) -> None:
-    scope = alloc.scope
+    table = alloc.table
     try:
         if info is not None and info.export is not None:
             info.export.release()
-        scope._release_handle_later(alloc)
+        table.release_handle_later(alloc)
     finally:
         unclosed = info is not None and info.site is not None
-        if unclosed and not scope._closed and alloc.state is AllocState.LIVE:
+        if unclosed and not table.closed and alloc.state is AllocState.LIVE:
             assert info is not None
             log.warning(
                 "unclosed %s, created at %s, was garbage-collected while its scope was open",
@@ -399,7 +403,7 @@ class DeviceArray(metaclass=NoPublicConstructor):
     @property
     def closed(self) -> bool:
         """True once this handle was closed, or its scope exited."""
-        return self._closed or self._alloc.state is AllocState.FREED or self._alloc.scope._closed
+        return self._closed or self._alloc.state is AllocState.FREED or self._alloc.table.closed
 
     @property
     def quarantined(self) -> bool:
@@ -554,7 +558,7 @@ class DeviceArray(metaclass=NoPublicConstructor):
             info.site = None  # closed: no warning when it is collected later
             return  # the handle (and its export) is released when it is collected
         self._finalizer.detach()
-        self._alloc.scope._release_handle(self._alloc)
+        self._alloc.table.release_handle(self._alloc)
 
     async def __aenter__(self) -> DeviceArray:
         import trio
@@ -578,7 +582,7 @@ class DeviceArray(metaclass=NoPublicConstructor):
         if self._closed:
             raise ScopeClosedError(f"{label}: the array is closed")
         alloc = self._alloc
-        if alloc.scope._closed:
+        if alloc.table.closed:
             raise ScopeClosedError(f"{label}: the array's scope has exited")
         if alloc.state is AllocState.QUARANTINED:
             raise CompletionUnknownError(
@@ -776,3 +780,9 @@ def h2d_source(dst: DeviceArray, src: np.ndarray[Any, Any]) -> np.ndarray[Any, A
 
 
 __all__ = ["Access", "AllocState", "Allocation", "DeviceArray"]
+
+
+def check_usable(arr: DeviceArray, label: str) -> None:
+    """Raise unless ``arr`` may be used now: open, its memory live and its
+    scope open (``label`` names the caller in the message)."""
+    arr._check_usable(label)

@@ -257,7 +257,7 @@ def borrow(obj: object, access: str, scope: ResourceScope, stream: Stream | None
         if isinstance(owner, _dlpack.ImportedTensor):
             owner.close()
         raise
-    alloc = _array.Allocation(scope, ptr, nbytes)
+    alloc = scope._memory.new(ptr, nbytes)
     alloc.borrowed = access
     alloc.owner = owner
     # Publish the producer's fence: work on other streams orders after `s`.

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections import deque
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -39,18 +38,21 @@ from trio.lowlevel import (
     wait_task_rescheduled,
 )
 
-from ._array import Allocation, AllocState
+from ._array import AllocState
 from ._dlpack import UNCONSUMED, sweep_dropped
 from ._driver import PENDING as _PENDING
 from ._driver import MarkerState, Poll
 from ._errors import CompletionUnknownError
-from ._multi import release_foreign
+from ._final import final
 from ._submit import TERMINAL, HostStep, Submission, SubState
 from ._trio_internals import others_runnable
 
 if TYPE_CHECKING:
+    from ._array import Allocation
     from ._driver import DeviceContext
-    from ._extension import ScopeExtension
+    from ._extension import Extensions
+    from ._memory import MemoryTable
+    from ._scope import ResourceScope
     from ._stream import Stream
     from ._trace import Tracer
 
@@ -58,62 +60,140 @@ __all__ = ["Completion", "others_runnable"]
 
 log = logging.getLogger("trio_cuda")
 
+_IN_FLIGHT = SubState.IN_FLIGHT
 
+
+@final
 class Completion:
-    """Part of :class:`~trio_cuda.ResourceScope`: how its work completes."""
+    """How a scope's work completes (a component of
+    :class:`~trio_cuda.ResourceScope`): the one owner of every submission's
+    state once it was enqueued, of the scope's in-flight accounting, of the
+    errors nobody observed yet and of the quarantine."""
 
     __slots__ = (
-        "_by_waiters",
-        "_completed",
-        "_drain_event",
-        "_failed",
-        "_handoff_cs",
-        "_handoff_errors",
-        "_handoff_task",
-        "_host_steps",
-        "_idle",
-        "_in_flight",
-        "_timed_out",
-        "_unflushed",
+        "batch",
+        "by_waiters",
+        "closed",
+        "completed",
+        "drain_event",
+        "driver",
+        "exiting",
+        "extensions",
+        "failed",
+        "handoff_cs",
+        "handoff_ended",
+        "handoff_error",
+        "handoff_errors",
+        "handoff_task",
+        "host_steps",
+        "idle",
+        "in_flight",
+        "leak_driver",
+        "look_budget",
+        "memory",
+        "orphan_errors",
+        "quarantined",
+        "scope",
+        "spin",
+        "streams",
+        "timed_out",
+        "trace_id",
+        "tracer",
+        "unflushed",
+        "unobserved",
     )
 
-    _unflushed: list[Stream]
-    _idle: trio.Event | None
-    _drain_event: trio.Event | None
-    _handoff_cs: trio.CancelScope | None
-    _handoff_task: trio.lowlevel.Task | None
-    _handoff_errors: int
-    _in_flight: int
-    _completed: int
-    _by_waiters: int
-    _failed: int
-    _host_steps: int
-    _timed_out: int
+    def __init__(
+        self, scope: ResourceScope, driver: DeviceContext, memory: MemoryTable, extensions: Extensions
+    ) -> None:
+        self.scope = scope
+        self.driver = driver
+        self.memory = memory
+        self.extensions = extensions
+        caps = driver.capabilities
+        #: the driver batches markers (one per stream per burst)
+        self.batch = caps.batch_markers
+        #: how long a lone waiter busy-polls its marker, and how long a
+        #: waiter keeps looking while other tasks run (``observe``)
+        self.spin = caps.await_spin
+        self.look_budget = caps.await_budget
+        self.streams: tuple[Stream, ...] = ()
+        #: streams with submissions not yet behind a marker
+        self.unflushed: list[Stream] = []
+        #: set while the handoff sleeps with nothing to poll; ``wake`` sets it
+        self.idle: trio.Event | None = None
+        self.drain_event: trio.Event | None = None
+        self.handoff_cs: trio.CancelScope | None = None
+        self.handoff_task: trio.lowlevel.Task | None = None
+        self.handoff_errors = 0
+        #: set once the handoff task ended; what it raised (it never should)
+        self.handoff_ended = trio.Event()
+        self.handoff_error: BaseException | None = None
+        self.in_flight = 0
+        self.completed = 0
+        self.by_waiters = 0
+        self.failed = 0
+        self.host_steps = 0
+        #: submissions quarantined because the exit's drain gave up on them
+        self.timed_out = 0
+        #: something may still use the driver state after the exit (a graph
+        #: update in a worker thread): modules, streams and context leak
+        self.leak_driver = False
+        #: failed submissions whose error nobody observed yet
+        self.unobserved: dict[Submission, None] = {}
+        #: errors with no submission to carry them (raised at exit)
+        self.orphan_errors: list[BaseException] = []
+        #: submissions whose completion is unknown: their owners and leases leak
+        self.quarantined: list[Submission] = []
+        #: the exit began (retirements are the exit's), and it ended
+        self.exiting = False
+        self.closed = False
+        self.tracer: Tracer | None = None
+        self.trace_id = 0
 
-    if TYPE_CHECKING:
-        _driver: DeviceContext
-        _batch: bool
-        _spin: float
-        _look_budget: float
-        _streams: tuple[Stream, ...]
-        _closed: bool
-        _quarantine: list[Submission]
-        _quarantined_leases: int
-        _unobserved: dict[Submission, None]
-        _orphan_errors: list[BaseException]
-        _gc_releases: deque[Allocation]
-        _extensions: dict[object, ScopeExtension]
-        _tracer: Tracer | None
-        _trace_id: int
-        _closing: bool
+    # ------------------------------------------------------------------ errors
+    def observed(self, sub: Submission) -> None:
+        """``sub``'s error reached a caller: it is not raised again at exit."""
+        sub.observed = True
+        self.unobserved.pop(sub, None)
 
-        def _release_handle(self, alloc: Allocation) -> None: ...
-        def _maybe_free(self, alloc: Allocation) -> None: ...
-        def _free(self, alloc: Allocation) -> None: ...
+    def add_error(self, exc: BaseException) -> None:
+        """Keep an error that no submission carries, for the exit."""
+        self.orphan_errors.append(exc)
+
+    def take_errors(self) -> list[BaseException]:
+        """The errors nobody observed (for the exit), and forget them."""
+        errors: list[BaseException] = [s.error for s in self.unobserved if s.error is not None]
+        errors.extend(self.orphan_errors)
+        self.unobserved.clear()
+        self.orphan_errors.clear()
+        return errors
+
+    # ------------------------------------------------------------------ exports
+    def hold_exported(self, sub: Submission, placeholder: Stream) -> None:
+        """``sub`` holds an export's lease for a foreign consumer: it waits
+        on ``placeholder`` (no stream of the pool) until the consumer
+        releases it (``resume_exported``)."""
+        sub.state = SubState.EXPORTED
+        sub.stream = placeholder
+
+    def resume_exported(self, sub: Submission, stream: Stream) -> None:
+        """The consumer released the export: its submission is enqueued on
+        ``stream`` now, and put in flight with ``finish``."""
+        sub.stream = stream
+        sub.state = SubState.ENQUEUING
+
+    def quarantine_exported(self, sub: Submission | None, alloc: Allocation) -> None:
+        """An export abandoned at exit (``_export``): its lease on ``alloc``
+        and its submission, if any, are leaked for good."""
+        alloc.table.quarantine_lease(alloc)
+        if sub is not None:
+            sub.state = SubState.QUARANTINED
+            self.quarantined.append(sub)
 
     # ------------------------------------------------------------------ markers
     @enable_ki_protection
-    def _finish_submission(self, sub: Submission, out: object, *, wake: bool = True) -> None:
+    def finish(self, sub: Submission, out: object, *, wake: bool = True) -> None:
         """Put an enqueued submission in flight. Its completion marker is
         recorded now, or, when the driver batches markers, once for every
         submission of the stream since the last one (see :meth:`_flush`).
@@ -123,21 +203,37 @@ class Completion:
         sub.output = out
         sub.state = SubState.IN_FLIGHT
         s._in_flight += 1
-        self._in_flight += 1
+        self.in_flight += 1
         if not s._unmarked:
-            self._unflushed.append(s)
+            self.unflushed.append(s)
         s._unmarked.append(sub)
-        if not self._batch:
-            self._flush(s)
-        self._driver.notify_submitted()
+        if not self.batch:
+            self.flush(s)
+        self.driver.notify_submitted()
         if wake:
-            idle = self._idle
+            idle = self.idle
             if idle is not None:
-                self._idle = None
+                self.idle = None
                 idle.set()
 
     @enable_ki_protection
-    def _flush(self, s: Stream) -> None:
+    def launched(self, sub: Submission, out: object) -> None:
+        """``finish(sub, out, wake=False)`` for a lone kernel launch, the
+        hot path: the launch enqueued work. Unless markers are batched, the
+        caller flushes the stream next (after its trace records the launch)."""
+        sub.dirty = True
+        sub.output = out
+        sub.state = _IN_FLIGHT
+        s = sub.stream
+        s._in_flight += 1
+        self.in_flight += 1
+        unmarked = s._unmarked
+        if not unmarked:
+            self.unflushed.append(s)
+        unmarked.append(sub)
+
+    @enable_ki_protection
+    def flush(self, s: Stream) -> None:
         """Record one completion marker after the stream's unmarked
         submissions. If that fails, their completion cannot be established."""
         subs = s._unmarked
@@ -145,31 +241,31 @@ class Completion:
             return
         s._unmarked = []
         try:
-            marker = self._driver.record_marker(s.handle)
+            marker = self.driver.record_marker(s.handle)
         except Exception as exc:
             for sub in subs:
-                self._quarantine_submission(sub, exc)
+                self.quarantine_submission(sub, exc)
             return
         for sub in subs:
             sub.marker = marker
         s._pending.extend(subs)
 
-    def _flush_all(self) -> None:
-        streams = self._unflushed
+    def flush_all(self) -> None:
+        streams = self.unflushed
         if streams:
-            self._unflushed = []
+            self.unflushed = []
             for s in streams:
-                self._flush(s)
+                self.flush(s)
 
-    def _wake(self) -> None:
-        idle = self._idle
+    def wake(self) -> None:
+        idle = self.idle
         if idle is not None:
-            self._idle = None
+            self.idle = None
             idle.set()
 
     # ------------------------------------------------------------------ waiters
     @enable_ki_protection
-    async def _observe(self, sub: Submission) -> None:
+    async def observe(self, sub: Submission) -> None:
         """Wait until ``sub`` settled: the waiter's side of rule 10.
 
         The waiter checkpoints while the GPU runs (a lone waiter records its
@@ -183,111 +279,116 @@ class Completion:
         busy-polls it (nobody else runnable: up to ``_spin``). It parks, and
         the handoff takes over, when its marker is still pending after that,
         when a host closure is due, or when it is cancelled (the submission
-        stays retained; the handoff retires it)."""
+        stays retained; the handoff retires it). A traced scope records the
+        wait (``trace_await``)."""
+        t0 = perf_counter() if self.tracer is not None else 0.0
         try:
-            if sub.marker is None and not self._host_steps and not others_runnable():
-                self._flush(sub.stream)
+            if sub.marker is None and not self.host_steps and not others_runnable():
+                self.flush(sub.stream)
             await checkpoint()
             deadline = 0.0
             spun = False
-            poll = self._driver.poll_marker
+            poll = self.driver.poll_marker
             pending = MarkerState.PENDING
             while sub.state is SubState.IN_FLIGHT:
-                if self._host_steps:
+                if self.host_steps:
                     break  # a host closure is due: only the handoff runs them
                 marker = sub.marker
                 if marker is None:
-                    self._flush_all()  # one marker per stream for this pass
+                    self.flush_all()  # one marker per stream for this pass
                     continue  # (recording it may have quarantined the submission)
                 try:
                     state = poll(marker).state
                 except Exception:  # the driver cannot tell: let the scan settle it
                     state = MarkerState.UNKNOWN
                 if state is not pending:
-                    done = self._completed
-                    while self._scan():
+                    done = self.completed
+                    while self.scan():
                         pass
-                    self._by_waiters += self._completed - done
+                    self.by_waiters += self.completed - done
                     continue
                 if others_runnable():
                     now = perf_counter()
                     if not deadline:
-                        deadline = now + self._look_budget
+                        deadline = now + self.look_budget
                     elif now >= deadline:
                         break
                     await checkpoint()
-                elif spun or self._spin <= 0:
+                elif spun or self.spin <= 0:
                     break
                 else:  # nobody else wants the loop: busy-poll a little
                     spun = True
-                    end = perf_counter() + self._spin
+                    end = perf_counter() + self.spin
                     while poll(marker).state is pending and perf_counter() < end:
                         pass
             else:
                 return
-            await self._park(sub)
+            await self.park(sub)
         except BaseException as exc:
             if sub.state is SubState.IN_FLIGHT:
-                self._wake()  # cancelled or failed: the handoff is the backstop
+                self.wake()  # cancelled or failed: the handoff is the backstop
                 if isinstance(exc, trio.Cancelled):
-                    self._cancelled_waiter(sub)
+                    self.cancelled_waiter(sub)
             raise
+        finally:
+            if t0:
+                self.trace_await(sub, t0)
 
-    def _retirer(self) -> str:
+    def retirer(self) -> str:
         """Who is retiring work now (traces): the handoff task, the exit, or
         an awaiting task that observed the completion itself."""
         task = current_task()
-        if task is self._handoff_task:
+        if task is self.handoff_task:
             return "handoff"
-        return "exit" if self._closing else "waiter"
+        return "exit" if self.exiting else "waiter"
 
-    def _trace_await(self, sub: Submission, t0: float) -> None:
+    def trace_await(self, sub: Submission, t0: float) -> None:
         """Record an awaiting task's wait for ``sub`` (traced scopes): its
         outcome is "ok", "error", or "left" (cancelled or failed while the
         work was still in flight)."""
-        tr = self._tracer
+        tr = self.tracer
         if tr is not None:
             state = sub.state
             outcome = "left" if state is SubState.IN_FLIGHT else "ok" if sub.error is None else "error"
             tr.emit(
                 "await",
                 "await",
-                self._trace_id,
+                self.trace_id,
                 sub.stream.index,
                 sub.id,
                 args={"task": current_task().name, "t0": t0, "outcome": outcome},
             )
 
-    def _cancelled_waiter(self, sub: Submission) -> None:
+    def cancelled_waiter(self, sub: Submission) -> None:
         """A waiter was cancelled while its work is in flight (rule 3)."""
         log.info(
             "a task awaiting %s was cancelled with the work in flight; the scope keeps it until "
             "the device finished it",
             sub.label,
         )
-        tr = self._tracer
+        tr = self.tracer
         if tr is not None:
             task = current_task()
-            tr.emit("cancel", "cancelled", self._trace_id, sub.stream.index, sub.id, args={"task": task.name})
+            tr.emit("cancel", "cancelled", self.trace_id, sub.stream.index, sub.id, args={"task": task.name})
 
     @enable_ki_protection
-    def _observe_nowait(self, sub: Submission) -> bool:
+    def observe_nowait(self, sub: Submission) -> bool:
         """``_observe`` without waiting: look once; True if ``sub`` settled."""
-        if sub.state is SubState.IN_FLIGHT and not self._host_steps:
+        if sub.state is SubState.IN_FLIGHT and not self.host_steps:
             if sub.marker is None:
-                self._flush_all()
+                self.flush_all()
             marker = sub.marker
             if marker is not None:
                 try:
-                    state = self._driver.poll_marker(marker).state
+                    state = self.driver.poll_marker(marker).state
                 except Exception:
                     state = MarkerState.UNKNOWN
                 if state is not MarkerState.PENDING:
-                    while self._scan():
+                    while self.scan():
                         pass
         return sub.state in TERMINAL
 
-    async def _park(self, sub: Submission) -> None:
+    async def park(self, sub: Submission) -> None:
         """Sleep until ``sub`` settles; whoever retires it reschedules us.
         Cancellation takes the task off the submission first, so no later
         retirement reschedules a task that no longer waits."""
@@ -299,7 +400,7 @@ class Completion:
             waiter.append(task)
         else:  # a second task awaits the same future
             sub.waiter = [waiter, task]
-        self._wake()
+        self.wake()
 
         def abort(_: object) -> Abort:
             w = sub.waiter
@@ -312,74 +413,86 @@ class Completion:
         await wait_task_rescheduled(abort)
 
     @trio.lowlevel.enable_ki_protection  # Ctrl-C goes to the program's tasks, never here
-    async def _handoff(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def handoff(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The backstop that retires what nobody awaits. It must never die:
         anything raised while it retires work (a host closure or a simulated
         reference raising ``KeyboardInterrupt``, a driver failure) is kept for
         the waiter or the scope's exit, and it goes on. Should it end anyway,
         the drain polls by itself (``_drain``)."""
         with trio.CancelScope(shield=True) as cs:
-            self._handoff_cs = cs
-            self._handoff_task = trio.lowlevel.current_task()
+            self.handoff_cs = cs
+            self.handoff_task = trio.lowlevel.current_task()
             task_status.started()
             try:
-                while not self._closed:
+                while not self.closed:
                     try:
-                        await self._handoff_loop()
+                        await self.handoff_loop()
                     except trio.Cancelled:
                         raise
                     except BaseException as exc:
-                        self._handoff_failed(exc)
+                        self.handoff_failed(exc)
                         # back off a failing driver instead of spinning on it
-                        await trio.sleep(min(0.1, 0.0005 * 2 ** min(self._handoff_errors, 8)))
+                        await trio.sleep(min(0.1, 0.0005 * 2 ** min(self.handoff_errors, 8)))
             finally:
-                self._handoff_task = None
-                drain = self._drain_event
+                self.handoff_task = None
+                drain = self.drain_event
                 if drain is not None:
                     drain.set()
 
-    async def _handoff_loop(self) -> None:
+    async def run_handoff(self) -> None:
+        """The handoff task's body, in the scope host's nursery. What it
+        raises (it never should) is kept for the exit, not raised into the
+        host, whose nursery serves every scope of the run."""
+        try:
+            await self.handoff()
+        except trio.Cancelled:  # pragma: no cover - it is shielded; never swallowed anyway
+            raise
+        except BaseException as exc:  # pragma: no cover - the handoff never dies
+            self.handoff_error = exc
+        finally:
+            self.handoff_ended.set()
+
+    async def handoff_loop(self) -> None:
         """The handoff's work, until it is cancelled at exit or something
         raises (then ``_handoff`` keeps the error and comes back here)."""
-        streams = self._streams
+        streams = self.streams
         while True:
             # Retiring or running a host closure can complete work on a stream
             # scanned earlier (a gate opens, the device moves on): rescan until
             # a pass finds nothing, or that wakeup is lost.
-            while self._scan():
+            while self.scan():
                 pass
-            if self._handoff_errors:
-                self._handoff_errors = 0  # a pass went through: the driver recovered
+            if self.handoff_errors:
+                self.handoff_errors = 0  # a pass went through: the driver recovered
             heads = [s._pending[0].marker for s in streams if s._pending]
             if not heads:
-                drain = self._drain_event
+                drain = self.drain_event
                 if drain is not None:
                     drain.set()
-                idle = self._idle = trio.Event()
+                idle = self.idle = trio.Event()
                 await idle.wait()
             else:
-                await self._driver.wait_for_progress(heads)  # type: ignore[arg-type]
+                await self.driver.wait_for_progress(heads)  # type: ignore[arg-type]
 
-    def _handoff_failed(self, exc: BaseException) -> None:
+    def handoff_failed(self, exc: BaseException) -> None:
         """Keep an error raised inside the handoff for the scope's exit."""
-        self._handoff_errors += 1
-        if self._handoff_errors <= 3:  # a driver failing on every pass: keep the first few
-            self._orphan_errors.append(exc)
+        self.handoff_errors += 1
+        if self.handoff_errors <= 3:  # a driver failing on every pass: keep the first few
+            self.orphan_errors.append(exc)
 
     @enable_ki_protection
-    def _scan(self) -> bool:
+    def scan(self) -> bool:
         """Retire what completed, per stream in order. True when a host
         closure ran: opening its gate can complete work on a stream scanned
         before, so the caller scans again; retiring alone never does."""
-        self._flush_all()
+        self.flush_all()
         progressed = False
         if UNCONSUMED:  # DLPack capsules dropped unconsumed release their exports
             sweep_dropped()
-        gc = self._gc_releases
-        while gc:
-            self._release_handle(gc.popleft())
-        poll = self._driver.poll_marker
-        for stream in self._streams:
+        if self.memory.gc_releases:
+            self.memory.release_pending()
+        poll = self.driver.poll_marker
+        for stream in self.streams:
             pending = stream._pending
             last: object = None  # a burst shares one marker: poll it once
             p = _PENDING
@@ -397,14 +510,14 @@ class Completion:
                 pending.popleft()
                 if type(head) is HostStep:
                     progressed = True
-                    self._run_host_step(head, p)
+                    self.run_host_step(head, p)
                 else:
-                    self._retire(head, p)
+                    self.retire(head, p)
         return progressed
 
-    def _run_host_step(self, step: HostStep, p: Poll) -> None:
+    def run_host_step(self, step: HostStep, p: Poll) -> None:
         sub = step.submission
-        self._host_steps -= 1
+        self.host_steps -= 1
         if p.state is MarkerState.DONE:
             try:
                 step.result._resolve(step.fn(*step.args))
@@ -412,28 +525,28 @@ class Completion:
                 if sub.error is None:
                     sub.error = exc
                 else:
-                    self._orphan_errors.append(exc)
+                    self.orphan_errors.append(exc)
         elif p.state is MarkerState.FAILED:
             if sub.error is None:
                 sub.error = p.error
         else:
             sub.unknown = p.error or CompletionUnknownError("unknown completion")
         try:
-            self._driver.open_gate(step.gate)
+            self.driver.open_gate(step.gate)
         except Exception as exc:
             sub.unknown = exc
 
     @enable_ki_protection
-    def _retire(self, sub: Submission, p: Poll) -> None:
+    def retire(self, sub: Submission, p: Poll) -> None:
         if p.state is MarkerState.UNKNOWN or sub.unknown is not None:
-            self._quarantine_submission(sub, p.error or sub.unknown)
+            self.quarantine_submission(sub, p.error or sub.unknown)
             return
         if p.state is MarkerState.FAILED:
             err = p.error or RuntimeError("work failed")
             if sub.error is None:
                 sub.error = err
             elif sub.error is not err:
-                self._orphan_errors.append(err)
+                self.orphan_errors.append(err)
         elif sub.error is None and sub.finishers is not None:
             for fin in sub.finishers:
                 try:
@@ -441,44 +554,45 @@ class Completion:
                 except BaseException as exc:
                     sub.error = exc
                     break
-        tr = self._tracer
+        tr = self.tracer
         if tr is not None:  # named by who observed the completion; before the frees it causes
             error = sub.error
             args = None if error is None else {"error": f"{type(error).__name__}: {error}"[:300]}
-            tr.emit("retire", self._retirer(), self._trace_id, sub.stream.index, sub.id, args=args)
+            tr.emit("retire", self.retirer(), self.trace_id, sub.stream.index, sub.id, args=args)
         live = AllocState.LIVE
+        memory = self.memory
         for alloc in sub.leases:
             alloc.active -= 1
             if alloc.writers:
                 alloc.writers.pop(sub, None)
             if alloc.readers:
                 alloc.readers.pop(sub, None)  # (an index, if any, drops it lazily)
-            if alloc.scope is self:
-                # MemoryTable._maybe_free, inline
+            if alloc.table is memory:
+                # MemoryTable.maybe_free, inline
                 if not alloc.active and alloc.handles <= 0 and alloc.state is live:
                     try:
-                        self._free(alloc)
+                        memory.free(alloc)
                     except BaseException as exc:  # a warning raised as an error: never half-retire
-                        self._orphan_errors.append(exc)
+                        self.orphan_errors.append(exc)
             else:  # a cross-scope copy's lease on another scope's memory
-                release_foreign(alloc)
+                alloc.table.release_foreign(alloc)
         sub.owners = sub.finishers = None
         sub.leases = ()
         sub.op = None  # a kept future must not pin the op's arrays
-        self._settle(sub, SubState.FAILED if sub.error is not None else SubState.DONE)
+        self.settle(sub, SubState.FAILED if sub.error is not None else SubState.DONE)
 
     @enable_ki_protection
-    def _settle(self, sub: Submission, state: SubState) -> None:
+    def settle(self, sub: Submission, state: SubState) -> None:
         sub.state = state
-        self._in_flight -= 1
-        self._completed += 1
+        self.in_flight -= 1
+        self.completed += 1
         s = sub.stream
         s._in_flight -= 1
         s._completed += 1
         if sub.error is not None:
-            self._failed += 1
+            self.failed += 1
             if not sub.observed:
-                self._unobserved[sub] = None
+                self.unobserved[sub] = None
         waiter = sub.waiter
         if waiter is not None:
             sub.waiter = None
@@ -488,7 +602,7 @@ class Completion:
             else:
                 reschedule(waiter)
 
-    def _quarantine_submission(
+    def quarantine_submission(
         self, sub: Submission, cause: BaseException | None, *, report: bool = True
     ) -> None:
         """Leak ``sub``'s owners and leases on purpose. ``report=False`` (drain
@@ -502,38 +616,36 @@ class Completion:
         err.__cause__ = cause
         if sub.error is not None and sub.observed:
             if report:
-                self._orphan_errors.append(err)
+                self.orphan_errors.append(err)
         else:
             sub.error = err
             if not report:
                 sub.observed = True
         for alloc in sub.leases:
-            if alloc.state is AllocState.LIVE:
-                alloc.state = AllocState.QUARANTINED
-            owner = alloc.scope  # counted where the memory lives
-            owner._quarantined_leases += 1
-            if owner is not self:
-                release_foreign(alloc)  # leaked with it: its owner stops waiting for it
-        self._quarantine.append(sub)
+            table = alloc.table  # counted where the memory lives
+            table.quarantine_lease(alloc)
+            if table is not self.memory:
+                table.release_foreign(alloc)  # leaked with it: its owner stops waiting for it
+        self.quarantined.append(sub)
         log.warning("%s", err)
-        tr = self._tracer
+        tr = self.tracer
         if tr is not None:
             tr.emit(
                 "quarantine",
                 "quarantine",
-                self._trace_id,
+                self.trace_id,
                 sub.stream.index,
                 sub.id,
                 args={"error": str(err)[:300], "allocations": [a.ptr for a in sub.leases]},
             )
-        self._settle(sub, SubState.QUARANTINED)
+        self.settle(sub, SubState.QUARANTINED)
 
     # ------------------------------------------------------------------ exit
-    def _work_remains(self) -> bool:
-        return bool(self._in_flight) or any(s._pending or s._unmarked for s in self._streams)
+    def work_remains(self) -> bool:
+        return bool(self.in_flight) or any(s._pending or s._unmarked for s in self.streams)
 
     @enable_ki_protection
-    async def _drain(self, deadline: float) -> None:
+    async def drain(self, deadline: float) -> None:
         """Wait until nothing of the scope is in flight, or ``deadline`` (on
         Trio's clock) passes. A ``KeyboardInterrupt`` delivered at one of its
         waits propagates with everything still accounted for, so the drain can
@@ -543,36 +655,37 @@ class Completion:
                 # extensions first (exports end at exit: their leases retire
                 # below; other scopes' copies of our memory finish), then the
                 # work in flight, until both are quiet
-                for ext in list(self._extensions.values()):
+                await self.memory.drain_foreign()
+                for ext in self.extensions.all():
                     await ext.drain()
-                if not self._work_remains():
+                if not self.work_remains():
                     break
-                while self._work_remains():
-                    if self._handoff_task is not None:
-                        self._drain_event = trio.Event()
-                        self._wake()
-                        await self._drain_event.wait()
+                while self.work_remains():
+                    if self.handoff_task is not None:
+                        self.drain_event = trio.Event()
+                        self.wake()
+                        await self.drain_event.wait()
                     else:  # the handoff task is gone: never wait for it, poll here
-                        await self._drain_step()
-        self._drain_event = None
+                        await self.drain_step()
+        self.drain_event = None
 
-    async def _drain_step(self) -> None:
+    async def drain_step(self) -> None:
         try:
-            while self._scan():
+            while self.scan():
                 pass
-            heads = [s._pending[0].marker for s in self._streams if s._pending]
+            heads = [s._pending[0].marker for s in self.streams if s._pending]
             if heads:
-                await self._driver.wait_for_progress(heads)  # type: ignore[arg-type]
+                await self.driver.wait_for_progress(heads)  # type: ignore[arg-type]
             else:  # in flight, but nothing to poll (an export not yet released)
                 await trio.sleep(0.001)
         except (trio.Cancelled, KeyboardInterrupt):
             raise  # a Ctrl-C delivered here is the exit's to handle (see ScopeManager._drain)
         except BaseException as exc:
-            self._handoff_failed(exc)
+            self.handoff_failed(exc)
             await trio.sleep(0.001)
 
     @enable_ki_protection
-    def _abandon_in_flight(self, after: str, *, interrupted: bool = False) -> None:
+    def abandon_in_flight(self, after: str, *, interrupted: bool = False) -> None:
         """Quarantine what is still in flight ``after`` the drain gave up (its
         timeout passed, or a second Ctrl-C stopped it: ``interrupted``), after
         one last look: work the device finished meanwhile is retired, not
@@ -580,27 +693,27 @@ class Completion:
         error: type[Exception] = CompletionUnknownError if interrupted else TimeoutError
         abandoned = 0
         try:
-            while self._scan():
+            while self.scan():
                 pass
         except BaseException as exc:  # pragma: no cover - _scan keeps its own errors
-            self._handoff_failed(exc)
-        self._flush_all()
-        for stream in self._streams:
+            self.handoff_failed(exc)
+        self.flush_all()
+        for stream in self.streams:
             pending = stream._pending
             while pending:
                 head = pending.popleft()
                 if type(head) is HostStep:
-                    self._host_steps -= 1
+                    self.host_steps -= 1
                     head.submission.unknown = CompletionUnknownError("host closure never ran")
                     try:
-                        self._driver.open_gate(head.gate)
+                        self.driver.open_gate(head.gate)
                     except Exception:  # pragma: no cover - best effort
                         pass
                 else:
                     assert isinstance(head, Submission)
                     abandoned += 1
-                    self._quarantine_submission(head, error(f"still in flight {after}"), report=False)
-        self._timed_out += abandoned
+                    self.quarantine_submission(head, error(f"still in flight {after}"), report=False)
+        self.timed_out += abandoned
         if abandoned:
             log.warning(
                 "%s with %d submission(s) in flight; they are quarantined (their memory is leaked, "

@@ -75,7 +75,6 @@ from typing import TYPE_CHECKING, Any, final
 
 import trio
 
-from ._array import AllocState
 from ._dlpack import UNCONSUMED, expire_unconsumed, sweep_dropped
 from ._errors import AccessConflictError, CompletionUnknownError
 from ._extent import EMPTY, Extent, array_extent, covers, describe, union
@@ -127,6 +126,7 @@ class ExportRegistry:
 
         self.scope = scope
         self.exports: dict[Export, None] = {}
+        scope._extensions.exports = self  # the runtime's hooks (``ExportHooks``)
         # Never a stream of the pool: every access conflicts-checks against it.
         self.foreign = Stream._create(scope, -1, None)  # type: ignore[arg-type]
 
@@ -155,14 +155,21 @@ class ExportRegistry:
     def close(self) -> None:
         pass
 
+    # the runtime's hooks (``_extension.ExportHooks``)
+    def conflict(self, other: Submission, arr: DeviceArray, access: Access, what: str) -> Submission:
+        return conflict(self.scope, other, arr, access, what)
+
+    async def finish_releases(self) -> None:
+        await finish_releases(self.scope)
+
 
 def _registry(scope: ResourceScope) -> ExportRegistry:
-    return scope._extension(ExportRegistry)
+    return scope._extensions.get(ExportRegistry)
 
 
 def live_exports(scope: ResourceScope) -> int:
     """How many exports of ``scope`` a consumer still holds."""
-    reg = scope._find_extension(ExportRegistry)
+    reg = scope._extensions.find(ExportRegistry)
     return 0 if reg is None else sum(1 for e in reg.exports if e.state is ExportState.LIVE)
 
 
@@ -246,7 +253,7 @@ class Export:
             self.consumer = consumer
             self._fence = fence
             self.state = ExportState.RELEASING
-        scope._exports_releasing = True
+        scope._extensions.exports_releasing = True
         try:
             scope._token.run_sync_soon(self._start_finish)
         except trio.RunFinishedError:  # pragma: no cover - the run is over; nothing to order
@@ -276,7 +283,7 @@ class Export:
         if sub is not None and sub.state is SubState.IN_FLIGHT and sub.marker is None:
             # A retirement pass may be sweeping after its flush: record the
             # marker now, or that pass would not see the release's work.
-            scope._flush(sub.stream)
+            scope._completion.flush(sub.stream)
 
     def _blocking_fence(self) -> bool:
         """True if finishing needs a device-wide fence that blocks the caller."""
@@ -320,7 +327,7 @@ class Export:
             self.state = ExportState.RELEASED
         self._done.set()
         scope = self.scope
-        reg = scope._find_extension(ExportRegistry)
+        reg = scope._extensions.find(ExportRegistry)
         if reg is not None:
             reg.exports.pop(self, None)
         self.alloc.exports -= 1
@@ -328,8 +335,7 @@ class Export:
         if sub is None or scope._closed:
             return
         s = self.stream
-        sub.stream = s
-        sub.state = SubState.ENQUEUING
+        scope._completion.resume_exported(sub, s)
         driver: Any = scope._driver
         taken, self._fence = self._fence, None
         if error is not None:
@@ -357,7 +363,7 @@ class Export:
             if own_fence and fence is not None:
                 driver.drop_fence(fence)
         sub.dirty = True
-        scope._finish_submission(sub, None)
+        scope._completion.finish(sub, None)
 
 
 # --------------------------------------------------------------------------- inside ops.external
@@ -518,8 +524,7 @@ def open_export(
     sub = Submission(scope, stream, scope._next_id, _ExportOp(export))
     take_leases(scope, stream, sub, ((arr, access),), what)  # may raise: nothing taken
     export.sub = sub
-    sub.state = SubState.EXPORTED
-    sub.stream = reg.foreign
+    scope._completion.hold_exported(sub, reg.foreign)
     alloc.exports += 1
     reg.exports[export] = None
     if sub.dirty:
@@ -583,7 +588,7 @@ async def finish_releases(scope: ResourceScope) -> None:
     """Wait until every export of ``scope`` that its consumer released is
     finished (its fence taken, in a worker thread where that blocks), so that
     an access conflicting with one is ordered instead of refused."""
-    reg = scope._find_extension(ExportRegistry)
+    reg = scope._extensions.find(ExportRegistry)
     while reg is not None:
         pending = [e for e in reg.exports if e.state in (ExportState.RELEASING, ExportState.FENCING)]
         if not pending:
@@ -593,7 +598,7 @@ async def finish_releases(scope: ResourceScope) -> None:
                 await trio.sleep(0.001)  # the consumer's thread is taking the fence
             else:
                 await e._done.wait()
-    scope._exports_releasing = False
+    scope._extensions.exports_releasing = False
 
 
 def abandon_exports(scope: ResourceScope, *, why: str, live_only: bool = False) -> int:
@@ -601,7 +606,7 @@ def abandon_exports(scope: ResourceScope, *, why: str, live_only: bool = False) 
     ``live_only``, those their consumer still holds) are abandoned. Their
     memory is quarantined (leaked, never freed: a consumer may still use it)
     with one ResourceWarning. Returns how many."""
-    reg = scope._find_extension(ExportRegistry)
+    reg = scope._extensions.find(ExportRegistry)
     if reg is None:
         return 0
     abandoned = []
@@ -615,13 +620,7 @@ def abandon_exports(scope: ResourceScope, *, why: str, live_only: bool = False) 
         e._done.set()
         reg.exports.pop(e, None)
         e.alloc.exports -= 1
-        if e.alloc.state is AllocState.LIVE:
-            e.alloc.state = AllocState.QUARANTINED
-        scope._quarantined_leases += 1
-        sub = e.sub
-        if sub is not None:
-            sub.state = SubState.QUARANTINED
-            scope._quarantine.append(sub)
+        scope._completion.quarantine_exported(e.sub, e.alloc)
         abandoned.append(e.label)
     if abandoned:
         warnings.warn(

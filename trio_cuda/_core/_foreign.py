@@ -37,8 +37,8 @@ from ._export import enter_external, exit_external
 from ._ops import OPAQUE, Access, DeviceOp
 
 if TYPE_CHECKING:
+    from ._enqueue import EnqueueTarget
     from ._stream import Stream
-    from ._submit import EnqueueContext
 
 T = TypeVar("T")
 
@@ -68,21 +68,19 @@ class _External(DeviceOp[Any]):
         self._fn = fn
         self._accesses = accesses
 
-    def _enqueue(self, ctx: EnqueueContext) -> Any:
-        from ._submit import EnqueueContext
-
+    def _enqueue(self, ctx: EnqueueTarget) -> Any:
         ctx.use(self._accesses, what="ops.external")
         if ctx.preflight:  # fn runs once, at the real enqueue: its output is not known yet
             return OPAQUE
         ctx.retain(self._fn)  # its closure may hold what the foreign work uses
-        mark = ctx.mark() if type(ctx) is EnqueueContext else None
-        ctx._enqueued()  # from here on, fn may have enqueued work: retain behind a marker
+        mark = ctx.mark()
+        ctx.enqueued()  # from here on, fn may have enqueued work: retain behind a marker
         frame = enter_external(ctx.scope, ctx.stream, self._accesses, self)
         try:
             out = self._fn(ctx.stream)
         finally:
             exit_external(frame)
-        if type(ctx) is EnqueueContext and ctx.scope._tracer is not None:
+        if not ctx.capturing:
             ctx.traced(f"external {getattr(self._fn, '__name__', 'fn')}", mark)
         return out
 
@@ -173,18 +171,18 @@ def _foreign(obj: object) -> tuple[str, int]:
 class _After(DeviceOp[None]):
     __slots__ = ("_kind", "_label", "_obj", "_value")
 
+    _capture_refusal = "ops.after() (a replay would wait for the foreign stream's point at capture time)"
+
     def __init__(self, obj: object, kind: str, value: int) -> None:
         self._obj = obj
         self._kind = kind
         self._value = value
         self._label = type(obj).__name__
 
-    def _enqueue(self, ctx: EnqueueContext) -> None:
-        from ._submit import EnqueueContext
-
+    def _enqueue(self, ctx: EnqueueTarget) -> None:
         if ctx.preflight:  # it takes no lease; its output is None
             return
-        if type(ctx) is not EnqueueContext:
+        if ctx.capturing:  # the backstop of the declaration above
             raise GraphCaptureError(
                 "ops.after() cannot be captured into a graph: a replay would wait for the foreign "
                 "stream's point at capture time"
@@ -199,7 +197,7 @@ class _After(DeviceOp[None]):
         else:
             d.wait_foreign_event(ctx.stream.handle, self._value)
         ctx.retain(self._obj)  # the foreign stream or event outlives the wait
-        ctx._enqueued()
+        ctx.enqueued()
         if ctx.scope._tracer is not None:
             ctx.traced(f"after {self._label}")
 

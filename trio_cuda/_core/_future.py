@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 import weakref
 from _thread import get_ident
-from time import perf_counter
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import attrs
@@ -148,15 +147,9 @@ class DeviceFuture(Generic[T_co], metaclass=NoPublicConstructor):
             raise wrong_caller("wait", scope, how="trio.from_thread.run(fut.wait)")
         if sub.state in TERMINAL:
             await trio.lowlevel.checkpoint()
-        elif scope._tracer is None:
-            await scope._observe(sub)
         else:
-            t0 = perf_counter()
-            try:
-                await scope._observe(sub)
-            finally:
-                scope._trace_await(sub, t0)
-        return self._outcome()
+            await scope._completion.observe(sub)
+        return outcome(sub)
 
     @overload
     def wait_nowait(self: DeviceFuture[HostResult[U]]) -> U: ...
@@ -171,17 +164,9 @@ class DeviceFuture(Generic[T_co], metaclass=NoPublicConstructor):
         # the loop changes: from another thread only once the scope has closed
         if get_ident() != scope._thread and (sub.state not in TERMINAL or not scope._closed):
             raise wrong_caller("wait_nowait", scope, how="trio.from_thread.run_sync(fut.wait_nowait)")
-        if sub.state not in TERMINAL and not scope._observe_nowait(sub):
+        if sub.state not in TERMINAL and not scope._completion.observe_nowait(sub):
             raise trio.WouldBlock
-        return self._outcome()
-
-    def _outcome(self) -> T_co:
-        sub = self._sub
-        if sub.error is not None:
-            sub.observed = True
-            sub.scope._unobserved.pop(sub, None)
-            raise sub.error
-        return resolve_output(sub.output)  # type: ignore[return-value]
+        return outcome(sub)
 
     def statistics(self) -> FutureStatistics:
         """A snapshot of this submission's state and retention.
@@ -197,6 +182,15 @@ class DeviceFuture(Generic[T_co], metaclass=NoPublicConstructor):
 
     def __repr__(self) -> str:
         return f"<DeviceFuture of {self._sub!r}>"
+
+
+def outcome(sub: Submission) -> Any:
+    """What awaiting settled work gives: its output, or its error raised
+    (which then counts as observed: the exit does not raise it again)."""
+    if sub.error is not None:
+        sub.scope._completion.observed(sub)
+        raise sub.error
+    return resolve_output(sub.output)
 
 
 def _dropped(sub: Submission) -> None:

@@ -65,7 +65,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar
 
 import attrs
 import numpy as np
@@ -75,13 +75,14 @@ from trio.lowlevel import enable_ki_protection
 from ._array import Allocation, DeviceArray, h2d_source
 from ._errors import CudaError, GraphCaptureError, ScopeClosedError
 from ._final import NoPublicConstructor, final
-from ._ops import RUN, Access, DeviceOp
-from ._submit import EnqueueContext, take_leases
+from ._ops import RUN, Access, DeviceOp, capture_refusal
+from ._submit import take_leases
 
 if TYPE_CHECKING:
     from types import TracebackType
 
     from ._driver import DeviceContext
+    from ._enqueue import EnqueueTarget
     from ._launch import PreparedLaunch
     from ._scope import ResourceScope
     from ._stream import Stream
@@ -120,7 +121,7 @@ class OpenGraphs:
         # and the driver context: leak them with the scope's driver state.
         if not self.updating:
             return
-        self.scope._timed_out += 1  # leak modules, streams and the context (see _release_everything)
+        self.scope._completion.leak_driver = True  # leak modules, streams and the context too
         warnings.warn(
             ResourceWarning(
                 f"trio_cuda scope {self.scope!r} exited while {len(self.updating)} graph update(s) still "
@@ -137,7 +138,7 @@ class OpenGraphs:
             try:
                 graph.close()
             except Exception as exc:
-                self.scope._orphan_errors.append(exc)
+                self.scope._completion.add_error(exc)
 
 
 @final
@@ -248,19 +249,24 @@ class _Generation:
 
 
 @final
-class _Recorder:
-    """The context an op's ``_enqueue`` sees while it is captured. It mirrors
-    :class:`EnqueueContext` but takes no lease and records no marker: it
-    checks the arrays, records the accesses and the owners into the
-    generation, and sends the work to the driver's capture."""
+class GraphRecorder:
+    """The enqueue target of a graph capture (``EnqueueTarget``). It takes no
+    lease and records no marker: it checks the arrays, records the accesses
+    and the owners into the generation, and sends the work to the driver's
+    capture. What a replay could not repeat is refused, explicitly, method
+    by method."""
 
     __slots__ = ("driver", "gen", "label", "scope", "stream")
 
     unsafe = False
     preflight = False
+    capturing = True
 
     def recall(self) -> object:
         return RUN  # closures run as the capture reaches them
+
+    def keep(self, value: object) -> object:
+        return value
 
     def __init__(self, scope: ResourceScope, stream: Stream, gen: _Generation, label: str) -> None:
         self.scope = scope
@@ -280,9 +286,6 @@ class _Recorder:
             "run it once before capturing, or capture the op without .shared())"
         )
 
-    def __getattr__(self, name: str) -> NoReturn:
-        self._refuse(f"work that needs the enqueue context's {name!r}")
-
     # ------------------------------------------------------------------ retention
     def retain(self, obj: object) -> None:
         self.gen.owners.append(obj)
@@ -290,8 +293,14 @@ class _Recorder:
     def on_retire(self, fn: object) -> None:
         self._refuse("work that runs a host step at retirement")
 
-    def _enqueued(self) -> None:
+    def enqueued(self) -> None:
         pass
+
+    def mark(self) -> None:
+        return None  # a replay's device times are not the capture's
+
+    def traced(self, name: str, mark: int | None = None) -> None:
+        pass  # each replay is traced as one enqueue
 
     def use(self, accesses: Sequence[tuple[DeviceArray, Access]], *, what: str = "argument") -> None:
         take_leases(self.scope, self.stream, None, accesses, what)  # checks only
@@ -366,21 +375,24 @@ def _record(scope: ResourceScope, op: object, stream: Stream | None, what: str) 
         raise TypeError(f"{what}: op: expected a DeviceOp, got {type(op).__name__}")
     scope._check_open(what)
     label = _label(op)
+    refusal = capture_refusal(op)
+    if refusal is not None:  # declared by the op: refused before anything is recorded
+        raise GraphCaptureError(f"{what}: op {label}: {refusal} cannot be captured into a graph")
     if scope._enqueuing:
         raise GraphCaptureError(
             f"{what}: op {label}: cannot capture while another capture or submission is being "
             f"enqueued (nested captures are not supported)"
         )
     s = scope._pick(op, stream)
-    scope._flush(s)  # the markers of earlier work on s must not end up in the graph
+    scope._completion.flush(s)  # the markers of earlier work on s must not end up in the graph
     driver = scope._driver
     gen = _Generation(scope)
-    recorder = _Recorder(scope, s, gen, label)
+    recorder = GraphRecorder(scope, s, gen, label)
     driver.begin_capture(s.handle)
     scope._enqueuing = True
     capturing = True
     try:
-        out = op._enqueue(cast(EnqueueContext, recorder))
+        out = op._enqueue(recorder)
         capturing = False
         template = driver.end_capture(s.handle)
     except BaseException as exc:
@@ -466,9 +478,9 @@ class _GraphLaunch(DeviceOp[T]):
     def __init__(self, graph: CudaGraph[T]) -> None:
         self._graph = graph
 
-    def _enqueue(self, ctx: EnqueueContext) -> T:
+    def _enqueue(self, ctx: EnqueueTarget) -> T:
         g = self._graph
-        if type(ctx) is not EnqueueContext and isinstance(ctx, _Recorder):
+        if ctx.capturing:
             raise GraphCaptureError(
                 f"{g!r}.launch(): a graph launch cannot be captured into another graph "
                 f"(nested graphs are not supported)"
@@ -500,7 +512,7 @@ class _GraphLaunch(DeviceOp[T]):
                 g._apply(pending)
             return self._replay(ctx, g)
 
-    def _replay(self, ctx: EnqueueContext, g: CudaGraph[T]) -> T:
+    def _replay(self, ctx: EnqueueTarget, g: CudaGraph[T]) -> T:
         gen = g._gen
         ctx.use(gen.accesses, what=f"graph.launch() of {g._label}")
         for other in gen.after:
@@ -509,7 +521,7 @@ class _GraphLaunch(DeviceOp[T]):
             ctx.retain(_Replay(g, gen))
         mark = ctx.mark()
         ctx.driver.graph_launch(ctx.stream.handle, g._exec)
-        ctx._enqueued()
+        ctx.enqueued()
         ctx.traced(f"graph {g._label}", mark)
         g._replays += 1
         return gen.output  # type: ignore[return-value]
@@ -587,7 +599,7 @@ class CudaGraph(Generic[T], metaclass=NoPublicConstructor):
         self._replays = 0
         self._updates = 0
         self._thread = threading.get_ident()
-        scope._extension(OpenGraphs).graphs[self] = None
+        scope._extensions.get(OpenGraphs).graphs[self] = None
         return self
 
     # ------------------------------------------------------------------ facts
@@ -709,7 +721,7 @@ class CudaGraph(Generic[T], metaclass=NoPublicConstructor):
         then left to the garbage collector."""
         pending = _PendingUpdate(gen)
         self._pending = pending
-        updating = self._scope._extension(OpenGraphs).updating
+        updating = self._scope._extensions.get(OpenGraphs).updating
         updating[pending] = None
         try:
             with trio.CancelScope(shield=True):
@@ -765,7 +777,7 @@ class CudaGraph(Generic[T], metaclass=NoPublicConstructor):
             if self._closed and not self._in_flight:
                 self._destroy()
         except Exception as exc:
-            scope._orphan_errors.append(exc)
+            scope._completion.add_error(exc)
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
@@ -782,7 +794,7 @@ class CudaGraph(Generic[T], metaclass=NoPublicConstructor):
                 pass
             return
         self._closed = True
-        graphs = self._scope._find_extension(OpenGraphs)
+        graphs = self._scope._extensions.find(OpenGraphs)
         if graphs is not None:
             graphs.graphs.pop(self, None)
         self._release_closed()

@@ -30,8 +30,9 @@ from ._params import Param, Scalar, Slice
 if TYPE_CHECKING:
     from ._arena import ParamPlan
     from ._config import LaunchConfig
+    from ._enqueue import EnqueueTarget
     from ._kernel import Kernel
-    from ._submit import EnqueueContext, LeasePlan
+    from ._submit import LeasePlan
 
 
 #: what a kernel launch outputs: the array it writes (an ``Out``, ``InOut`` or
@@ -221,7 +222,7 @@ class KernelLaunch(DeviceOp[LaunchOutput], metaclass=NoPublicConstructor):
         c = self.prepared.config
         return f"<KernelLaunch {self.prepared.kernel.name} grid={c.grid} block={c.block}>"
 
-    def _enqueue(self, ctx: EnqueueContext) -> LaunchOutput:
+    def _enqueue(self, ctx: EnqueueTarget) -> LaunchOutput:
         ctx.launch(self.prepared, self._accesses)
         return self._output
 

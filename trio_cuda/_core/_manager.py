@@ -90,7 +90,7 @@ class _ScopeHost:
     def start(self, manager: ScopeManager, scope: ResourceScope) -> None:
         self.open.append(manager)
         if self.nursery is not None:  # the handoff sees the entering context, copied now
-            self.nursery.start_soon(manager._run_handoff, scope, name=_HANDOFF_NAME)
+            self.nursery.start_soon(scope._run_handoff, name=_HANDOFF_NAME)
         else:
             self.pending.append((manager, scope, contextvars.copy_context()))
 
@@ -98,8 +98,8 @@ class _ScopeHost:
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
-            for manager, scope, context in self.pending:  # each sees the context it entered in
-                context.run(partial(nursery.start_soon, manager._run_handoff, scope, name=_HANDOFF_NAME))
+            for _, scope, context in self.pending:  # each sees the context it entered in
+                context.run(partial(nursery.start_soon, scope._run_handoff, name=_HANDOFF_NAME))
             self.pending.clear()
             try:
                 await trio.sleep_forever()
@@ -173,8 +173,6 @@ class ScopeManager:
         "_drain_timeout",
         "_entered",
         "_exited",
-        "_handoff_ended",
-        "_handoff_error",
         "_host",
         "_opener",
         "_outer",
@@ -193,10 +191,6 @@ class ScopeManager:
     _context: contextvars.Context
     _outer: ResourceScope | None
     _host: _ScopeHost
-    #: set once the scope's handoff task has ended
-    _handoff_ended: trio.Event
-    #: what the handoff task raised (it never should), for the exit
-    _handoff_error: BaseException | None
 
     def __init__(
         self,
@@ -217,7 +211,6 @@ class ScopeManager:
         self._entered = False
         #: why the scope may not exit any more (None: it may)
         self._exited: str | None = None
-        self._handoff_error = None
 
     @enable_ki_protection
     async def __aenter__(self) -> ResourceScope:
@@ -240,7 +233,6 @@ class ScopeManager:
             driver.close()
             raise
         self._host = host
-        self._handoff_ended = trio.Event()
         host.start(self, scope)
         self._scope = scope
         task = current_task()
@@ -250,33 +242,9 @@ class ScopeManager:
         self._token = _current.set(scope)
         tracer = process_tracer() if self._trace is None or self._trace is True else self._trace
         if isinstance(tracer, Tracer):
-            caps = driver.capabilities
-            try:
-                scope._trace_id = tracer.open_scope(scope)
-                scope._trace_cmds = caps.device_clock != "host-observed"
-                if tracer.timing and caps.device_timing:
-                    driver.timing_start(scope._streams[0].handle)  # the scope's streams are idle
-                    scope._trace_timing = True
-                scope._tracer = tracer
-            except Exception:  # tracing must never fail the program: the scope runs untraced
-                scope._trace_timing = False
-                log.exception("tracing %r failed when it opened; the scope runs untraced", scope)
+            scope._start_tracing(tracer)
         log.debug("opened %r", scope)
         return scope
-
-    @enable_ki_protection
-    async def _run_handoff(self, scope: ResourceScope) -> None:
-        """The scope's handoff task, in the scope host's nursery. What it
-        raises (it never should) is kept for the exit, not raised into the
-        host, whose nursery serves every scope of the run."""
-        try:
-            await scope._handoff()
-        except trio.Cancelled:  # pragma: no cover - it is shielded; never swallowed anyway
-            raise
-        except BaseException as exc:  # pragma: no cover - the handoff never dies
-            self._handoff_error = exc
-        finally:
-            self._handoff_ended.set()
 
     async def _close_at_run_end(self) -> None:
         """Exit the scope for nobody: its Trio run ends with the scope open.
@@ -309,84 +277,14 @@ class ScopeManager:
         except Exception:  # a warning filter that raises: there is nobody to raise it to
             log.exception("warning that %r was left open", scope)
 
-    @staticmethod
-    async def _drain(scope: ResourceScope, timeout: float | None) -> tuple[KeyboardInterrupt | None, str]:
-        """Drain ``scope`` within ``timeout``, through Ctrl-C. Trio delivers
-        ``KeyboardInterrupt`` at the main task's next blocking wait even
-        inside a shield; the first one is kept (and re-raised once the scope
-        is settled) and the drain goes on; a second one stops the waiting,
-        and what is still in flight is then quarantined. Returns the kept
-        interrupt and the phrase that says why the drain gave up, if it did."""
-        deadline = math.inf if timeout is None else trio.current_time() + timeout
-        interrupt: KeyboardInterrupt | None = None
-        while True:
-            try:
-                await scope._drain(deadline)
-            except KeyboardInterrupt as ki:
-                if interrupt is not None:
-                    return interrupt, "after a second Ctrl-C stopped the exit's drain"
-                interrupt = ki
-                log.warning(
-                    "Ctrl-C while %r waits for its work in flight (%d submission(s) of its own): "
-                    "still waiting for the device (Ctrl-C again to stop waiting; the work still in "
-                    "flight is then quarantined, its memory leaked, never freed)",
-                    scope,
-                    scope._in_flight,
-                )
-                continue
-            return interrupt, f"after drain_timeout={timeout} s"
-
     async def _close(self, scope: ResourceScope) -> tuple[list[BaseException], KeyboardInterrupt | None]:
-        """The exit's work: drain ``scope`` (shielded), release what it owns,
-        close it, then wait (shielded) until its handoff task ended. Returns
-        the errors nobody observed, the handoff's own error last, and a Ctrl-C
-        kept while draining; raises what releasing raised."""
-        scope._closing = True
-        interrupt: KeyboardInterrupt | None = None
+        """The exit's work (the scope's own exit sequence), then this
+        manager's: the scope no longer counts as open in its host."""
         try:
-            with trio.CancelScope(shield=True):
-                interrupt, after = await self._drain(scope, self._drain_timeout)
-                for ext in list(scope._extensions.values()):
-                    ext.abandon(after)  # still held when the drain gave up
-                if scope._work_remains():
-                    scope._abandon_in_flight(after, interrupted=interrupt is not None)
-                if scope._tracer is not None:
-                    try:
-                        scope._tracer.collect_times(scope, scope._trace_id)
-                    except Exception:  # a trace must never stop the release, nor fail the program
-                        log.exception(
-                            "tracing %r failed at its exit; the trace may lack its device times", scope
-                        )
-                scope._release_everything()
+            return await scope._close(self._drain_timeout)
         finally:
-            tracer = scope._tracer
-            if tracer is not None:
-                try:
-                    tracer.close_scope(scope, scope._trace_id)
-                except Exception:  # a trace must never break the exit, nor fail the program
-                    log.exception("tracing %r failed when it closed; the trace may lack its end", scope)
-            scope._closed = True
-            if scope._handoff_cs is not None:
-                scope._handoff_cs.cancel()
-            # it ends at once (cancelled, or it sees the scope closed); a Ctrl-C
-            # delivered at this wait is kept, as the drain keeps one
-            with trio.CancelScope(shield=True):
-                while not self._handoff_ended.is_set():
-                    try:
-                        await self._handoff_ended.wait()
-                    except KeyboardInterrupt as ki:
-                        if interrupt is None:
-                            interrupt = ki
             if self in self._host.open:
                 self._host.open.remove(self)
-        errors: list[BaseException] = [s.error for s in scope._unobserved if s.error is not None]
-        errors.extend(scope._orphan_errors)
-        scope._unobserved.clear()
-        scope._orphan_errors.clear()
-        if self._handoff_error is not None:  # the handoff task crashed
-            errors.append(self._handoff_error)
-            self._handoff_error = None
-        return errors, interrupt
 
     def _check_exit(self) -> ResourceScope:
         """The scope to exit, once this call may exit it: refused (before

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast, overload
 
 import numpy as np
 
@@ -29,7 +29,8 @@ from ._final import final
 
 if TYPE_CHECKING:
     from ._array import DeviceArray
-    from ._submit import EnqueueContext, Submission
+    from ._enqueue import EnqueueTarget
+    from ._submit import Submission
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -62,7 +63,11 @@ class DeviceOp(Generic[T_co]):
 
     __slots__ = ()
 
-    def _enqueue(self, ctx: EnqueueContext) -> T_co:
+    #: why this kind of op cannot be captured into a graph (None: it can);
+    #: see :func:`capture_refusal`
+    _capture_refusal: ClassVar[str | None] = None
+
+    def _enqueue(self, ctx: EnqueueTarget) -> T_co:
         raise not_an_op("op", self)
 
     def then(self, fn: Callable[[T_co], DeviceOp[U]]) -> DeviceOp[U]:
@@ -127,7 +132,7 @@ def check_op(label: str, op: object) -> None:
         raise not_an_op(label, op)
 
 
-#: ``EnqueueContext.recall``: nothing kept, call the closure now
+#: ``EnqueueTarget.recall``: nothing kept, call the closure now
 RUN: Any = type("Run", (), {"__repr__": lambda self: "RUN", "__slots__": ()})()
 #: the output of a foreign step in a preflight: unknown until it runs
 OPAQUE: Any = type("Opaque", (), {"__repr__": lambda self: "OPAQUE", "__slots__": ()})()
@@ -152,7 +157,7 @@ class _Value(DeviceOp[T]):
     def __init__(self, value: T) -> None:
         self._value = value
 
-    def _enqueue(self, ctx: EnqueueContext) -> T:
+    def _enqueue(self, ctx: EnqueueTarget) -> T:
         return self._value
 
     def __repr__(self) -> str:
@@ -167,12 +172,12 @@ class _Then(DeviceOp[U]):
         self._op = op
         self._fn = fn
 
-    def _enqueue(self, ctx: EnqueueContext) -> U:
+    def _enqueue(self, ctx: EnqueueTarget) -> U:
         out = self._op._enqueue(ctx)
         if ctx.preflight:  # conflicts="error": run the closure once, now (see _submit.Preflight)
             if opaque(out):
                 raise StopPreflight
-            nxt = ctx.keep(self._fn(out))  # type: ignore[attr-defined]
+            nxt = ctx.keep(self._fn(out))
         else:
             nxt = ctx.recall()
             if nxt is RUN:
@@ -197,10 +202,10 @@ class _Map(DeviceOp[U]):
         self._op = op
         self._fn = fn
 
-    def _enqueue(self, ctx: EnqueueContext) -> U:
+    def _enqueue(self, ctx: EnqueueTarget) -> U:
         out = self._op._enqueue(ctx)
         if ctx.preflight:  # run it once, now, unless its input is not known yet
-            return ctx.keep(OPAQUE if opaque(out) else self._fn(out))  # type: ignore[attr-defined,no-any-return]
+            return ctx.keep(OPAQUE if opaque(out) else self._fn(out))  # type: ignore[return-value]
         kept = ctx.recall()
         return self._fn(out) if kept is RUN or kept is OPAQUE else kept  # type: ignore[return-value]
 
@@ -215,7 +220,7 @@ class _Zip(DeviceOp[tuple[Any, ...]]):
     def __init__(self, ops: tuple[DeviceOp[Any], ...]) -> None:
         self._ops = ops
 
-    def _enqueue(self, ctx: EnqueueContext) -> tuple[Any, ...]:
+    def _enqueue(self, ctx: EnqueueTarget) -> tuple[Any, ...]:
         return tuple(op._enqueue(ctx) for op in self._ops)
 
     def __repr__(self) -> str:
@@ -280,7 +285,7 @@ class _Shared(DeviceOp[T]):
         self._out: Any = None
         self._submission: Submission | None = None
 
-    def _enqueue(self, ctx: EnqueueContext) -> T:
+    def _enqueue(self, ctx: EnqueueTarget) -> T:
         if not self._done:
             if ctx.preflight:  # walked once per preflight, as the real enqueue runs it once
                 seen: dict[object, Any] = ctx.shared  # type: ignore[attr-defined]
@@ -315,7 +320,7 @@ class _Copy(DeviceOp[Dst]):
         self._dst = dst
         self._src = src
 
-    def _enqueue(self, ctx: EnqueueContext) -> Dst:
+    def _enqueue(self, ctx: EnqueueTarget) -> Dst:
         ctx.copy(self._dst, self._src)
         return self._dst
 
@@ -343,7 +348,7 @@ class _Fill(DeviceOp["DeviceArray"]):
         self._arr = arr
         self._pattern = pattern
 
-    def _enqueue(self, ctx: EnqueueContext) -> DeviceArray:
+    def _enqueue(self, ctx: EnqueueTarget) -> DeviceArray:
         ctx.fill(self._arr, self._pattern)
         return self._arr
 
@@ -360,14 +365,14 @@ class _ZeroBytes(DeviceOp["DeviceArray"]):
     def __init__(self, arr: DeviceArray) -> None:
         self._arr = arr
 
-    def _enqueue(self, ctx: EnqueueContext) -> DeviceArray:
+    def _enqueue(self, ctx: EnqueueTarget) -> DeviceArray:
         arr = self._arr
         ctx.use([(arr, Access.WRITE)], what="zeros")
         if ctx.preflight:
             return arr
         mark = ctx.mark()
         ctx.driver.fill(ctx.stream.handle, arr.ptr, b"\x00", arr.nbytes)
-        ctx._enqueued()
+        ctx.enqueued()
         ctx.traced("fill", mark)
         return arr
 
@@ -436,11 +441,13 @@ class HostResult(Generic[T]):
 class _HostClosure(DeviceOp[HostResult[T]]):
     __slots__ = ("_args", "_fn")
 
+    _capture_refusal = "ops.host_closure (it needs the scope's completion handoff at every replay)"
+
     def __init__(self, fn: Callable[..., T], args: tuple[Any, ...]) -> None:
         self._fn = fn
         self._args = args
 
-    def _enqueue(self, ctx: EnqueueContext) -> HostResult[T]:
+    def _enqueue(self, ctx: EnqueueTarget) -> HostResult[T]:
         return ctx.host_step(self._fn, self._args)
 
     def __repr__(self) -> str:
@@ -455,6 +462,36 @@ def host_closure(fn: Callable[..., T], *args: object) -> DeviceOp[HostResult[T]]
     if not callable(fn):
         raise TypeError(f"host_closure: fn: expected a callable, got {fn!r}")
     return _HostClosure(fn, args)
+
+
+#: an ``ops.copy`` into host memory cannot be captured
+_HOST_COPY_REFUSAL = (
+    "ops.copy to a host array (a replay's host copy would race with the next replay; "
+    "copy results out with gpu.to_host after the replay)"
+)
+
+
+def capture_refusal(op: DeviceOp[Any]) -> str | None:
+    """Why ``op`` cannot be captured into a graph, as far as that is known
+    before it runs (the parts of a ``zip``, the op under a ``map`` or a
+    ``shared()`` not yet executed, the first part of a ``then``); None if
+    nothing declared so. What a ``then`` closure returns is refused by the
+    recorder when the capture reaches it."""
+    from ._array import DeviceArray
+
+    stack: list[DeviceOp[Any]] = [op]
+    while stack:
+        cur = stack.pop()
+        reason = cur._capture_refusal
+        if reason is not None:
+            return reason
+        if isinstance(cur, _Copy) and not isinstance(cur._dst, DeviceArray):
+            return _HOST_COPY_REFUSAL
+        if isinstance(cur, _Zip):
+            stack.extend(reversed(cur._ops))
+        elif isinstance(cur, _Then | _Map) or (isinstance(cur, _Shared) and not cur._done):
+            stack.append(cur._op)
+    return None
 
 
 def resolve_output(out: object) -> object:

@@ -24,12 +24,10 @@ Invariants:
 from __future__ import annotations
 
 import contextvars
+import logging
 import math
 from _thread import get_ident
-from collections import deque
-from collections.abc import Callable
-from time import perf_counter
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import numpy as np
 import trio
@@ -41,28 +39,27 @@ from ._config import check_device_limits
 from ._dlpack import UNCONSUMED, sweep_dropped
 from ._driver import DeviceContext, DeviceInfo
 from ._errors import ScopeClosedError
-from ._export import finish_releases
-from ._extension import ScopeExtension
+from ._extension import Extensions
 from ._final import NoPublicConstructor, final
-from ._future import DeviceFuture, wrong_caller
+from ._future import DeviceFuture, outcome, wrong_caller
 from ._kernel import Kernel, static_launches
 from ._launch import KernelLaunch
 from ._memory import MemoryTable
-from ._multi import foreign_lease_count
-from ._ops import COMPOSITE, Access, DeviceOp, HostResult, _Copy, _Fill, _ZeroBytes, resolve_output
+from ._ops import COMPOSITE, Access, DeviceOp, HostResult, _Copy, _Fill, _ZeroBytes
 from ._policy import SchedulingPolicy
 from ._statistics import ScopeStatistics
 from ._stream import Stream
-from ._submit import EnqueueContext, Submission, SubState, preflight, take_launch_leases, take_leases
+from ._submit import EnqueueContext, Submission, UnsafeEnqueue, preflight, take_launch_leases, take_leases
 from ._trace import Tracer, alloc_args, lease_args, op_name, trace_error, trace_submit
 
 if TYPE_CHECKING:
     from ._graph import CudaGraph
     from ._launch import PreparedLaunch
 
+log = logging.getLogger("trio_cuda")
+
 T = TypeVar("T")
 U = TypeVar("U")
-E = TypeVar("E", bound=ScopeExtension)
 
 #: the innermost scope entered in this context (None: none, or reset by an exit)
 _current: contextvars.ContextVar[ResourceScope | None] = contextvars.ContextVar(
@@ -94,7 +91,7 @@ def current_scope() -> ResourceScope:
 
 
 @final
-class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
+class ResourceScope(metaclass=NoPublicConstructor):
     """A nursery-scoped owner of GPU streams, memory and in-flight work.
 
     Open one with :func:`open_scope`. See the lifetime chapter of the docs for
@@ -103,26 +100,19 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
 
     __slots__ = (
         "__weakref__",
-        "_allocs",
-        "_batch",
         "_closed",
         "_closing",
+        "_completion",
         "_conflicts",
         "_driver",
         "_enqueuing",
-        "_exports_releasing",
         "_extensions",
         "_functions",
-        "_gc_releases",
         "_info",
         "_load_in_thread",
-        "_look_budget",
+        "_memory",
         "_next_id",
-        "_orphan_errors",
         "_policy",
-        "_quarantine",
-        "_quarantined_leases",
-        "_spin",
         "_streams",
         "_thread",
         "_token",
@@ -130,31 +120,23 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         "_trace_id",
         "_trace_timing",
         "_tracer",
-        "_unobserved",
     )
 
     _obtain = "use 'async with trio_cuda.open_scope()'"
 
     _driver: DeviceContext
     _info: DeviceInfo
-    _batch: bool
-    _spin: float
-    _look_budget: float
+    #: the components: how work completes, the memory, the features' state
+    _completion: Completion
+    _memory: MemoryTable
+    _extensions: Extensions
     _load_in_thread: bool
-    _exports_releasing: bool
-    _extensions: dict[object, ScopeExtension]
     _conflicts: str
     _policy: SchedulingPolicy
     _closed: bool
     _closing: bool
     _enqueuing: bool
-    _allocs: dict[Allocation, None]
     _functions: dict[Kernel, object]
-    _gc_releases: deque[Allocation]
-    _unobserved: dict[Submission, None]
-    _orphan_errors: list[BaseException]
-    _quarantine: list[Submission]
-    _quarantined_leases: int
     _next_id: int
     _token: trio.lowlevel.TrioToken
     _thread: int  #: the loop thread; a scope never outlives its Trio run
@@ -179,40 +161,20 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         self._driver = driver
         self._info = driver.info
         caps = driver.capabilities
-        self._batch = caps.batch_markers
-        self._spin = caps.await_spin
-        self._look_budget = caps.await_budget
         self._load_in_thread = caps.load_in_thread
-        #: an export's consumer released it and its fence is not finished yet
-        self._exports_releasing = False
-        self._extensions = {}
-        self._unflushed = []
+        self._token = trio.lowlevel.current_trio_token()
+        self._thread = get_ident()
+        self._extensions = Extensions(self)
+        self._memory = MemoryTable(self, driver, self._token, self._thread)
+        self._completion = completion = Completion(self, driver, self._memory, self._extensions)
+        self._memory.wake = completion.wake
         self._conflicts = conflicts
         self._policy = policy
         self._closed = False
         self._closing = False
         self._enqueuing = False
-        self._allocs = {}
         self._functions = {}
-        self._gc_releases = deque()
-        self._unobserved = {}
-        self._orphan_errors = []
-        self._quarantine = []
-        self._quarantined_leases = 0
-        self._in_flight = 0
-        self._completed = 0
-        self._by_waiters = 0
-        self._failed = 0
-        self._host_steps = 0
         self._next_id = 0
-        self._timed_out = 0
-        self._idle = None
-        self._drain_event = None
-        self._handoff_cs = None
-        self._handoff_task = None
-        self._handoff_errors = 0
-        self._token = trio.lowlevel.current_trio_token()
-        self._thread = get_ident()
         self._tracer = None
         self._trace_id = 0
         self._trace_cmds = False
@@ -226,7 +188,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             for s in made:
                 driver.destroy_stream(s.handle)
             raise
-        self._streams = tuple(made)
+        self._streams = completion.streams = tuple(made)
         return self
 
     # ------------------------------------------------------------------ facts
@@ -270,47 +232,38 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
                 if type(e) is Submission:
                     retained.update(e.leases)
         # every lease taken and not yet released, the one being enqueued included
-        leases_held = sum(a.active for a in self._allocs) - self._quarantined_leases
-        q_allocs = [a for a in self._allocs if a.state is AllocState.QUARANTINED]
-        live = [a for a in self._allocs if a.state is not AllocState.FREED]
+        c = self._completion
+        memory = self._memory
+        leases_held = sum(a.active for a in memory.allocs) - memory.quarantined_leases
+        q_allocs = [a for a in memory.allocs if a.state is AllocState.QUARANTINED]
+        live = [a for a in memory.allocs if a.state is not AllocState.FREED]
         return ScopeStatistics(
             backend=self._info.backend,
             device=self._info.name,
             streams=len(self._streams),
-            in_flight=self._in_flight,
-            submitted=self._completed + self._in_flight,
-            completed=self._completed,
-            failed=self._failed,
-            quarantined=len(self._quarantine),
+            in_flight=c.in_flight,
+            submitted=c.completed + c.in_flight,
+            completed=c.completed,
+            failed=c.failed,
+            quarantined=len(c.quarantined),
             leases_held=leases_held,
-            quarantined_leases=self._quarantined_leases,
+            quarantined_leases=memory.quarantined_leases,
             retained_bytes=sum(a.nbytes for a in retained),
             quarantined_bytes=sum(a.nbytes for a in q_allocs),
             live_allocations=len(live),
             live_bytes=sum(a.nbytes for a in live),
-            pending_errors=len(self._unobserved) + len(self._orphan_errors),
-            host_closures_pending=self._host_steps,
-            foreign_leases=foreign_lease_count(self),
-            retired_by_waiters=self._by_waiters,
+            pending_errors=len(c.unobserved) + len(c.orphan_errors),
+            host_closures_pending=c.host_steps,
+            foreign_leases=memory.foreign,
+            retired_by_waiters=c.by_waiters,
         )
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
+        info = self._info
         return (
-            f"<ResourceScope {self._info.backend}:{self._info.ordinal} {state}, {self._in_flight} in flight>"
+            f"<ResourceScope {info.backend}:{info.ordinal} {state}, {self._completion.in_flight} in flight>"
         )
-
-    # ------------------------------------------------------------------ extensions
-    def _extension(self, cls: Callable[[ResourceScope], E]) -> E:
-        """This scope's extension object of class ``cls``, made on first use."""
-        ext = self._extensions.get(cls)
-        if ext is None:
-            ext = self._extensions[cls] = cls(self)
-        return cast(E, ext)
-
-    def _find_extension(self, cls: type[E]) -> E | None:
-        """This scope's extension object of class ``cls``, if it was made."""
-        return cast("E | None", self._extensions.get(cls))
 
     # ------------------------------------------------------------------ memory
     def _check_open(self, what: str) -> None:
@@ -374,7 +327,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         nbytes = math.prod(shp) * dt.itemsize
         s = self._pick(_ALLOC_OP, stream)
         ptr = self._driver.alloc(nbytes, s.handle)
-        arr = self._adopt(Allocation(self, ptr, nbytes), shp, dt, layout, s, _ALLOC_OP, "empty", track=True)
+        arr = self._adopt(self._memory.new(ptr, nbytes), shp, dt, layout, s, _ALLOC_OP, "empty", track=True)
         return arr, s
 
     def _adopt(
@@ -396,7 +349,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         orders after that point. ``dirty``: the publication enqueued work.
         ``readonly``: the handle is read-only once published (the publication
         itself writes)."""
-        self._allocs[alloc] = None
+        self._memory.register(alloc)
         tr = self._tracer
         if tr is not None:
             tr.emit("alloc", "alloc", self._trace_id, stream.index, alloc=alloc.ptr, args=alloc_args(alloc))
@@ -404,7 +357,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         sub = self._new_submission(stream, op)
         take_leases(self, stream, sub, ((arr, Access.WRITE),), what)
         sub.dirty = dirty
-        self._finish_submission(sub, None)
+        self._completion.finish(sub, None)
         if readonly:
             arr._readonly = True
         return arr
@@ -491,8 +444,8 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         from ._ops import copy
 
         op = copy(out, arr)
-        if self._exports_releasing:
-            await finish_releases(self)  # a read after a consumer released a write export
+        if self._extensions.exports_releasing:  # a read after a consumer released a write export
+            await self._extensions.finish_export_releases()
         fut: DeviceFuture[np.ndarray[Any, Any]] = self.submit(op, stream=stream)
         return await fut.wait()
 
@@ -547,9 +500,10 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
             sub = self._submit_launch(op, stream)  # the hot path
         else:
             sub = self._submit(op, stream, "submit")
-        idle = self._idle  # nobody may await it: the handoff is its retirer
+        c = self._completion  # nobody may await it: the handoff is its retirer
+        idle = c.idle
         if idle is not None:
-            self._idle = None
+            c.idle = None
             idle.set()
         fut: DeviceFuture[T] = DeviceFuture._create(sub)
         if self._tracer is not None:
@@ -561,10 +515,7 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         """``submit`` for the scope's own work that nobody awaits (the fill of
         ``zeros``/``full``): no future to drop; the handoff retires it."""
         self._submit(op, stream, what)
-        idle = self._idle
-        if idle is not None:
-            self._idle = None
-            idle.set()
+        self._completion.wake()
 
     @enable_ki_protection
     def _submit(self, op: DeviceOp[Any], stream: Stream | None, what: str) -> Submission:
@@ -614,41 +565,13 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
                 # Partial error: keep what was enqueued behind a completion marker.
                 sub.error = exc
                 sub.observed = True
-                self._finish_submission(sub, None)
+                self._completion.finish(sub, None)
             raise
         self._enqueuing = False
-        self._finish_submission(sub, out, wake=False)
+        self._completion.finish(sub, out, wake=False)
         if tr is not None:
             tr.emit("lease", "leases", self._trace_id, s.index, sub.id, args={"leases": lease_args(sub)})
         return sub
-
-    @enable_ki_protection
-    def _enqueue_unsafe(self, op: DeviceOp[T], stream: Stream) -> T:
-        """``unsafe.async_on``: enqueue ``op`` on ``stream`` (of this scope)
-        with no lease, owner or marker; only the checks that need no
-        bookkeeping run."""
-        if type(op) is KernelLaunch:
-            if self._closing or get_ident() != self._thread:
-                self._check_open("async_on")
-            prepared = op.prepared
-            fn = self._functions.get(prepared.kernel)
-            if fn is None or prepared.cache.get("checked") is not self._info:
-                fn = self._kernel_function(prepared)
-            self._driver.launch(stream.handle, fn, prepared)
-            return op._output  # type: ignore[return-value]
-        if not isinstance(op, DeviceOp):
-            from ._builder import LaunchBuilder
-
-            if isinstance(op, LaunchBuilder):
-                raise TypeError(
-                    "op: a LaunchBuilder is inert and cannot be scheduled; call .finalize_unchecked() first"
-                )
-            raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
-        self._check_open("async_on")
-        if type(op) is not KernelLaunch:  # a lone launch loads its kernel before it enqueues
-            self._load_static(op)
-        out: Any = op._enqueue(EnqueueContext(self, stream, None))
-        return out  # type: ignore[no-any-return]
 
     @enable_ki_protection
     def _submit_launch(self, op: KernelLaunch, stream: Stream | None) -> Submission:
@@ -670,24 +593,16 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         except BaseException as exc:
             sub.error = exc  # leases were taken: retire them behind a marker
             sub.observed = True
-            self._finish_submission(sub, None)
+            self._completion.finish(sub, None)
             if self._tracer is not None:
                 trace_error(self, self._tracer, sub, exc)
             raise
-        # _finish_submission(sub, op._output, wake=False), inline: the hot path
-        sub.dirty = True
-        sub.output = op._output
-        sub.state = _IN_FLIGHT
-        s._in_flight += 1
-        self._in_flight += 1
-        unmarked = s._unmarked
-        if not unmarked:
-            self._unflushed.append(s)
-        unmarked.append(sub)
+        c = self._completion
+        c.launched(sub, op._output)
         if tr is not None:
             trace_submit(self, tr, sub, op, mark)
-        if not self._batch:
-            self._flush(s)
+        if not c.batch:
+            c.flush(s)
         self._driver.notify_submitted()
         return sub
 
@@ -713,22 +628,11 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
                 await self.load(kernel)
         elif isinstance(op, DeviceOp):
             await self._load_tile_kernels(op)
-        if self._exports_releasing:
-            await finish_releases(self)  # an access after a consumer released an export
+        if self._extensions.exports_releasing:  # an access after a consumer released an export
+            await self._extensions.finish_export_releases()
         sub = self._submit(op, stream, "run")
-        if self._tracer is None:
-            await self._observe(sub)
-        else:
-            t0 = perf_counter()
-            try:
-                await self._observe(sub)
-            finally:
-                self._trace_await(sub, t0)
-        if sub.error is not None:
-            sub.observed = True
-            self._unobserved.pop(sub, None)
-            raise sub.error
-        return resolve_output(sub.output)
+        await self._completion.observe(sub)
+        return outcome(sub)
 
     # ------------------------------------------------------------------ graphs
     async def capture(self, op: DeviceOp[T], *, stream: Stream | None = None) -> CudaGraph[T]:
@@ -855,22 +759,120 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         self._driver.check_launch(self._function(prepared.kernel), prepared)
         cache["checked"] = info
 
+    # ------------------------------------------------------------------ entry and exit
+    def _start_tracing(self, tracer: Tracer) -> None:
+        """Record this scope into ``tracer`` from now on (at entry). Tracing
+        never fails the program: if it cannot start, the scope runs untraced."""
+        driver = self._driver
+        caps = driver.capabilities
+        try:
+            trace_id = tracer.open_scope(self)
+            self._trace_id = self._completion.trace_id = self._memory.trace_id = trace_id
+            self._trace_cmds = caps.device_clock != "host-observed"
+            if tracer.timing and caps.device_timing:
+                driver.timing_start(self._streams[0].handle)  # the scope's streams are idle
+                self._trace_timing = True
+            self._tracer = self._completion.tracer = self._memory.tracer = tracer
+        except Exception:  # tracing must never fail the program: the scope runs untraced
+            self._trace_timing = False
+            log.exception("tracing %r failed when it opened; the scope runs untraced", self)
+
+    async def _run_handoff(self) -> None:
+        """The scope's completion-handoff task (see ``Completion.handoff``)."""
+        await self._completion.run_handoff()
+
+    async def _drain(self, timeout: float | None) -> tuple[KeyboardInterrupt | None, str]:
+        """Drain within ``timeout``, through Ctrl-C. Trio delivers
+        ``KeyboardInterrupt`` at the main task's next blocking wait even
+        inside a shield; the first one is kept (and re-raised once the scope
+        is settled) and the drain goes on; a second one stops the waiting,
+        and what is still in flight is then quarantined. Returns the kept
+        interrupt and the phrase that says why the drain gave up, if it did."""
+        deadline = math.inf if timeout is None else trio.current_time() + timeout
+        interrupt: KeyboardInterrupt | None = None
+        while True:
+            try:
+                await self._completion.drain(deadline)
+            except KeyboardInterrupt as ki:
+                if interrupt is not None:
+                    return interrupt, "after a second Ctrl-C stopped the exit's drain"
+                interrupt = ki
+                log.warning(
+                    "Ctrl-C while %r waits for its work in flight (%d submission(s) of its own): "
+                    "still waiting for the device (Ctrl-C again to stop waiting; the work still in "
+                    "flight is then quarantined, its memory leaked, never freed)",
+                    self,
+                    self._completion.in_flight,
+                )
+                continue
+            return interrupt, f"after drain_timeout={timeout} s"
+
+    @enable_ki_protection
+    async def _close(
+        self, drain_timeout: float | None
+    ) -> tuple[list[BaseException], KeyboardInterrupt | None]:
+        """The exit sequence, whatever the reason: drain (shielded, within
+        ``drain_timeout``), quarantine what the drain gave up on, release what
+        the scope owns, close, then wait (shielded) until the handoff task
+        ended. Returns the errors nobody observed, the handoff's own error
+        last, and a Ctrl-C kept while draining; raises what releasing raised."""
+        self._closing = True
+        c = self._completion
+        c.exiting = True
+        interrupt: KeyboardInterrupt | None = None
+        try:
+            with trio.CancelScope(shield=True):
+                interrupt, after = await self._drain(drain_timeout)
+                self._memory.abandon_foreign(after)  # other scopes' work still holds our memory
+                for ext in self._extensions.all():
+                    ext.abandon(after)  # still held when the drain gave up
+                if c.work_remains():
+                    c.abandon_in_flight(after, interrupted=interrupt is not None)
+                if self._tracer is not None:
+                    try:
+                        self._tracer.collect_times(self, self._trace_id)
+                    except Exception:  # a trace must never stop the release, nor fail the program
+                        log.exception(
+                            "tracing %r failed at its exit; the trace may lack its device times", self
+                        )
+                self._release_everything()
+        finally:
+            tracer = self._tracer
+            if tracer is not None:
+                try:
+                    tracer.close_scope(self, self._trace_id)
+                except Exception:  # a trace must never break the exit, nor fail the program
+                    log.exception("tracing %r failed when it closed; the trace may lack its end", self)
+            self._closed = c.closed = self._memory.closed = True
+            if c.handoff_cs is not None:
+                c.handoff_cs.cancel()
+            # it ends at once (cancelled, or it sees the scope closed); a Ctrl-C
+            # delivered at this wait is kept, as the drain keeps one
+            with trio.CancelScope(shield=True):
+                while not c.handoff_ended.is_set():
+                    try:
+                        await c.handoff_ended.wait()
+                    except KeyboardInterrupt as ki:
+                        if interrupt is None:
+                            interrupt = ki
+        errors = c.take_errors()
+        if c.handoff_error is not None:  # the handoff task crashed
+            errors.append(c.handoff_error)
+            c.handoff_error = None
+        return errors, interrupt
+
     @enable_ki_protection
     def _release_everything(self) -> None:
         """After the drain: free memory, unload modules, destroy streams."""
         driver = self._driver
-        for ext in list(self._extensions.values()):
+        for ext in self._extensions.all():
             ext.close()  # e.g. graphs still open: release them first
-        while self._gc_releases:
-            self._gc_releases.popleft()
-        for alloc in list(self._allocs):
-            if alloc.state is AllocState.LIVE and not alloc.active:
-                self._free(alloc)
-        if self._timed_out:
+        self._memory.free_unleased()
+        if self._completion.timed_out or self._memory.foreign_abandoned:
             # Work may still run: leak modules, streams and driver state too
             # (unloading a module can wait for the device, which may never come).
             return
-        if not self._quarantine:
+        if not self._completion.quarantined:
             # With any submission quarantined, every module stays loaded: a
             # kernel of work whose completion is unknown may still run, and it
             # can be reached in many ways (a launch, a graph replay, a shared
@@ -883,6 +885,36 @@ class ResourceScope(Completion, MemoryTable, metaclass=NoPublicConstructor):
         driver.close()
 
 
+@enable_ki_protection
+def enqueue_unsafe(op: DeviceOp[T], stream: Stream) -> T:
+    """``unsafe.async_on``: enqueue ``op`` on ``stream`` (a Stream, checked
+    by the caller) with no lease, owner or marker; only the checks that
+    need no bookkeeping run."""
+    scope = stream._scope
+    if type(op) is KernelLaunch:
+        if scope._closing or get_ident() != scope._thread:
+            scope._check_open("async_on")
+        prepared = op.prepared
+        fn = scope._functions.get(prepared.kernel)
+        if fn is None or prepared.cache.get("checked") is not scope._info:
+            fn = scope._kernel_function(prepared)
+        scope._driver.launch(stream.handle, fn, prepared)
+        return op._output  # type: ignore[return-value]
+    if not isinstance(op, DeviceOp):
+        from ._builder import LaunchBuilder
+
+        if isinstance(op, LaunchBuilder):
+            raise TypeError(
+                "op: a LaunchBuilder is inert and cannot be scheduled; call .finalize_unchecked() first"
+            )
+        raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
+    scope._check_open("async_on")
+    if type(op) is not KernelLaunch:  # a lone launch loads its kernel before it enqueues
+        scope._load_static(op)
+    out: Any = op._enqueue(UnsafeEnqueue(scope, stream))
+    return out  # type: ignore[no-any-return]
+
+
 class _Alloc(DeviceOp[Any]):
     __slots__ = ()
 
@@ -891,6 +923,3 @@ class _Alloc(DeviceOp[Any]):
 
 
 _ALLOC_OP = _Alloc()
-
-
-_IN_FLIGHT = SubState.IN_FLIGHT

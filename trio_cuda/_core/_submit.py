@@ -32,12 +32,13 @@ import numpy as np
 import trio
 
 from ._array import Allocation, AllocState, DeviceArray, h2d_source, host_layout
+from ._crosscopy import cross_scope_copy
 from ._driver import Finisher, Gate, Marker, MarkerState
 from ._errors import AccessConflictError, CompletionUnknownError, KernelArgumentError
 from ._extent import Extent, array_extent, describe, overlaps
 from ._leases import candidates, record_lease
 from ._ops import OPAQUE as OPAQUE
-from ._ops import RUN, Access, HostResult, StopPreflight
+from ._ops import RUN, Access, DeviceOp, HostResult, StopPreflight
 
 if TYPE_CHECKING:
     from ._launch import KernelLaunch, PreparedLaunch
@@ -152,23 +153,26 @@ def _conflict_name(held: Access, wanted: Access) -> str:
     return "write-after-read"
 
 
-@final
-class EnqueueContext:
-    """What an op's ``_enqueue`` may use. One per submission (or unsafe call)."""
+class _Enqueue:
+    """What the tracked and the unsafe enqueue share (see ``_enqueue``)."""
 
-    __slots__ = ("driver", "memo", "scope", "stream", "submission", "unsafe")
+    __slots__ = ("driver", "memo", "scope", "stream", "submission")
 
-    #: a real enqueue (see :class:`Preflight`)
+    #: a real enqueue (see :class:`Preflight`), not a graph recording
     preflight = False
+    capturing = False
+    unsafe = False
 
     def __init__(self, scope: ResourceScope, stream: Stream, submission: Submission | None) -> None:
         self.scope = scope
         self.stream = stream
         self.submission = submission
-        self.unsafe = submission is None
         self.driver = scope._driver
         #: what a preflight's closures returned, last first (``recall``)
         self.memo: list[object] | None = None
+
+    def keep(self, value: object) -> object:
+        return value
 
     def recall(self) -> object:
         """The next value a preflight kept for this enqueue (in the order it
@@ -195,7 +199,9 @@ class EnqueueContext:
             else:
                 sub.finishers.append(fn)
 
-    def _enqueued(self) -> None:
+    def enqueued(self) -> None:
+        """A driver call enqueued work: the submission must be retired
+        behind a marker, even if a later piece fails."""
         sub = self.submission
         if sub is not None:
             sub.dirty = True
@@ -239,7 +245,7 @@ class EnqueueContext:
             raise CompletionUnknownError(f"shared op: completion of {other.label} is unknown")
         if other.state is SubState.IN_FLIGHT and other.stream is not self.stream:
             if other.marker is None:
-                other.scope._flush(other.stream)
+                other.scope._completion.flush(other.stream)
                 if other.marker is None:  # quarantined
                     raise CompletionUnknownError(f"shared op: completion of {other.label} is unknown")
             state = other.scope._driver.poll_marker(other.marker).state
@@ -248,7 +254,7 @@ class EnqueueContext:
             if state is not MarkerState.PENDING:
                 return  # completed: nothing to wait for
             self.driver.wait_marker(self.stream.handle, other.marker)
-            self._enqueued()
+            self.enqueued()
             tr = self.scope._tracer
             if tr is not None:
                 tr.emit(
@@ -280,9 +286,7 @@ class EnqueueContext:
         mark = self.mark()
         if isinstance(dst, DeviceArray) and isinstance(src, DeviceArray):
             if dst._alloc.scope is not self.scope or src._alloc.scope is not self.scope:
-                from ._multi import cross_scope_copy
-
-                cross_scope_copy(self, dst, src)  # another scope's memory: see _multi
+                cross_scope_copy(self, dst, src)  # another scope's memory: see _crosscopy
                 return
             self.use([(src, Access.READ), (dst, Access.WRITE)], what="copy")
             d.copy_d2d(h, dst.ptr, src.ptr, dst.nbytes)
@@ -314,7 +318,7 @@ class EnqueueContext:
                 self.on_retire(fin)
             if tmp is not None:
                 self.on_retire(functools.partial(np.copyto, dst, tmp))
-        self._enqueued()
+        self.enqueued()
         if self.scope._tracer is not None:
             self.traced("copy", mark)
 
@@ -322,30 +326,69 @@ class EnqueueContext:
         self.use([(arr, Access.WRITE)], what="fill")
         mark = self.mark()
         self.driver.fill(self.stream.handle, arr.ptr, pattern, arr.size)
-        self._enqueued()
+        self.enqueued()
         if self.scope._tracer is not None:
             self.traced("fill", mark)
 
     def host_step(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> HostResult[Any]:
         sub = self.submission
-        if sub is None:
-            raise TypeError(
-                "host_closure cannot run through unsafe.async_on: it needs the scope's "
-                "completion-handoff task; submit it with scope.run() or scope.submit()"
-            )
+        assert sub is not None
         kept = self.recall()  # the result a preflight handed to later closures
         result: HostResult[Any] = kept if isinstance(kept, HostResult) else HostResult()
         self.retain(fn)
         self.retain(args)
-        self.scope._flush(self.stream)  # earlier submissions' marker must precede the gate
+        self.scope._completion.flush(self.stream)  # earlier submissions' marker must precede the gate
         marker = self.driver.record_marker(self.stream.handle)
         gate = self.driver.create_gate(self.stream.handle)
-        self._enqueued()
+        self.enqueued()
         if self.scope._tracer is not None:
             self.traced("host_closure")
         self.stream._pending.append(HostStep(sub, marker, gate, fn, args, result))
-        self.scope._host_steps += 1
+        self.scope._completion.host_steps += 1
         return result
+
+
+@final
+class EnqueueContext(_Enqueue):
+    """The tracked enqueue (``EnqueueTarget``): one per submission. Every
+    lease, owner and finisher is recorded on the submission before the work
+    is enqueued."""
+
+    __slots__ = ()
+
+    submission: Submission
+
+    def __init__(self, scope: ResourceScope, stream: Stream, submission: Submission) -> None:
+        super().__init__(scope, stream, submission)
+
+
+@final
+class UnsafeEnqueue(_Enqueue):
+    """``unsafe.async_on`` (``EnqueueTarget``): the arrays are checked, but no
+    lease is taken, nothing is retained and no wait is added; the caller
+    keeps everything alive and orders every access."""
+
+    __slots__ = ()
+
+    unsafe = True
+
+    def __init__(self, scope: ResourceScope, stream: Stream) -> None:
+        super().__init__(scope, stream, None)
+
+    def retain(self, obj: object) -> None:
+        pass
+
+    def on_retire(self, fn: Finisher) -> None:
+        pass
+
+    def after(self, other: Submission | None) -> None:
+        pass
+
+    def host_step(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> HostResult[Any]:
+        raise TypeError(
+            "host_closure cannot run through unsafe.async_on: it needs the scope's "
+            "completion-handoff task; submit it with scope.run() or scope.submit()"
+        )
 
 
 @final
@@ -357,15 +400,17 @@ class Preflight:
     is recorded, retained or enqueued. Closures run here, once; their results
     go to ``memo`` for the real enqueue."""
 
-    __slots__ = ("memo", "scope", "shared", "stream")
+    __slots__ = ("driver", "memo", "scope", "shared", "stream")
 
     preflight = True
+    capturing = False
     unsafe = False
     submission = None
 
     def __init__(self, scope: ResourceScope, stream: Stream) -> None:
         self.scope = scope
         self.stream = stream
+        self.driver = scope._driver  # never called: a preflight enqueues nothing
         self.memo: list[object] = []
         #: shared ops not executed yet, walked once: their outputs
         self.shared: dict[object, object] = {}
@@ -374,13 +419,16 @@ class Preflight:
         self.memo.append(value)
         return value
 
+    def recall(self) -> object:
+        return RUN  # a preflight runs each closure itself (``keep``)
+
     def retain(self, obj: object) -> None:
         pass
 
     def on_retire(self, fn: Finisher) -> None:
         pass
 
-    def _enqueued(self) -> None:
+    def enqueued(self) -> None:
         pass
 
     def mark(self) -> None:
@@ -421,13 +469,13 @@ class Preflight:
         return result
 
 
-def preflight(scope: ResourceScope, stream: Stream, op: object) -> list[object]:
+def preflight(scope: ResourceScope, stream: Stream, op: DeviceOp[Any]) -> list[object]:
     """Walk ``op`` (a DeviceOp of several pieces) with a :class:`Preflight`;
     raise what its real enqueue would raise before enqueueing anything, or
     return the kept closure results for ``EnqueueContext.memo``."""
     ctx = Preflight(scope, stream)
     try:
-        op._enqueue(ctx)  # type: ignore[attr-defined]
+        op._enqueue(ctx)
     except StopPreflight:
         pass
     ctx.memo.reverse()  # recall() pops from the end
@@ -453,7 +501,7 @@ def take_leases(
     ``sub`` None (the unsafe path) only checks the arrays; with ``check``
     (a :class:`Preflight`) it checks conflicts too, as for a new submission,
     and records nothing. ``foreign=True`` (cross-scope
-    copies, see ``_multi``) accepts live arrays of other scopes; their leases
+    copies, see ``_crosscopy``) accepts live arrays of other scopes; their leases
     are recorded on their allocations as any other, and conflicts with the
     other scope's in-flight work become device-side waits on its markers.
 
@@ -540,9 +588,9 @@ def _conflict(
     """``other`` (in-flight, another stream) conflicts with this access:
     note a device-side wait, or raise under ``conflicts="error"``."""
     if other.state is SubState.EXPORTED:
-        from ._export import conflict
-
-        other = conflict(scope, other, arr, access, what)  # raises unless released
+        exports = other.scope._extensions.exports
+        assert exports is not None, "an exported submission comes from the scope's exports"
+        other = exports.conflict(other, arr, access, what)  # raises unless released
         if other.stream is stream:
             return waits
     if other.state is SubState.QUARANTINED:
@@ -550,9 +598,9 @@ def _conflict(
     if other.state is not SubState.IN_FLIGHT or (waits is not None and other.id in waits):
         return waits
     marker = other.marker
-    owner = other.scope  # another scope's work, for cross-scope copies (``_multi``)
+    owner = other.scope  # another scope's work, for cross-scope copies (``_crosscopy``)
     if marker is None:
-        owner._flush(other.stream)
+        owner._completion.flush(other.stream)
         if other.marker is None:  # recording the marker failed: quarantined
             raise _unknown(what, arr, other)
     else:
@@ -612,7 +660,7 @@ def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op
     streams, a lease table large enough to be indexed, a read-only, closed,
     quarantined or foreign array, an export)
     takes the general path, which gives the same result or raises the same
-    error (``tests/test_lease_paths.py`` checks both agree)."""
+    error (``tests/core/test_lease_paths.py`` checks both agree)."""
     if FAST_LEASES:
         allocs, entries, simple = op._lease_plan or launch_lease_plan(op)
         live = AllocState.LIVE

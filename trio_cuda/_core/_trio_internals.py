@@ -17,7 +17,7 @@ Invariants:
 
 * Checked against Trio 0.35 (run by the tests) and the source of every release
   from 0.28 (the lowest the project requires) to 0.34: the same
-  ``GLOBAL_RUN_CONTEXT``, ``runner`` and ``runq``. ``tests/test_trio_internals.py`` pins the range
+  ``GLOBAL_RUN_CONTEXT``, ``runner`` and ``runq``. ``tests/core/test_trio_internals.py`` pins the range
   (:data:`CHECKED_TRIO`) and checks each answer against a run whose runnable
   tasks it arranges, so an upgrade that moves these internals fails there.
 * Never crashes on another layout: when the run context cannot be imported or
