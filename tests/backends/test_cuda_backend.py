@@ -531,6 +531,7 @@ STICKY_SCRIPT = textwrap.dedent(
     import numpy as np
     import trio
     import trio_cuda
+    from tests.helpers import internals
     from trio_cuda import InOut, Kernel, Scalar
 
     SRC = '''

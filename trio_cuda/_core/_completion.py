@@ -216,11 +216,11 @@ class Completion:
                 self.idle = None
                 idle.set()
 
-    @enable_ki_protection
-    def launched(self, sub: Submission, out: object) -> None:
+    def launched(self, sub: Submission, out: object, traced: bool) -> None:
         """``finish(sub, out, wake=False)`` for a lone kernel launch, the
-        hot path: the launch enqueued work. Unless markers are batched, the
-        caller flushes the stream next (after its trace records the launch)."""
+        hot path (its caller, ``ResourceScope._submit_launch``, is
+        KI-protected): the launch enqueued work. A traced scope records the
+        launch first, then calls :meth:`submitted`."""
         sub.dirty = True
         sub.output = out
         sub.state = _IN_FLIGHT
@@ -231,6 +231,17 @@ class Completion:
         if not unmarked:
             self.unflushed.append(s)
         unmarked.append(sub)
+        if not traced:
+            if not self.batch:
+                self.flush(s)
+            self.driver.notify_submitted()
+
+    def submitted(self, s: Stream) -> None:
+        """The end of ``finish`` once a submission on ``s`` is in flight:
+        its marker (unless markers are batched), and the driver told."""
+        if not self.batch:
+            self.flush(s)
+        self.driver.notify_submitted()
 
     @enable_ki_protection
     def flush(self, s: Stream) -> None:

@@ -597,13 +597,13 @@ class ResourceScope(metaclass=NoPublicConstructor):
             if self._tracer is not None:
                 trace_error(self, self._tracer, sub, exc)
             raise
-        c = self._completion
-        c.launched(sub, op._output)
-        if tr is not None:
-            trace_submit(self, tr, sub, op, mark)
-        if not c.batch:
-            c.flush(s)
-        self._driver.notify_submitted()
+        if tr is None:
+            self._completion.launched(sub, op._output, False)
+        else:
+            c = self._completion
+            c.launched(sub, op._output, True)
+            trace_submit(self, tr, sub, op, mark)  # before the marker
+            c.submitted(s)
         return sub
 
     @overload
