@@ -405,12 +405,13 @@ async def _scope_bench(raw: Raw) -> None:
             ("per_sub", False, 0.0),
         )
         for tag, batch, spin in variants:
-            gpu._batch, gpu._spin = batch, spin
+            gpu._completion.batch, gpu._completion.spin = batch, spin
             record(f"core_{tag}:safe_submit", await _submit_burst(gpu, op, s, B), "us")
             record(f"core_{tag}:roundtrip", await _roundtrip(gpu, op, s, B), "us")
             rates = [await _many_tasks(gpu, op, 100, 100) for _ in range(reps(5))]
             record(f"core_{tag}:100_tasks", med(rates), "launch/s")
-        gpu._batch, gpu._spin = ctx.capabilities.batch_markers, ctx.capabilities.await_spin
+        caps = ctx.capabilities
+        gpu._completion.batch, gpu._completion.spin = caps.batch_markers, caps.await_spin
 
 
 async def _strategy_bench(
