@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, final, overload
 
 import numpy as np
 
@@ -66,6 +66,36 @@ if TYPE_CHECKING:
 __all__ = ["CudaContext", "open_context"]
 
 log = logging.getLogger("trio_cuda")
+
+
+T = TypeVar("T")
+
+
+class _Setting(Generic[T]):
+    """A setting of one of the context's components (named by the
+    attribute that holds it), read and written through the context."""
+
+    __slots__ = ("component", "name")
+
+    def __init__(self, component: str) -> None:
+        self.component = component
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, ctx: None, owner: type | None = None) -> _Setting[T]: ...
+    @overload
+    def __get__(self, ctx: object, owner: type | None = None) -> T: ...
+    def __get__(self, ctx: object, owner: type | None = None) -> T | _Setting[T]:
+        if ctx is None:  # on the class: the descriptor itself
+            return self
+        value: T = getattr(getattr(ctx, self.component), self.name)
+        return value
+
+    def __set__(self, ctx: object, value: T) -> None:
+        setattr(getattr(ctx, self.component), self.name, value)
 
 
 @final
@@ -149,90 +179,23 @@ class CudaContext:
         return self._state
 
     # ------------------------------------------------------------------ tunables
-    @property
-    def wait_strategy(self) -> str:
-        return self._completion.wait_strategy
-
-    @wait_strategy.setter
-    def wait_strategy(self, value: str) -> None:
-        self._completion.wait_strategy = value
-
-    @property
-    def spin_budget(self) -> float:
-        return self._completion.spin_budget
-
-    @spin_budget.setter
-    def spin_budget(self, value: float) -> None:
-        self._completion.spin_budget = value
-
-    @property
-    def inline_spin(self) -> float:
-        return self._completion.inline_spin
-
-    @inline_spin.setter
-    def inline_spin(self, value: float) -> None:
-        self._completion.inline_spin = value
-
-    @property
-    def error_check_interval(self) -> float:
-        return self._completion.error_check_interval
-
-    @error_check_interval.setter
-    def error_check_interval(self, value: float) -> None:
-        self._completion.error_check_interval = value
-
-    @property
-    def poll_interval(self) -> float:
-        return self._completion.poll_interval
-
-    @poll_interval.setter
-    def poll_interval(self, value: float) -> None:
-        self._completion.poll_interval = value
-
-    @property
-    def max_poll_interval(self) -> float:
-        return self._completion.max_poll_interval
-
-    @max_poll_interval.setter
-    def max_poll_interval(self, value: float) -> None:
-        self._completion.max_poll_interval = value
-
-    @property
-    def sleep_max_interval(self) -> float:
-        return self._completion.sleep_max_interval
-
-    @sleep_max_interval.setter
-    def sleep_max_interval(self, value: float) -> None:
-        self._completion.sleep_max_interval = value
+    # settings of the components, read and written through the context (tests
+    # and benchmarks tune them; see the class docs)
+    wait_strategy = _Setting[str]("_completion")
+    spin_budget = _Setting[float]("_completion")
+    inline_spin = _Setting[float]("_completion")
+    error_check_interval = _Setting[float]("_completion")
+    poll_interval = _Setting[float]("_completion")
+    max_poll_interval = _Setting[float]("_completion")
+    sleep_max_interval = _Setting[float]("_completion")
+    record_events = _Setting[bool]("_table")
+    wait_marker_mode = _Setting[str]("_table")
+    marker_mode = _Setting[str]("_table")
 
     @property
     def counters(self) -> dict[str, int]:
         """Statistics of the completion waiter (for tests and benchmarks)."""
         return self._completion.counters
-
-    @property
-    def record_events(self) -> bool:
-        return self._table.record_events
-
-    @record_events.setter
-    def record_events(self, value: bool) -> None:
-        self._table.record_events = value
-
-    @property
-    def wait_marker_mode(self) -> str:
-        return self._table.wait_marker_mode
-
-    @wait_marker_mode.setter
-    def wait_marker_mode(self, value: str) -> None:
-        self._table.wait_marker_mode = value
-
-    @property
-    def marker_mode(self) -> str:
-        return self._table.marker_mode
-
-    @marker_mode.setter
-    def marker_mode(self, value: str) -> None:
-        self._table.marker_mode = value
 
     def set_wait_strategy(
         self, strategy: str, *, spin_budget: float | None = None, inline_spin: float | None = None
