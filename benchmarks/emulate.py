@@ -155,6 +155,18 @@ EMPTY = trio_cuda.Kernel.from_source(
     SRC, "empty", params=[trio_cuda.In("f4")] * 4 + [trio_cuda.Scalar("i4")], reference=_ref
 )
 
+WRITE2_SRC = 'extern "C" __global__ void write2(float* a, float* b, int n) {}'
+
+
+def _ref2(a: Any, b: Any, n: Any) -> None:
+    pass
+
+
+#: writes both its arrays: every launch conflicts with the last one on another stream
+WRITE2 = trio_cuda.Kernel.from_source(
+    WRITE2_SRC, "write2", params=[trio_cuda.InOut("f4")] * 2 + [trio_cuda.Scalar("i4")], reference=_ref2
+)
+
 
 # --------------------------------------------------------------------------- the Trio floor
 
@@ -227,6 +239,28 @@ async def lib_tasks(gpu: Any, op: Any, ntasks: int, per_task: int) -> float:
     return ntasks * per_task / (perf() - t0)
 
 
+async def lib_typed_tasks(gpu: Any, make: Any, ntasks: int, per_task: int, *, pin: bool) -> float:
+    """Launches/s of ``ntasks`` tasks, each awaiting ``per_task`` launches
+    built per await by ``make()``; with ``pin``, task i runs on stream i % 4
+    (else the policy picks)."""
+    go = trio.Event()
+    streams = gpu.streams
+
+    async def worker(i: int) -> None:
+        s = streams[i % len(streams)] if pin else None
+        await go.wait()
+        for _ in range(per_task):
+            await gpu.run(make(), stream=s)
+
+    async with trio.open_nursery() as n:
+        for i in range(ntasks):
+            n.start_soon(worker, i)
+        await _start_line()
+        t0 = perf()
+        go.set()
+    return ntasks * per_task / (perf() - t0)
+
+
 def med(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
@@ -269,6 +303,25 @@ async def main(reps: int, only: str) -> dict[str, float]:
         out["lib submit"] = med(per)
         out["lib 100 tasks"] = med([await lib_tasks(gpu, op, 100, 100) for _ in range(reps)])
         out["lib 10k tasks"] = med([await lib_tasks(gpu, op, 10_000, 3) for _ in range(max(1, reps // 2))])
+        # typed launch per await: independent reads, then 4 streams that all
+        # write the same two buffers (every launch a cross-stream conflict)
+        bufs = [gpu.empty(256, np.float32) for _ in range(4)]
+
+        def typed() -> Any:
+            return EMPTY.launch(*bufs, 256, grid=1, block=1)
+
+        a, b = bufs[:2]
+
+        def writes() -> Any:
+            return WRITE2.launch(a, b, 256, grid=1, block=1)
+
+        await gpu.run(writes())
+        out["lib 100 typed"] = med(
+            [await lib_typed_tasks(gpu, typed, 100, 100, pin=False) for _ in range(reps)]
+        )
+        out["lib 100 conflict"] = med(
+            [await lib_typed_tasks(gpu, writes, 100, 100, pin=True) for _ in range(reps)]
+        )
 
     # the same round trip with a lifetime trace recording
     trace = trio_cuda.trace.Trace(limit=100_000)
@@ -307,6 +360,8 @@ def report(out: dict[str, float]) -> None:
     print(f"submit / launch           {out['lib submit'] / (LAUNCH * 1e6):.3f}")
     print(f"100 tasks / floor         {out['lib 100 tasks'] / out['floor 100 tasks']:.3f}")
     print(f"10k / 100 tasks (lib)     {out['lib 10k tasks'] / out['lib 100 tasks']:.3f}")
+    print(f"conflict / 100 tasks      {out['lib 100 conflict'] / out['lib 100 tasks']:.3f}")
+    print(f"conflict / 100 typed      {out['lib 100 conflict'] / out['lib 100 typed']:.3f}")
     print(f"10k / 100 tasks (floor)   {out['floor 10k tasks'] / out['floor 100 tasks']:.3f}")
 
 

@@ -4,7 +4,8 @@
 
 Everything is measured in one process on one GPU, as medians over repeats:
 raw cuda.bindings launches (and the argument-packing variants), the library's
-launch paths (unsafe.async_on, safe submit, await run), many-task throughput,
+launch paths (unsafe.async_on, safe submit, await run), many-task throughput
+(and 100 tasks on 4 streams that all write the same two buffers),
 idle CPU while awaiting a long kernel, the completion strategies A/B, the
 cross-stream wait A/B, graph replay, the stream policy, disjoint chunks of
 one buffer on 4 streams (``chunks``), tile kernels (``tile``: against SIMT
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import trio
 
 import trio_cuda
-from trio_cuda import In, Kernel, Scalar
+from trio_cuda import In, InOut, Kernel, Scalar
 from trio_cuda._backends import probe_cuda
 
 EMPTY_SRC = r"""
@@ -48,6 +49,11 @@ extern "C" __global__ void spin(unsigned long long ns) {
 }
 """
 EMPTY = Kernel.from_source(EMPTY_SRC, "empty", params=[In("f4"), In("f4"), In("f4"), In("f4"), Scalar("i4")])
+WRITE2_SRC = r"""
+extern "C" __global__ void write2(float* a, float* b, int n) { }
+"""
+#: writes both its arrays: on 4 streams, every launch conflicts with the last one
+WRITE2 = Kernel.from_source(WRITE2_SRC, "write2", params=[InOut("f4"), InOut("f4"), Scalar("i4")])
 SPIN = Kernel.from_source(SPIN_SRC, "spin", params=[Scalar("u8")])
 
 perf = time.perf_counter
@@ -484,6 +490,32 @@ async def _many_tasks(gpu: Any, op: Any, ntasks: int, per_task: int, *, spawn: b
     return ntasks * per_task / (perf() - t0)
 
 
+async def _conflict_tasks(gpu: Any, a: Any, b: Any, ntasks: int, per_task: int) -> float:
+    """Launches/s of ``ntasks`` tasks, task i on stream i % 4, each awaiting
+    ``per_task`` typed launches (built per await) that write ``a`` and ``b``:
+    every launch is a cross-stream conflict, ordered device-side. The clock
+    starts once every task waits at the start line."""
+    go = trio.Event()
+    streams = gpu.streams
+
+    async def worker(i: int) -> None:
+        s = streams[i % len(streams)]
+        await go.wait()
+        for _ in range(per_task):
+            await gpu.run(WRITE2.launch(a, b, 256, grid=1, block=1), stream=s)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(ntasks):
+            nursery.start_soon(worker, i)
+        for _ in range(100):  # until every worker waits at the start line
+            await trio.lowlevel.checkpoint()
+            if not trio.lowlevel.current_statistics().tasks_runnable:
+                break
+        t0 = perf()
+        go.set()
+    return ntasks * per_task / (perf() - t0)
+
+
 async def _tasks_bench(raw: Raw) -> None:
     async with trio_cuda.open_scope(device="cuda", streams=4) as gpu:
         bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
@@ -499,6 +531,11 @@ async def _tasks_bench(raw: Raw) -> None:
         record("tasks_100_with_spawn", med(r100), "launch/s")
         r10k = [await _many_tasks(gpu, op, 10_000, 5) for _ in range(reps(3))]
         record("tasks_10000_with_spawn", med(r10k), "launch/s")
+        # 4 streams that all write the same two buffers, a typed launch per await
+        a, b = bufs[:2]
+        await gpu.run(WRITE2.launch(a, b, 256, grid=1, block=1))
+        rc = [await _conflict_tasks(gpu, a, b, 100, 200) for _ in range(reps(5))]
+        record("tasks_100_conflict_4_streams", med(rc), "launch/s")
 
         # per-op memory: peak traced bytes per concurrently awaited op
         for n in (100, 10_000):
@@ -819,6 +856,14 @@ def table() -> list[dict[str, Any]]:
     row("100 tasks, own launches", t100, "launch/s", f100, ">= 0.85 x Trio floor", lambda r: r >= 0.85)
     row("100 tasks, x raw launch rate", t100, "launch/s", raw_rate, "(report)", None)
     row("10,000 tasks", v("tasks_10000"), "launch/s", t100, ">= 0.8 x 100-task rate", lambda r: r >= 0.8)
+    row(
+        "100 tasks on 4 streams, same 2 bufs",
+        v("tasks_100_conflict_4_streams"),
+        "launch/s",
+        t100,
+        ">= 0.5 x 100-task rate",
+        lambda r: r >= 0.5,
+    )
     m100, m10k = v("mem_per_op_100_tasks"), v("mem_per_op_10000_tasks")
     row("memory per op, 10k vs 100 tasks", m10k, "B/op", m100, "no growth (<= 1.2x)", lambda r: r <= 1.2)
     cpu = v("adaptive:cpu_100ms_kernel")

@@ -1,23 +1,31 @@
 """The fast lease path of single kernel launches agrees with the general one.
 
 ``take_launch_leases`` (``trio_cuda._core._submit``) records a launch's leases
-from its precomputed access plan when nothing needs ordering or refusing, and
-falls back to ``take_leases`` otherwise. Setting the module global
+from its precomputed access plan, ordering leases of other streams in its way
+itself under ``conflicts="order"``, and falls back to ``take_leases`` where
+a conflict must be refused, an exported or quarantined submission is in the
+way, a lease table is indexed, or an array is closed, read-only (for a
+write) or not live. Setting the module global
 ``FAST_LEASES = False`` sends every launch through ``take_leases``. A
 hypothesis property runs random programs (arrays, views, read-only views,
 closed handles, launches of kernels with In/Out/InOut parameters built once
-and submitted again later, on policy-chosen or pinned streams, with
+and submitted again later, on policy-chosen or pinned streams, bursts of
+launches on up to four streams that all write the same buffers (every launch a
+cross-stream conflict), bursts of up to 40 reads of one whole or partial view
+(past the lease-table index threshold), with
 ``conflicts="order"`` or ``"error"``, a held device stepped at random,
 injected faults) twice on fresh simulated devices, once with each setting,
 and compares after every step: the exceptions (type and message), every
 allocation's lease table (``active``, ``writers``, ``readers`` with their extents, state,
-handles), the commands queued on every stream (cross-stream
+handles, whether it has a range index), the commands queued on every stream (cross-stream
 ``wait_marker`` commands included), the scope's statistics; at the end the
 device trace and counters, the memory contents and the exit's errors. Both
 runs must also leave ``sim.violations == []``.
 
-Launches that took the fast path and launches that fell back are counted,
-and both must occur, so that the property cannot hold vacuously.
+Launches that took the fast path (with and without cross-stream waits) and
+launches that fell back are counted, each path must be taken exactly when
+predicted, and each kind must occur, so that the property cannot hold
+vacuously.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ from tests.helpers.kernels import stub_source
 from trio_cuda import In, InOut, Out, Scalar
 from trio_cuda._core import _scope, _submit
 from trio_cuda._core._array import AllocState
+from trio_cuda._core._extent import array_extent, overlaps
 from trio_cuda._core._ops import Access
+from trio_cuda._core._submit import SubState
 from trio_cuda.testing import SimDevice
 
 N = 16
@@ -94,6 +104,13 @@ STEPS: dict[str, tuple[int, st.SearchStrategy[tuple[Any, ...]]]] = {
     "submit": (6, st.tuples(st.just("submit"), idx, stream_choice)),  # a launch built before
     "complete_next": (6, st.tuples(st.just("complete_next"))),
     "build": (2, st.tuples(st.just("build"), kernel, arg_picks)),
+    #: launches of a writing kernel on streams first, first + 1, ...
+    "writes": (
+        3,
+        st.tuples(st.just("writes"), st.sampled_from([0, 1, 2]), arg_picks, st.integers(2, 8), idx),
+    ),
+    #: reads of one array on streams first, first + 1, ... (up to past ``INDEX_AT``)
+    "reads": (3, st.tuples(st.just("reads"), idx, st.one_of(st.integers(1, 8), st.integers(30, 40)), idx)),
     "alloc": (2, st.tuples(st.just("alloc"), st.integers(0, 9), stream_choice)),
     "view": (2, st.tuples(st.just("view"), idx, st.integers(0, N - 1), st.integers(1, N))),
     "reshape": (1, st.tuples(st.just("reshape"), idx)),
@@ -109,7 +126,7 @@ step = st.sampled_from([k for k, (w, _) in STEPS.items() for _ in range(w)]).fla
 programs = st.fixed_dictionaries(
     {
         "conflicts": st.sampled_from(["order", "error"]),
-        "streams": st.integers(1, 3),
+        "streams": st.integers(1, 4),
         "held": st.booleans(),
         #: the arrays made first (by the stream each is allocated on)
         "arrays": st.lists(stream_choice, min_size=2, max_size=4),
@@ -142,6 +159,7 @@ class Run:
                     alloc.state.value,
                     alloc.handles,
                     alloc.active,
+                    alloc.index is not None,
                     tuple(sorted((w.id, e) for w, e in alloc.writers.items())),
                     tuple(sorted((r.id, e) for r, e in alloc.readers.items())),
                 )
@@ -224,6 +242,13 @@ class Run:
                     op = build(step_[1], step_[2])
                     launches.append(op)
                     gpu.submit(op, stream=stream_of(step_[3]))
+                elif kind == "writes":  # copy1, mix, bump: each writes
+                    for j in range(step_[3]):
+                        gpu.submit(build(step_[1], step_[2]), stream=stream_of(step_[4] + j))
+                elif kind == "reads":
+                    h = handle(step_[1])
+                    for j in range(step_[2]):
+                        gpu.submit(KERNELS[3].launch(h, h, grid=1, block=N), stream=stream_of(step_[3] + j))
                 elif kind == "hold":
                     sim.hold()
                 elif kind == "release":
@@ -253,7 +278,9 @@ class Run:
 
 
 def _why_general(scope: Any, stream: Any, op: Any) -> str:
-    """Why ``take_launch_leases`` should leave its fast path ("-": it should not)."""
+    """Why ``take_launch_leases`` should leave its fast path ("-": it should
+    not; "- ordered": it should not, and orders leases of other streams)."""
+    in_way: list[Any] = []
     for arr, access in internals.accesses_of(op):
         alloc = internals.allocation_of(arr)
         write = access is Access.WRITE
@@ -261,13 +288,21 @@ def _why_general(scope: Any, stream: Any, op: Any) -> str:
             return "closed handle"
         if alloc.state is not AllocState.LIVE:
             return f"{alloc.state.value} memory"
+        if alloc.index is not None:
+            return "indexed lease table"
         if write and arr.readonly:  # pragma: no cover - k.launch refuses it
             return "read-only write"
-        if any(w.stream is not stream for w in alloc.writers):
-            return "writer on another stream"
-        if write and any(r.stream is not stream for r in alloc.readers):
-            return "reader on another stream"
-    return "-"
+        ext = array_extent(arr)
+        tables = (alloc.writers, alloc.readers) if write else (alloc.writers,)
+        for table in tables:
+            in_way += [s for s, e in table.items() if s.stream is not stream and overlaps(e, ext)]
+    if not in_way:
+        return "-"
+    if internals.conflict_mode(scope) == "error":
+        return "conflict to refuse"
+    if any(s.state in (SubState.EXPORTED, SubState.QUARANTINED) for s in in_way):
+        return "exported or quarantined work in the way"
+    return "- ordered"
 
 
 def _run(program: dict[str, Any], fast: bool, counts: Counter[str]) -> Run:
@@ -277,14 +312,16 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str]) -> Run:
 
     def counting(scope: Any, stream: Any, sub: Any, op: Any) -> None:
         why = _why_general(scope, stream, op)
-        took = "fallback"  # errors come from the general path
+        took = "error"  # from either path: the records compare them
         try:
             real(scope, stream, sub, op)
-            if type(sub.leases) is tuple:  # the general path makes a dict
-                took = "fast"
+            # the general path makes a dict
+            took = "fast" if type(sub.leases) is tuple else "fallback"
         finally:
             counts[took] += 1
             counts[f"{took}: {why}"] += 1
+            if took == "fast" and sub.dirty:
+                counts["fast with waits"] += 1
 
     _submit.FAST_LEASES = fast
     if fast:
@@ -323,10 +360,14 @@ def test_fast_and_general_lease_paths_agree() -> None:
     print(dict(sorted(counts.items())))
     assert _submit.FAST_LEASES is True
     # the fast path was taken exactly when nothing called for the general one
-    assert counts["fast"] == counts["fast: -"], counts
-    assert counts["fallback: -"] == 0, counts
-    assert counts["fast"] > 0, counts
+    assert counts["fast"] == counts["fast: -"] + counts["fast: - ordered"], counts
+    assert counts["fallback: -"] == counts["fallback: - ordered"] == 0, counts
+    assert counts["fast: -"] > 0, counts
+    assert counts["fast: - ordered"] > 0, counts
+    assert counts["fast with waits"] > 0, counts
     assert counts["fallback"] > 0, counts
+    assert counts["fallback: indexed lease table"] > 0, counts
+    assert counts["fallback: conflict to refuse"] > 0, counts
     assert counts["programs with cross-stream waits"] > 0, counts
     assert counts["programs with conflicts refused"] > 0, counts
 

@@ -372,6 +372,51 @@ async def test_many_chunks_in_flight_are_indexed_and_exact(sim):
         np.testing.assert_array_equal(await gpu.to_host(x), np.arange(n, dtype=F4))
 
 
+async def test_whole_allocation_leases_build_no_index_and_keep_the_fast_path(sim, monkeypatch):
+    # 40 whole reads of x in flight on 4 streams (past INDEX_AT), then a
+    # write of x: no range index is built, every launch takes the launch fast
+    # path, and the write waits device-side for the readers of the 3 other
+    # streams
+    from trio_cuda._core import _leases, _submit
+
+    general = []
+    real = _submit.take_leases
+    monkeypatch.setattr(_submit, "take_leases", lambda *a, **k: (general.append(a[4]), real(*a, **k)))
+    n = 40
+    assert n > _leases.INDEX_AT
+    async with trio_cuda.open_scope(device=sim, streams=4) as gpu:
+        x = await gpu.to_device(_arange())
+        ys = [gpu.zeros(N, F4) for _ in range(n)]
+        await gpu.run(ops.value(None))
+        alloc = internals.allocation_of(x)
+        general.clear()  # the uploads and fills: not single launches
+        with held(sim):
+            for i, y in enumerate(ys):
+                gpu.submit(copy(x, y), stream=gpu.streams[i % 4])
+            assert len(alloc.readers) == n
+            assert alloc.index is None
+            before = [c.seq for c in internals.queued_commands(gpu.streams[0])]
+            gpu.submit(add(x, 1.0), stream=gpu.streams[0])
+            new = [c for c in internals.queued_commands(gpu.streams[0]) if c.seq not in before]
+            # one wait per reader of another stream, as the general path makes them
+            kinds = [c.kind for c in new if c.kind != "marker"]
+            assert kinds == ["wait_marker"] * (n - n // 4) + ["launch"]
+            assert alloc.index is None
+            assert len(alloc.writers) == 1
+            assert not alloc.readers
+            assert general == []  # every launch took the fast path
+        for y in ys:
+            np.testing.assert_array_equal(await gpu.to_host(y), _arange())
+        np.testing.assert_array_equal(await gpu.to_host(x), _arange() + 1)
+        # partial reads past INDEX_AT still get an index (and the general path)
+        general.clear()
+        with held(sim):
+            for i, y in enumerate(ys):
+                gpu.submit(copy(x[:H], y[:H]), stream=gpu.streams[i % 4])
+            assert alloc.index is not None
+            assert general == ["copy_f4"] * (n - 1 - _leases.INDEX_AT)
+
+
 async def test_quarantine_of_one_chunk_quarantines_the_allocation(sim):
     async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
         x = await gpu.to_device(_arange())

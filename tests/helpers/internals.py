@@ -287,3 +287,8 @@ def patch_completion_steps(
 
     for name, fn in zip(_STEPS, (retire, quarantine, host_step), strict=True):
         monkeypatch.setattr(Completion, name, on_completion(fn))
+
+
+def conflict_mode(gpu: Any) -> Any:
+    """The scope's ``conflicts=`` mode ("order" or "error")."""
+    return gpu._conflicts

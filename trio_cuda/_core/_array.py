@@ -17,7 +17,10 @@ Invariants:
   whose extent overlaps it, and never against disjoint ones. ``active`` counts
   leases per allocation, so freeing stays per allocation.
 * A handle is C- or F-contiguous (``order``); views that would not be are
-  refused. ``_offset`` is the handle's byte offset into its allocation.
+  refused. ``_offset`` is the handle's byte offset into its allocation;
+  ``_extent`` (the bytes it can touch, see ``_extent``) and ``_whole``
+  (whether they are the whole allocation) are computed once, when the
+  handle is made: a handle's layout never changes.
 * A handle's dtype is never a sub-array dtype: its shape joins the array's
   (``normalize_shape(shape, dtype)``, as NumPy does). Every dimension, and
   the bytes a shape spans with every dimension counted at least once, fit
@@ -264,12 +267,14 @@ class DeviceArray(metaclass=NoPublicConstructor):
         "_cai",
         "_closed",
         "_dtype",
+        "_extent",
         "_finalizer",
         "_info",
         "_offset",
         "_order",
         "_readonly",
         "_shape",
+        "_whole",
     )
 
     _obtain = "use scope.empty() or scope.to_device()"
@@ -281,6 +286,10 @@ class DeviceArray(metaclass=NoPublicConstructor):
     _closed: bool
     _offset: int
     _order: Order
+    #: the bytes it can touch in its allocation (``_extent``), and whether
+    #: that is all of the allocation, fixed when the handle is made
+    _extent: Extent
+    _whole: bool
     _info: _GcInfo | None
     _cai: dict[str, Any] | None
     _finalizer: weakref.finalize[Any, Any]
@@ -307,6 +316,15 @@ class DeviceArray(metaclass=NoPublicConstructor):
         self._closed = False
         self._offset = offset
         self._order = "C" if order == "F" and _trivial(shape) else order
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        if n:
+            self._extent = (offset, offset + n)
+            self._whole = not offset and n >= alloc.nbytes
+        else:
+            self._extent = ()
+            self._whole = False
         self._cai = None
         alloc.handles += 1
         if track and _tracking_unclosed():

@@ -9,7 +9,10 @@ Invariants:
   (:func:`union` coalesces); ``()`` is the empty extent, which touches no byte
   and overlaps nothing.
 * A :class:`~trio_cuda.DeviceArray` is always C- or F-contiguous, so its extent
-  is exactly the bytes it can touch: one range, ``[offset, offset + nbytes)``.
+  is exactly the bytes it can touch: one range, ``[offset, offset + nbytes)``,
+  or ``()`` when it holds no element. The handle computes it once, when it is
+  made (with whether it covers its whole allocation), since a handle's layout
+  never changes.
   No extent ever covers less than what its work can touch.
 * Two accesses conflict only where their extents overlap; a write whose
   extent covers another lease's extent supersedes it for ordering (everything
@@ -30,14 +33,9 @@ EMPTY: Extent = ()
 
 
 def array_extent(arr: DeviceArray) -> Extent:
-    """The bytes ``arr`` can touch, relative to its allocation."""
-    n = arr._dtype.itemsize
-    for d in arr._shape:
-        n *= d
-    if not n:
-        return EMPTY
-    lo = arr._offset
-    return (lo, lo + n)
+    """The bytes ``arr`` can touch, relative to its allocation (computed
+    once, when the handle was made: ``DeviceArray._create``)."""
+    return arr._extent
 
 
 def overlaps(a: Extent, b: Extent) -> bool:

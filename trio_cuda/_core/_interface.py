@@ -94,6 +94,9 @@ class ArrayInternals(Protocol):
     _shape: tuple[int, ...]
     _dtype: np.dtype[Any]
     _order: Literal["C", "F"]
+    #: the bytes it can touch in its allocation, and whether that is all of it
+    _extent: tuple[int, ...]
+    _whole: bool
     #: a read-only handle (``as_readonly``), and a closed one
     _readonly: bool
     _closed: bool

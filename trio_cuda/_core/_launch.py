@@ -190,9 +190,10 @@ class KernelLaunch(DeviceOp[LaunchOutput], metaclass=NoPublicConstructor):
     #: :attr:`config` are its public parts)
     prepared: PreparedLaunch
     _accesses: tuple[tuple[DeviceArray, Access], ...]
-    #: the allocations it leases (each once) and one (allocation, access,
-    #: extent, whole) entry per access, shared by every submission of this
-    #: launch (made by its first safe submission, ``take_launch_leases``)
+    #: the allocations it leases (each once), one (array, allocation, access,
+    #: extent) entry per access and whether every entry is a whole allocation
+    #: of its own, shared by every submission of this launch (made by its
+    #: first safe submission from its arrays' extents, ``launch_lease_plan``)
     _lease_plan: LeasePlan | None
     _output: LaunchOutput
 

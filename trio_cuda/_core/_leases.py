@@ -8,10 +8,16 @@ Invariants:
 * An entry is in a table from the lease's recording until its submission
   retires, or until a later write whose extent covers it drops it (the later
   write is ordered after it, and whatever overlaps it overlaps the write).
-* Small tables are scanned. A table that grows past ``INDEX_AT`` entries gets
-  a :class:`RangeIndex`. Every entry enters a table through
-  :func:`record_lease`, which keeps the index in step (while an allocation has
-  one, the launch fast path steps aside: ``take_launch_leases``); retirement
+* Small tables are scanned. A table that grows past ``INDEX_AT`` entries
+  through the recording of a *partial* lease (an extent short of the whole
+  allocation) gets a :class:`RangeIndex`; a whole-allocation lease never makes
+  one (its extent overlaps every entry, so an index could not narrow a query),
+  so an allocation that only ever gets whole-allocation leases never has an
+  index and keeps the launch fast path. Every entry enters a table through
+  :func:`record_lease` (or the launch fast path's whole-allocation recording,
+  which is the same for an allocation without an index), which keeps the
+  index in step (while an allocation has one, the launch fast path steps
+  aside: ``take_launch_leases``); retirement
   pops entries from the tables only, and the index drops them lazily (a
   query skips entries no longer in their table; the index is rebuilt when
   most of it is stale, and dropped when the tables are empty). So a query for
@@ -183,5 +189,5 @@ def record_lease(alloc: Allocation, sub: Submission, access: Access, ext: Extent
         readers[sub] = ext
         if index is not None:
             index.add(False, sub, ext)
-    if index is None and len(writers) + len(readers) > INDEX_AT:
-        alloc.index = RangeIndex(alloc)
+    if index is None and len(writers) + len(readers) > INDEX_AT and not _whole(alloc, ext):
+        alloc.index = RangeIndex(alloc)  # only partial leases need one

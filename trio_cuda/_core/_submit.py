@@ -521,7 +521,7 @@ def take_leases(
             raise KernelArgumentError(f"{what}: write access to a read-only array ({arr!r})")
         if sub is None and not check:
             continue
-        ext = array_extent(arr)
+        ext = arr._extent
         extents.append(ext)
         if not ext:
             continue
@@ -535,23 +535,7 @@ def take_leases(
     if sub is None:
         return
     if waits:
-        wait_marker = scope._driver.wait_marker
-        handle = stream.handle
-        for other in waits.values():
-            assert other.marker is not None
-            wait_marker(handle, other.marker)
-        sub.dirty = True
-        tr = scope._tracer
-        if tr is not None:
-            for other in waits.values():
-                tr.emit(
-                    "wait",
-                    "wait",
-                    scope._trace_id,
-                    stream.index,
-                    sub.id,
-                    args={"on": other.id, "on_stream": other.stream.index, "what": what},
-                )
+        _issue_waits(scope, stream, sub, waits, what)
     leases = sub.leases
     if type(leases) is not dict:
         assert not leases, "a single launch's leases are taken once"
@@ -565,6 +549,30 @@ def take_leases(
         elif prev is not access and access is write:
             leases[alloc] = access
         record_lease(alloc, sub, access, ext)
+
+
+def _issue_waits(
+    scope: ResourceScope, stream: Stream, sub: Submission, waits: dict[int, Submission], what: str
+) -> None:
+    """Make ``stream`` wait, device-side, for each of ``waits`` (in-flight
+    work of other streams, each behind its marker), for ``sub``."""
+    wait_marker = scope._driver.wait_marker
+    handle = stream.handle
+    for other in waits.values():
+        assert other.marker is not None
+        wait_marker(handle, other.marker)
+    sub.dirty = True
+    tr = scope._tracer
+    if tr is not None:
+        for other in waits.values():
+            tr.emit(
+                "wait",
+                "wait",
+                scope._trace_id,
+                stream.index,
+                sub.id,
+                args={"on": other.id, "on_stream": other.stream.index, "what": what},
+            )
 
 
 def _unknown(what: str, arr: DeviceArray, other: Submission) -> CompletionUnknownError:
@@ -632,66 +640,119 @@ FAST_LEASES = True
 #: access; whether every entry is a whole allocation of its own)
 LeasePlan = tuple[tuple[Allocation, ...], tuple[tuple[DeviceArray, Allocation, Access, Extent], ...], bool]
 
+#: a lease in the way of a launch: (the launch's array, the other stream's
+#: submission, the access it holds, the launch's access, the extent it holds)
+_Conflict = tuple[DeviceArray, Submission, Access, Access, Extent]
+
 
 def launch_lease_plan(op: KernelLaunch) -> LeasePlan:
-    """``op``'s lease plan, made once and shared by its submissions."""
+    """``op``'s lease plan, made once and shared by its submissions (each
+    array's extent, and whether it is its whole allocation, come from the
+    handle: ``DeviceArray._create`` computed them)."""
     plan = op._lease_plan
     if plan is None:
         entries = []
+        allocs: list[Allocation] = []
         simple = True
         for arr, access in op._accesses:
             alloc = arr._alloc
-            ext = array_extent(arr)
-            simple = simple and len(ext) == 2 and ext[0] == 0 and ext[1] >= alloc.nbytes
-            entries.append((arr, alloc, access, ext))
-        allocs = tuple(dict.fromkeys(e[1] for e in entries))
-        plan = (allocs, tuple(entries), simple and len(allocs) == len(entries))
+            entries.append((arr, alloc, access, arr._extent))
+            if alloc in allocs:
+                simple = False
+            else:
+                allocs.append(alloc)
+            if not arr._whole:
+                simple = False
+        plan = (tuple(allocs), tuple(entries), simple)
         object.__setattr__(op, "_lease_plan", plan)
     return plan
 
 
 def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op: KernelLaunch) -> None:
     """``take_leases`` for a single kernel launch, from its lease plan: when
-    every array is a live, usable array of this scope and no other stream
-    holds a lease in the way (a writer at all, or a reader where this
-    launch writes), the leases are recorded with no per-submission
-    allocation (``sub.leases`` is the plan's shared tuple of allocations).
-    Anything else (a conflict to order or refuse, disjoint leases of other
-    streams, a lease table large enough to be indexed, a read-only, closed,
-    quarantined or foreign array, an export)
-    takes the general path, which gives the same result or raises the same
-    error (``tests/core/test_lease_paths.py`` checks both agree)."""
+    every array is a live, usable array of this scope whose allocation has no
+    range index, the leases are recorded with no per-submission allocation
+    (``sub.leases`` is the plan's shared tuple of allocations). Leases of
+    other streams in the way (a writer whose extent overlaps, or a reader
+    where this launch writes) are ordered here under ``conflicts="order"``:
+    each goes through ``_conflict``, the general path's own step (its marker
+    flushed first if needed, polled, and a completion that cannot be
+    established raised as there), in the general path's order, and the
+    device-side waits are issued as there (``_issue_waits``). Anything else
+    (``conflicts="error"`` with a lease in the way, an exported or
+    quarantined submission in the way, an indexed lease table, a read-only,
+    closed, quarantined or foreign array) takes the general path, before
+    anything was flushed or enqueued; it gives the same result or raises the
+    same error (``tests/core/test_lease_paths.py`` checks both agree)."""
     if FAST_LEASES:
         allocs, entries, simple = op._lease_plan or launch_lease_plan(op)
         live = AllocState.LIVE
         write = Access.WRITE
-        for arr, alloc, access, _ in entries:
+        conflicts: list[_Conflict] | None = None
+        for arr, alloc, access, ext in entries:
             if arr._closed or alloc.state is not live or alloc.scope is not scope or alloc.index is not None:
                 break
-            if alloc.writers and any(w.stream is not stream for w in alloc.writers):
+            if access is write and arr._readonly:
                 break
-            if access is write and (
-                arr._readonly or (alloc.readers and any(r.stream is not stream for r in alloc.readers))
-            ):
-                break
+            if not ext:
+                continue
+            writers = alloc.writers
+            if writers:
+                for w, wext in writers.items():
+                    if w.stream is not stream and (simple or overlaps(wext, ext)):
+                        if conflicts is None:
+                            conflicts = []
+                        conflicts.append((arr, w, write, access, wext))
+            if access is write:
+                readers = alloc.readers
+                if readers:
+                    for r, rext in readers.items():
+                        if r.stream is not stream and (simple or overlaps(rext, ext)):
+                            if conflicts is None:
+                                conflicts = []
+                            conflicts.append((arr, r, Access.READ, access, rext))
         else:
-            if simple:  # whole allocations, each once: the common case
-                for _, alloc, access, ext in entries:
-                    alloc.active += 1
-                    if access is write:
-                        writers = alloc.writers
-                        if writers:
-                            writers.clear()
-                        if alloc.readers:
-                            alloc.readers.clear()
-                        writers[sub] = ext
-                    else:
-                        alloc.readers[sub] = ext
-            else:
-                for alloc in allocs:
-                    alloc.active += 1
-                for _, alloc, access, ext in entries:
-                    record_lease(alloc, sub, access, ext)
-            sub.leases = allocs
-            return
+            if conflicts is None or _order_conflicts(scope, stream, sub, op, conflicts):
+                if simple:  # whole allocations, each once: the common case
+                    for _, alloc, access, ext in entries:
+                        alloc.active += 1
+                        if access is write:
+                            writers = alloc.writers
+                            if writers:
+                                writers.clear()
+                            if alloc.readers:
+                                alloc.readers.clear()
+                            writers[sub] = ext
+                        else:
+                            alloc.readers[sub] = ext
+                else:
+                    for alloc in allocs:
+                        alloc.active += 1
+                    for _, alloc, access, ext in entries:
+                        record_lease(alloc, sub, access, ext)
+                sub.leases = allocs
+                return
     take_leases(scope, stream, sub, op._accesses, op.prepared.kernel.name)
+
+
+def _order_conflicts(
+    scope: ResourceScope, stream: Stream, sub: Submission, op: KernelLaunch, conflicts: list[_Conflict]
+) -> bool:
+    """The launch fast path's cross-stream conflicts under ``conflicts="order"``:
+    the device-side waits, as ``take_leases`` makes them (True), or False,
+    before anything is done, where the general path must take them."""
+    if scope._conflicts != "order":
+        return False
+    exported = SubState.EXPORTED
+    quarantined = SubState.QUARANTINED
+    for c in conflicts:
+        state = c[1].state
+        if state is exported or state is quarantined:
+            return False
+    what = op.prepared.kernel.name
+    waits: dict[int, Submission] | None = None
+    for arr, other, held, access, held_ext in conflicts:
+        waits = _conflict(scope, stream, waits, arr, other, held, access, what, held_ext)
+    if waits:
+        _issue_waits(scope, stream, sub, waits, what)
+    return True
