@@ -11,43 +11,59 @@ Invariants:
   limits that need no device: "unchecked" is about the arguments, and a
   geometry no GPU runs is cheap to refuse); the device's own limits are
   checked at submission.
+* Each argument is packed when it is added, at its C offset, into the
+  builder's own ``bytearray`` (the bytes :func:`_arena._pack` lays out for
+  the same ``(size, alignment)`` slots, padding zero); an argument that is
+  refused changes nothing. ``finalize_unchecked()`` copies those bytes into
+  the launch, so a builder can go on (or be finalized again) without
+  touching the launches it made.
 * A builder whose layout matches its kernel's uses the kernel's own
   :class:`ParamPlan`; other layouts share one plan each (bounded cache).
+* The launch's argument views are made from a snapshot of the arguments the
+  first time a backend asks for them (``PreparedLaunch.arg_views``), and are
+  the views an eager build would have made.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import struct
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._arena import _POINTER, ParamPlan, _pack, _scalar_bytes
+from ._arena import _STRUCT_CODES, ParamPlan, _scalar_bytes
 from ._array import DeviceArray
-from ._config import cached_config
+from ._config import _CONFIG_CACHE, LaunchConfig, cached_config
 from ._errors import KernelArgumentError
 from ._final import NoPublicConstructor, final
-from ._launch import ArgView, KernelLaunch, PreparedLaunch, _merge_accesses
+from ._launch import ArgView, KernelLaunch, PreparedLaunch, _make_launch, _merge_accesses
 from ._ops import Access
 from ._params import AccessName, _access_from_name, _align_up, _param_dtype_problem, dtype_alignment
 
 if TYPE_CHECKING:
     from ._kernel import Kernel
 
+Layout = tuple[tuple[int, int], ...]
 
-_PLAN_CACHE: dict[tuple[tuple[int, int], ...], ParamPlan] = {}
+_PLAN_CACHE: dict[Layout, ParamPlan] = {}
+#: id of a kernel's own plan -> (that plan, its layout); the plan is held, so
+#: its id is not reused while it is a key
+_OWN_LAYOUTS: dict[int, tuple[ParamPlan, Layout]] = {}
 
 
-def _plan_for(kernel: Kernel, layout: Sequence[tuple[int, int]]) -> ParamPlan:
+def _plan_for(kernel: Kernel, key: Layout) -> ParamPlan:
     """The arena plan of a builder's ``(size, alignment)`` layout: the kernel's
     own plan when they agree (backends cache per plan), else one shared by
     every builder of that layout."""
-    key = tuple(layout)
     own = kernel._plan
-    slots = own.slots
-    if len(slots) == len(key) and all(
-        s.size == size and s.align == align for s, (size, align) in zip(slots, key, strict=True)
-    ):
+    entry = _OWN_LAYOUTS.get(id(own))
+    if entry is None or entry[0] is not own:
+        entry = (own, tuple((s.size, s.align) for s in own.slots))
+        if len(_OWN_LAYOUTS) >= 1024:
+            _OWN_LAYOUTS.clear()
+        _OWN_LAYOUTS[id(own)] = entry
+    if key == entry[1]:
         return own
     plan = _PLAN_CACHE.get(key)
     if plan is None:
@@ -56,6 +72,90 @@ def _plan_for(kernel: Kernel, layout: Sequence[tuple[int, int]]) -> ParamPlan:
             _PLAN_CACHE.clear()
         _PLAN_CACHE[key] = plan
     return plan
+
+
+# --------------------------------------------------------------------------- packing
+
+#: the slot of a pointer
+_POINTER_SLOT = (8, 8)
+_WRITE = Access.WRITE
+#: ``_PTR_AFTER[pad].pack(ptr)``: ``pad`` zero bytes, then the pointer
+_PTR_AFTER = tuple(struct.Struct(f"={pad}xQ") for pad in range(8))
+_ZEROS = tuple(bytes(n) for n in range(16))
+
+
+def _zeros(n: int) -> bytes:
+    return _ZEROS[n] if n < 16 else bytes(n)
+
+
+#: per scalar type whose dtype the type fixes (every type but ``np.void``):
+#: its slot, and the packer of its bytes and the slot's trailing padding
+#: (``struct`` for ints and bools, byte for byte ``_scalar_bytes``;
+#: ``tobytes`` for the others, whose bit patterns (NaN payloads) a round
+#: trip through a Python float could change)
+_SCALAR_KINDS: dict[type, tuple[tuple[int, int], Callable[[Any], bytes]]] = {}
+
+
+def _scalar_kind(value: np.generic) -> tuple[tuple[int, int], Callable[[Any], bytes]] | None:
+    """The slot and packer of a scalar that passed the dtype check (cached
+    per type when the type fixes the dtype), or None for a structured scalar
+    (packed on the general path)."""
+    dtype = value.dtype
+    if dtype.fields is not None or type(value) is np.void:
+        return None
+    align = dtype_alignment(dtype)
+    size = _align_up(dtype.itemsize, align)
+    pad = size - dtype.itemsize
+    code = _STRUCT_CODES.get(f"{dtype.kind}{dtype.itemsize}") if dtype.kind in "biu" else None
+    packer: Callable[[Any], bytes]
+    if code is not None and not dtype.metadata and dtype.isnative:
+        packer = struct.Struct(f"={code}{pad}x").pack
+    elif pad:
+        tail = bytes(pad)
+
+        def packer(v: Any) -> bytes:
+            return _tobytes(v) + tail
+    else:
+        packer = _tobytes
+    kind = (size, align), packer
+    if len(_SCALAR_KINDS) >= 256:
+        _SCALAR_KINDS.clear()
+    _SCALAR_KINDS[type(value)] = kind
+    return kind
+
+
+def _tobytes(v: Any) -> bytes:
+    raw: bytes = v.tobytes()
+    return raw
+
+
+# --------------------------------------------------------------------------- views
+
+
+def _views(values: tuple[object, ...], accesses: Sequence[tuple[DeviceArray, Access]]) -> tuple[ArgView, ...]:
+    """The argument views of a finalized builder: ``values`` are its
+    arguments (arrays, NumPy scalars, boxed bytes), ``accesses`` the
+    ``(array, access)`` of each array argument, in order."""
+    modes = iter(accesses)
+    out: list[ArgView] = []
+    for value in values:
+        if isinstance(value, DeviceArray):
+            mode = next(modes)[1]
+            out.append(ArgView("array", value.ptr, value.shape, value.dtype, access=mode, order=value.order))
+        elif isinstance(value, np.generic):
+            out.append(ArgView("scalar", dtype=value.dtype, value=value))
+        else:
+            out.append(ArgView("raw", value=value))
+    return tuple(out)
+
+
+def _lazy_views(
+    values: tuple[object, ...], accesses: tuple[tuple[DeviceArray, Access], ...]
+) -> Callable[[], tuple[ArgView, ...]]:
+    return lambda: _views(values, accesses)
+
+
+# --------------------------------------------------------------------------- builder
 
 
 @final
@@ -69,15 +169,18 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
     """
 
     __slots__ = (
-        "_args",
+        "_accesses",
+        "_arena",
         "_block",
         "_cluster",
         "_cooperative",
         "_grid",
         "_kernel",
         "_layout",
+        "_outputs",
         "_pdl",
         "_shared",
+        "_values",
     )
 
     _obtain = "use Kernel.builder()"
@@ -89,8 +192,16 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
     _cluster: object
     _cooperative: object
     _pdl: object
-    _args: list[tuple[bytes, ArgView, DeviceArray | None]]
+    #: the arguments, in order: arrays, NumPy scalars and boxed bytes
+    _values: list[object]
+    #: ``(array, access)`` of each array argument, in order
+    _accesses: list[tuple[DeviceArray, Access]]
+    #: the array arguments with write access, in order
+    _outputs: list[DeviceArray]
+    #: ``(size, alignment)`` of each argument's slot
     _layout: list[tuple[int, int]]
+    #: the arguments packed so far, each at its C offset
+    _arena: bytearray
 
     @classmethod
     def _create(cls, kernel: Kernel) -> LaunchBuilder:
@@ -102,8 +213,11 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
         self._cluster = None
         self._cooperative = False
         self._pdl = False
-        self._args = []
+        self._values = []
+        self._accesses = []
+        self._outputs = []
         self._layout = []
+        self._arena = bytearray()
         return self
 
     def grid(self, *dims: int) -> LaunchBuilder:
@@ -138,47 +252,63 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
 
     def arg(self, value: object, *, access: AccessName | None = None) -> LaunchBuilder:
         """Append a DeviceArray (passed as its pointer) or a NumPy scalar."""
-        index = len(self._args)
+        values = self._values
+        index = len(values)
         if isinstance(value, DeviceArray):
             if value.closed:
                 raise KernelArgumentError(f"argument {index}: the array is closed")
             if access is not None:
                 mode = _access_from_name(access)
             else:
-                declared = self._kernel.params[index].access if index < len(self._kernel.params) else None
-                mode = declared if declared is not None else Access.WRITE
-            if mode is Access.WRITE and value.readonly:
-                raise KernelArgumentError(f"argument {index}: write access to a read-only array")
-            raw = _POINTER.type(value.ptr).tobytes()
-            self._args.append(
-                (
-                    raw,
-                    ArgView("array", value.ptr, value.shape, value.dtype, access=mode, order=value.order),
-                    value,
-                )
-            )
-            self._layout.append((8, 8))
+                params = self._kernel.params
+                declared = params[index].access if index < len(params) else None
+                mode = declared if declared is not None else _WRITE
+            if mode is _WRITE:
+                if value.readonly:
+                    raise KernelArgumentError(f"argument {index}: write access to a read-only array")
+                self._outputs.append(value)
+            arena = self._arena
+            arena += _PTR_AFTER[-len(arena) & 7].pack(value.ptr)
+            self._layout.append(_POINTER_SLOT)
+            self._accesses.append((value, mode))
         elif isinstance(value, np.generic):
-            problem = _param_dtype_problem(value.dtype)
-            if problem is not None:
-                raise KernelArgumentError(
-                    f"argument {index}: expected a numeric, bool, complex or C-layout struct scalar, "
-                    f"got {value.dtype}: {problem}"
-                )
-            raw = _scalar_bytes(value.dtype, value)
-            align = dtype_alignment(value.dtype)
-            self._args.append((raw, ArgView("scalar", dtype=value.dtype, value=value), None))
-            self._layout.append((_align_up(value.dtype.itemsize, align), align))
+            kind = _SCALAR_KINDS.get(type(value))
+            if kind is None:
+                problem = _param_dtype_problem(value.dtype)
+                if problem is not None:
+                    raise KernelArgumentError(
+                        f"argument {index}: expected a numeric, bool, complex or C-layout struct scalar, "
+                        f"got {value.dtype}: {problem}"
+                    )
+                kind = _scalar_kind(value)
+            if kind is not None:
+                slot = kind[0]
+                raw = kind[1](value)
+            else:  # a structured scalar: its padding is zeroed
+                dtype = value.dtype
+                align = dtype_alignment(dtype)
+                size = _align_up(dtype.itemsize, align)
+                slot = (size, align)
+                raw = _scalar_bytes(dtype, value)
+                raw += _zeros(size - len(raw))
+            arena = self._arena
+            lead = -len(arena) & (slot[1] - 1)
+            if lead:
+                arena += _zeros(lead)
+            arena += raw
+            self._layout.append(slot)
         else:
             raise KernelArgumentError(
                 f"argument {index}: expected a DeviceArray or a NumPy scalar "
                 f"(use arg_boxed for raw bytes), got {type(value).__name__}"
             )
+        values.append(value)
         return self
 
     def arg_boxed(self, raw: bytes | bytearray | memoryview, *, align: int) -> LaunchBuilder:
         """Append an opaque parameter of ``len(raw)`` bytes at alignment ``align``."""
-        index = len(self._args)
+        values = self._values
+        index = len(values)
         if not isinstance(raw, (bytes, bytearray, memoryview)):
             raise KernelArgumentError(
                 f"argument {index}: expected bytes, bytearray or memoryview, got {type(raw).__name__}"
@@ -188,9 +318,41 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
             raise KernelArgumentError(f"argument {index}: raw bytes must not be empty")
         if type(align) is not int or align <= 0 or align & (align - 1):
             raise KernelArgumentError(f"argument {index}: align must be a power of two, got {align}")
-        self._args.append((data, ArgView("raw", value=data), None))
+        arena = self._arena
+        lead = -len(arena) & (align - 1)
+        if lead:
+            arena += _zeros(lead)
+        arena += data
         self._layout.append((len(data), align))
+        values.append(data)
         return self
+
+    def _config(self) -> LaunchConfig:
+        """``cached_config`` of the geometry and modes (the same object). In
+        the common case (grid and block each one exact int, as set by
+        ``.grid(n)`` and ``.block(n)``; no cluster, no modes) the cache entry
+        that ``cached_config`` would return is looked up directly, without
+        its per-dimension type checks (done here on the one element)."""
+        grid = self._grid
+        block = self._block
+        shared = self._shared
+        if (
+            type(grid) is tuple
+            and type(block) is tuple
+            and len(grid) == 1
+            and len(block) == 1
+            and type(grid[0]) is int
+            and type(block[0]) is int
+            and type(shared) is int
+            and self._cluster is None
+            and self._cooperative is False
+            and self._pdl is False
+        ):
+            # exact ints: the key ``cached_config`` files these arguments under
+            config = _CONFIG_CACHE.get((grid, block, shared, None, False, False))
+            if config is not None:
+                return config
+        return cached_config(grid, block, shared, self._cluster, self._cooperative, self._pdl)
 
     def finalize_unchecked(self) -> KernelLaunch:
         """Freeze into an immutable KernelLaunch. The arguments are not checked
@@ -198,29 +360,20 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
         checks it (a block of at most 1024 threads, grid and block dimensions,
         dynamic shared memory and cluster size within what some GPU allows, a
         cluster dividing the grid), raising :class:`KernelArgumentError`."""
-        config = cached_config(
-            self._grid,
-            self._block,
-            self._shared,
-            self._cluster,
-            self._cooperative,
-            self._pdl,
+        config = self._config()
+        kernel = self._kernel
+        plan = _plan_for(kernel, tuple(self._layout))
+        accesses = tuple(self._accesses)
+        outputs = self._outputs
+        if len(accesses) > 1 and len({id(arr._alloc) for arr, _ in accesses}) < len(accesses):
+            merged = _merge_accesses(accesses)  # views of one allocation: one entry per extent
+        else:
+            merged = accesses
+        prepared = PreparedLaunch(
+            kernel, config, plan, bytes(self._arena), _lazy_views(tuple(self._values), accesses)
         )
-        plan = _plan_for(self._kernel, self._layout)
-        raws = [a[0] for a in self._args]
-        views = tuple(a[1] for a in self._args)
-        accesses = []
-        outputs = []
-        for raw_view_arr in self._args:
-            arr = raw_view_arr[2]
-            if arr is not None:
-                mode = raw_view_arr[1].access
-                assert mode is not None
-                accesses.append((arr, mode))
-                if mode is Access.WRITE:
-                    outputs.append(arr)
-        prepared = PreparedLaunch(self._kernel, config, plan, _pack(plan, raws), views)
-        return KernelLaunch._create(prepared, _merge_accesses(accesses), outputs)
+        output = None if not outputs else outputs[0] if len(outputs) == 1 else tuple(outputs)
+        return _make_launch(prepared, merged, output)
 
     def __repr__(self) -> str:
-        return f"<LaunchBuilder {self._kernel.name} ({len(self._args)} args, not finalized)>"
+        return f"<LaunchBuilder {self._kernel.name} ({len(self._values)} args, not finalized)>"

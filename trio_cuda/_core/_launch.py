@@ -11,12 +11,13 @@ Invariants:
   is the array it writes, a tuple of them, or None.
 * A :class:`PreparedLaunch` is immutable by convention; only ``cache``, the
   backends' scratch space, is filled (on first launch). Its
-  argument views are given, or derived once from the argument values.
+  argument views are given, made once by the function given (a builder's),
+  or derived once from the argument values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import attrs
@@ -71,9 +72,10 @@ class ArgView:
 class PreparedLaunch:
     """Everything a backend needs to enqueue one launch. ``arena`` holds the
     packed parameters at the offsets of ``plan``; :meth:`arg_views` describes
-    them (built lazily from ``values``, one per kernel parameter, unless
-    ``args`` was given). Immutable by convention; ``cache`` is the backends'
-    scratch space (e.g. the ``void**`` array), filled on first launch."""
+    them (``args``; or made lazily: by ``args`` when it is a function, else
+    from ``values``, one per kernel parameter). Immutable by convention;
+    ``cache`` is the backends' scratch space (e.g. the ``void**`` array),
+    filled on first launch."""
 
     __slots__ = ("arena", "args", "cache", "config", "kernel", "plan", "values")
 
@@ -81,7 +83,7 @@ class PreparedLaunch:
     config: LaunchConfig
     plan: ParamPlan
     arena: bytes
-    args: tuple[ArgView, ...] | None
+    args: tuple[ArgView, ...] | Callable[[], tuple[ArgView, ...]] | None
     values: tuple[object, ...]
     cache: dict[str, Any]
 
@@ -91,7 +93,7 @@ class PreparedLaunch:
         config: LaunchConfig,
         plan: ParamPlan,
         arena: bytes,
-        args: tuple[ArgView, ...] | None = None,
+        args: tuple[ArgView, ...] | Callable[[], tuple[ArgView, ...]] | None = None,
         values: tuple[object, ...] = (),
     ) -> None:
         # (the typed launch's generated fast path sets these same fields
@@ -106,12 +108,15 @@ class PreparedLaunch:
 
     def arg_views(self) -> tuple[ArgView, ...]:
         """One :class:`ArgView` per kernel parameter (cached)."""
-        if self.args is not None:
-            return self.args
+        args = self.args
+        if type(args) is tuple:
+            return args
         views = self.cache.get("views")
         if views is None:
             tile = self.kernel.tile
-            if tile is not None:  # a tile launch: its specialisation lays the views out
+            if args is not None:  # a builder's launch: its views, made on first use
+                views = self.cache["views"] = args()  # type: ignore[operator]
+            elif tile is not None:  # a tile launch: its specialisation lays the views out
                 views = self.cache["views"] = tile.views(self)
             else:
                 views = self.cache["views"] = _views_of(self.kernel.params, self.values)
