@@ -285,7 +285,9 @@ class DeviceContext(InteropContext, Protocol):
         (its own thread and shared-memory limits, the occupancy of a
         cooperative launch, its parameter layout); raise
         ``KernelArgumentError``. Enqueues nothing. The core calls it before
-        taking leases, once per launch and context."""
+        taking leases: for a SIMT kernel once per context and launch shape
+        (kernel, config, parameter plan), for a tile kernel once per launch
+        and context."""
         ...
 
     def launch(self, stream: StreamHandle, function: object, launch: PreparedLaunch) -> None:

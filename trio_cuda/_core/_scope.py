@@ -109,6 +109,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
         "_extensions",
         "_functions",
         "_info",
+        "_launches_checked",
         "_load_in_thread",
         "_memory",
         "_next_id",
@@ -137,6 +138,9 @@ class ResourceScope(metaclass=NoPublicConstructor):
     _closing: bool
     _enqueuing: bool
     _functions: dict[Kernel, object]
+    #: (kernel, config, plan) of SIMT launches already checked against this
+    #: device: a fresh launch of the same shape skips the checks
+    _launches_checked: set[tuple[Kernel, object, object]]
     _next_id: int
     _token: trio.lowlevel.TrioToken
     _thread: int  #: the loop thread; a scope never outlives its Trio run
@@ -174,6 +178,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
         self._closing = False
         self._enqueuing = False
         self._functions = {}
+        self._launches_checked = set()
         self._next_id = 0
         self._tracer = None
         self._trace_id = 0
@@ -755,8 +760,20 @@ class ResourceScope(metaclass=NoPublicConstructor):
         info = self._info
         if cache.get("checked") is info:
             return
-        check_device_limits(prepared, info)
-        self._driver.check_launch(self._function(prepared.kernel), prepared)
+        kernel = prepared.kernel
+        # What the checks read is the kernel, the config and the parameter
+        # plan (configs are interned, compared by identity); a tile launch's
+        # check also prepares its list arguments, so it runs per launch.
+        shape = (kernel, prepared.config, prepared.plan)
+        simt = kernel.tile is None
+        if not (simt and shape in self._launches_checked):
+            check_device_limits(prepared, info)
+            self._driver.check_launch(self._function(kernel), prepared)
+            if simt:
+                checked = self._launches_checked
+                if len(checked) >= 4096:  # configs are interned in bounded caches too
+                    checked.clear()
+                checked.add(shape)
         cache["checked"] = info
 
     # ------------------------------------------------------------------ entry and exit
