@@ -216,6 +216,9 @@ async def test_pre_cancelled_run_submits_nothing(dev):
     async with trio_cuda.open_scope(device=dev) as gpu:
         x = gpu.zeros(N, F4)
         await gpu.run(ops.value(None))
+        # the zero fill may be on another stream than the value, and takes
+        # (simulated) time: wait for it, or it completes between the counts
+        await gpu.to_host(x)
         calls = []
         op = add(x, 1.0).then(lambda out: calls.append(out) or ops.value(out))
         before = counters(dev, gpu)
