@@ -1066,3 +1066,39 @@ async def test_drain_timeout_leaks_a_graph_whose_update_still_runs():
     assert not graph.statistics().destroyed
     assert sim.live_graphs == 1
     assert sim.violations == []
+
+
+async def test_an_update_still_running_at_an_abandoned_exit_leaks_the_driver_state():
+    # The exit's drain gives up (drain_timeout=0) while another task's graph
+    # update runs its driver step in a worker thread: that thread uses the
+    # executable graph and the driver context, so the scope must not close
+    # its driver (nor destroy streams or unload modules) under it.
+    class Closing:
+        def __init__(self, inner):
+            self.inner = inner
+            self.closed = 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def close(self):
+            self.closed += 1
+            self.inner.close()
+
+    sim = SimDevice(graph_host_time=SLOW_STEP)
+    manager = trio_cuda.open_scope(device=sim, drain_timeout=0)
+    gpu = await manager.__aenter__()
+    spy = Closing(internals.driver_of(gpu))
+    internals.set_driver(gpu, spy)
+    a = await gpu.to_device(host())
+    y = gpu.zeros(N, F4)
+    graph = await gpu.capture(copy(a, y))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(graph.update, copy(a, y))
+        await until(lambda: bool(internals.extension_of(gpu, OpenGraphs).updating))
+        with pytest.warns(ResourceWarning, match="graph update"):
+            await manager.__aexit__(None, None, None)
+        assert gpu.closed
+        assert spy.closed == 0  # leaked with the thread that may still use it
+    # the update's task ended (its step finished in its thread)
+    assert not internals.extension_of(gpu, OpenGraphs).updating

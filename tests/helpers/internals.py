@@ -30,6 +30,7 @@ def set_driver(gpu: Any, driver: Any) -> None:
     gpu._driver = driver
     gpu._completion.driver = driver
     gpu._memory.driver = driver
+    gpu._kernels.driver = driver
 
 
 def loaded_function(gpu: Any, kernel: Any) -> Any:
@@ -88,7 +89,7 @@ def extension_of(gpu: Any, cls: type) -> Any:
 
 def set_load_in_thread(gpu: Any, value: bool) -> None:
     """Load kernels in a worker thread (as the cuda backend does) or not."""
-    gpu._load_in_thread = value
+    gpu._kernels.load_in_thread = value
 
 
 def fake_device_info(monkeypatch: pytest.MonkeyPatch, gpu: Any, info: Any) -> None:

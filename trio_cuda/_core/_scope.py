@@ -35,14 +35,14 @@ from trio.lowlevel import enable_ki_protection
 
 from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_order, normalize_shape
 from ._completion import Completion
-from ._config import check_device_limits
 from ._dlpack import UNCONSUMED, sweep_dropped
 from ._driver import DeviceContext, DeviceInfo
 from ._errors import ScopeClosedError
 from ._extension import Extensions
 from ._final import NoPublicConstructor, final
 from ._future import DeviceFuture, outcome, wrong_caller
-from ._kernel import Kernel, static_launches
+from ._kernel import Kernel
+from ._kernels import KernelTable
 from ._launch import KernelLaunch
 from ._memory import MemoryTable
 from ._ops import COMPOSITE, Access, DeviceOp, HostResult, _Copy, _Fill, _ZeroBytes
@@ -109,8 +109,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
         "_extensions",
         "_functions",
         "_info",
-        "_launches_checked",
-        "_load_in_thread",
+        "_kernels",
         "_memory",
         "_next_id",
         "_policy",
@@ -130,8 +129,9 @@ class ResourceScope(metaclass=NoPublicConstructor):
     #: the components: how work completes, the memory, the features' state
     _completion: Completion
     _memory: MemoryTable
+    #: the kernels loaded for this scope, and the launch shapes checked
+    _kernels: KernelTable
     _extensions: Extensions
-    _load_in_thread: bool
     _conflicts: str
     _policy: SchedulingPolicy
     _closed: bool
@@ -140,7 +140,6 @@ class ResourceScope(metaclass=NoPublicConstructor):
     _functions: dict[Kernel, object]
     #: (kernel, config, plan) of SIMT launches already checked against this
     #: device: a fresh launch of the same shape skips the checks
-    _launches_checked: set[tuple[Kernel, object, object]]
     _next_id: int
     _token: trio.lowlevel.TrioToken
     _thread: int  #: the loop thread; a scope never outlives its Trio run
@@ -164,8 +163,6 @@ class ResourceScope(metaclass=NoPublicConstructor):
         self = object.__new__(cls)
         self._driver = driver
         self._info = driver.info
-        caps = driver.capabilities
-        self._load_in_thread = caps.load_in_thread
         self._token = trio.lowlevel.current_trio_token()
         self._thread = get_ident()
         self._extensions = Extensions(self)
@@ -177,8 +174,9 @@ class ResourceScope(metaclass=NoPublicConstructor):
         self._closed = False
         self._closing = False
         self._enqueuing = False
-        self._functions = {}
-        self._launches_checked = set()
+        self._kernels = KernelTable(self, driver)
+        #: the kernel table's own dict: the launch hot path probes it directly
+        self._functions = self._kernels.functions
         self._next_id = 0
         self._tracer = None
         self._trace_id = 0
@@ -543,7 +541,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
         if self._enqueuing:
             raise RuntimeError(f"{what}: cannot submit from inside a then/map closure of another submission")
         if type(op) is not KernelLaunch:  # a lone launch loads its kernel before it enqueues
-            self._load_static(op)
+            self._kernels.load_static(op)
         s = self._pick(op, stream)
         memo = None
         if self._conflicts == "error" and type(op) in COMPOSITE:
@@ -629,10 +627,10 @@ class ResourceScope(metaclass=NoPublicConstructor):
         await trio.lowlevel.checkpoint_if_cancelled()
         if type(op) is KernelLaunch:
             kernel = op.prepared.kernel
-            if kernel not in self._functions and (self._load_in_thread or kernel.tile is not None):
-                await self.load(kernel)
+            if kernel not in self._functions and (self._kernels.load_in_thread or kernel.tile is not None):
+                await self._kernels.load((kernel,))
         elif isinstance(op, DeviceOp):
-            await self._load_tile_kernels(op)
+            await self._kernels.load_tile_kernels(op)
         if self._extensions.exports_releasing:  # an access after a consumer released an export
             await self._extensions.finish_export_releases()
         sub = self._submit(op, stream, "run")
@@ -656,7 +654,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
 
         await trio.lowlevel.checkpoint_if_cancelled()
         if isinstance(op, DeviceOp):
-            await self._load_tile_kernels(op)
+            await self._kernels.load_tile_kernels(op)
         graph = await capture_graph(self, op, stream)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return graph
@@ -676,105 +674,12 @@ class ResourceScope(metaclass=NoPublicConstructor):
         ``zip``...) are loaded. A tile kernel is compiled per argument
         signature, so it is loaded through a launch: ``await
         gpu.load(k.launch(x, y, grid=g))``."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        wanted: list[Kernel] = []
-        for i, item in enumerate(kernels):
-            if isinstance(item, DeviceOp):
-                wanted.extend(p.kernel for p in static_launches(item))
-            elif not isinstance(item, Kernel):
-                raise TypeError(f"kernels[{i}]: expected a Kernel or a DeviceOp, got {type(item).__name__}")
-            elif item.tile is not None and item.tile.kind == "kernel":
-                raise TypeError(
-                    f"kernels[{i}]: tile kernel {item.name} is compiled per argument signature: load a "
-                    "launch of it instead (await gpu.load(k.launch(..., grid=...)))"
-                )
-            else:
-                wanted.append(item)
-        self._check_open("load")
-        in_thread = self._load_in_thread
-        info = self._info
-        for kernel in wanted:
-            if kernel in self._functions:
-                continue
-            tile = kernel.tile
-            if tile is not None and not tile.ready(info.backend, info.compute_capability):
-                # a compile takes up to seconds: a cancelled caller leaves at
-                # once, and the compile finishes in its thread for the next use
-                await trio.to_thread.run_sync(
-                    tile.prepare, info.backend, info.compute_capability, abandon_on_cancel=True
-                )
-                if kernel in self._functions:
-                    continue
-                self._check_open("load")
-            if in_thread:
-                fn = await trio.to_thread.run_sync(self._driver.load_kernel, kernel)
-                if kernel in self._functions or self._closing:  # loaded meanwhile, or exiting
-                    self._driver.unload_kernel(fn)
-                    continue
-            else:
-                fn = self._driver.load_kernel(kernel)
-            self._functions[kernel] = fn
-        await trio.lowlevel.checkpoint()
-
-    async def _load_tile_kernels(self, op: DeviceOp[Any]) -> None:
-        """Compile (off the loop) and load the tile kernels ``op`` is known to
-        launch, as :meth:`load` does; nothing when there are none."""
-        pending = [
-            p.kernel
-            for p in static_launches(op)
-            if p.kernel.tile is not None and p.kernel not in self._functions
-        ]
-        if pending:
-            await self.load(*pending)
-
-    def _load_static(self, op: DeviceOp[Any]) -> None:
-        """Load and check the kernels ``op`` is known to launch before any of
-        it is enqueued (``static_launches``): a kernel that cannot be loaded
-        then fails the submission with nothing enqueued."""
-        for prepared in static_launches(op):
-            self._kernel_function(prepared)
-
-    def _function(self, kernel: Kernel) -> object:
-        fn = self._functions.get(kernel)
-        if fn is None:
-            fn = self._driver.load_kernel(kernel)
-            self._functions[kernel] = fn
-        return fn
+        await self._kernels.load(kernels)
 
     def _kernel_function(self, prepared: PreparedLaunch) -> object:
-        """The loaded function that ``prepared`` launches, once the launch was
-        checked against this device (both cached: the hot path is two dict
-        lookups). Loads the kernel synchronously on first use."""
-        if prepared.cache.get("checked") is not self._info:
-            self._check_launch_config(prepared)
-        fn = self._functions.get(prepared.kernel)
-        if fn is None:
-            fn = self._function(prepared.kernel)
-        return fn
-
-    def _check_launch_config(self, prepared: PreparedLaunch) -> None:
-        """Check a launch against this scope's device before anything is
-        enqueued: the device's limits (``check_device_limits``), then what only
-        the loaded kernel knows (``driver.check_launch``)."""
-        cache = prepared.cache
-        info = self._info
-        if cache.get("checked") is info:
-            return
-        kernel = prepared.kernel
-        # What the checks read is the kernel, the config and the parameter
-        # plan (configs are interned, compared by identity); a tile launch's
-        # check also prepares its list arguments, so it runs per launch.
-        shape = (kernel, prepared.config, prepared.plan)
-        simt = kernel.tile is None
-        if not (simt and shape in self._launches_checked):
-            check_device_limits(prepared, info)
-            self._driver.check_launch(self._function(kernel), prepared)
-            if simt:
-                checked = self._launches_checked
-                if len(checked) >= 4096:  # configs are interned in bounded caches too
-                    checked.clear()
-                checked.add(shape)
-        cache["checked"] = info
+        """The loaded function that ``prepared`` launches, checked against
+        this device (``KernelTable.kernel_function``)."""
+        return self._kernels.kernel_function(prepared)
 
     # ------------------------------------------------------------------ entry and exit
     def _start_tracing(self, tracer: Tracer) -> None:
@@ -885,7 +790,8 @@ class ResourceScope(metaclass=NoPublicConstructor):
         for ext in self._extensions.all():
             ext.close()  # e.g. graphs still open: release them first
         self._memory.free_unleased()
-        if self._completion.timed_out or self._memory.foreign_abandoned:
+        c = self._completion
+        if c.timed_out or c.leak_driver or self._memory.foreign_abandoned:
             # Work may still run: leak modules, streams and driver state too
             # (unloading a module can wait for the device, which may never come).
             return
@@ -894,9 +800,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
             # kernel of work whose completion is unknown may still run, and it
             # can be reached in many ways (a launch, a graph replay, a shared
             # op); a leaked module is harmless, an unloaded one is not.
-            for kernel, fn in list(self._functions.items()):
-                del self._functions[kernel]
-                driver.unload_kernel(fn)
+            self._kernels.unload_all()
         for s in self._streams:
             driver.destroy_stream(s.handle)
         driver.close()
@@ -927,7 +831,7 @@ def enqueue_unsafe(op: DeviceOp[T], stream: Stream) -> T:
         raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
     scope._check_open("async_on")
     if type(op) is not KernelLaunch:  # a lone launch loads its kernel before it enqueues
-        scope._load_static(op)
+        scope._kernels.load_static(op)
     out: Any = op._enqueue(UnsafeEnqueue(scope, stream))
     return out  # type: ignore[no-any-return]
 

@@ -1,0 +1,174 @@
+"""The scope's kernel table: the kernels loaded for it, and the launches
+checked against its device.
+
+Invariants:
+
+* :class:`KernelTable` is a component of :class:`~trio_cuda.ResourceScope`
+  and the one owner of its loaded functions (``functions``, kernel -> the
+  driver's handle) and of the launch shapes already checked. The scope's
+  launch hot path reads ``functions`` directly (the same dict).
+* A kernel is loaded at most once per scope. ``load`` loads off the loop
+  where the driver allows it (``Capabilities.load_in_thread``) and compiles a
+  tile kernel's specialisation in a worker thread; a cancelled caller leaves
+  at once, and a function loaded meanwhile, or while the scope exits, is
+  unloaded again rather than kept twice.
+* A launch is checked against the device (its limits, then what only the
+  loaded kernel knows) before anything of it is enqueued. The result is kept
+  on the launch (``cache["checked"]``), and for a SIMT kernel also per launch
+  shape (kernel, interned config, parameter plan), so a fresh launch of a
+  checked shape is not checked again; a tile launch, whose check prepares its
+  list arguments, is checked per launch. A refused shape is never kept.
+* Functions are unloaded only after the scope's drain, and never while any of
+  its work has unknown completion (``ResourceScope._release_everything``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ._config import check_device_limits
+from ._final import final
+from ._kernel import Kernel, static_launches
+from ._ops import DeviceOp
+
+if TYPE_CHECKING:
+    from ._driver import DeviceContext
+    from ._launch import PreparedLaunch
+    from ._scope import ResourceScope
+
+__all__ = ["KernelTable"]
+
+#: launch shapes kept per scope before the set starts again (configs are
+#: interned in bounded caches too)
+_SHAPES_KEPT = 4096
+
+
+@final
+class KernelTable:
+    """A scope's loaded kernels and checked launch shapes (a component of
+    :class:`~trio_cuda.ResourceScope`)."""
+
+    __slots__ = ("checked", "driver", "functions", "info", "load_in_thread", "scope")
+
+    def __init__(self, scope: ResourceScope, driver: DeviceContext) -> None:
+        self.scope = scope
+        self.driver = driver
+        self.info = driver.info
+        #: the driver loads kernels in a worker thread (``load``)
+        self.load_in_thread = driver.capabilities.load_in_thread
+        self.functions: dict[Kernel, object] = {}
+        #: (kernel, config, plan) of SIMT launches checked against this device
+        self.checked: set[tuple[Kernel, object, object]] = set()
+
+    async def load(self, kernels: Iterable[Kernel | DeviceOp[Any]]) -> None:
+        """``ResourceScope.load``: see its documentation."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        wanted: list[Kernel] = []
+        for i, item in enumerate(kernels):
+            if isinstance(item, DeviceOp):
+                wanted.extend(p.kernel for p in static_launches(item))
+            elif not isinstance(item, Kernel):
+                raise TypeError(f"kernels[{i}]: expected a Kernel or a DeviceOp, got {type(item).__name__}")
+            elif item.tile is not None and item.tile.kind == "kernel":
+                raise TypeError(
+                    f"kernels[{i}]: tile kernel {item.name} is compiled per argument signature: load a "
+                    "launch of it instead (await gpu.load(k.launch(..., grid=...)))"
+                )
+            else:
+                wanted.append(item)
+        scope = self.scope
+        scope._check_open("load")
+        functions = self.functions
+        info = self.info
+        for kernel in wanted:
+            if kernel in functions:
+                continue
+            tile = kernel.tile
+            if tile is not None and not tile.ready(info.backend, info.compute_capability):
+                # a compile takes up to seconds: a cancelled caller leaves at
+                # once, and the compile finishes in its thread for the next use
+                await trio.to_thread.run_sync(
+                    tile.prepare, info.backend, info.compute_capability, abandon_on_cancel=True
+                )
+                if kernel in functions:
+                    continue
+                scope._check_open("load")
+            if self.load_in_thread:
+                fn = await trio.to_thread.run_sync(self.driver.load_kernel, kernel)
+                if kernel in functions or scope._closing:  # loaded meanwhile, or exiting
+                    self.driver.unload_kernel(fn)
+                    continue
+            else:
+                fn = self.driver.load_kernel(kernel)
+            functions[kernel] = fn
+        await trio.lowlevel.checkpoint()
+
+    async def load_tile_kernels(self, op: DeviceOp[Any]) -> None:
+        """Compile (off the loop) and load the tile kernels ``op`` is known to
+        launch, as :meth:`load` does; nothing when there are none."""
+        pending = [
+            p.kernel
+            for p in static_launches(op)
+            if p.kernel.tile is not None and p.kernel not in self.functions
+        ]
+        if pending:
+            await self.load(pending)
+
+    def load_static(self, op: DeviceOp[Any]) -> None:
+        """Load and check the kernels ``op`` is known to launch before any of
+        it is enqueued (``static_launches``): a kernel that cannot be loaded
+        then fails the submission with nothing enqueued."""
+        for prepared in static_launches(op):
+            self.kernel_function(prepared)
+
+    def function(self, kernel: Kernel) -> object:
+        """``kernel``'s loaded function, loading it synchronously on first use."""
+        fn = self.functions.get(kernel)
+        if fn is None:
+            fn = self.driver.load_kernel(kernel)
+            self.functions[kernel] = fn
+        return fn
+
+    def kernel_function(self, prepared: PreparedLaunch) -> object:
+        """The loaded function that ``prepared`` launches, once the launch was
+        checked against this device (both cached: the hot path is two dict
+        lookups). Loads the kernel synchronously on first use."""
+        if prepared.cache.get("checked") is not self.info:
+            self.check(prepared)
+        fn = self.functions.get(prepared.kernel)
+        if fn is None:
+            fn = self.function(prepared.kernel)
+        return fn
+
+    def check(self, prepared: PreparedLaunch) -> None:
+        """Check a launch against this scope's device before anything is
+        enqueued: the device's limits (``check_device_limits``), then what only
+        the loaded kernel knows (``driver.check_launch``)."""
+        cache = prepared.cache
+        info = self.info
+        if cache.get("checked") is info:
+            return
+        kernel = prepared.kernel
+        # What the checks read is the kernel, the config and the parameter
+        # plan (configs are interned, compared by identity); a tile launch's
+        # check also prepares its list arguments, so it runs per launch.
+        shape = (kernel, prepared.config, prepared.plan)
+        simt = kernel.tile is None
+        if not (simt and shape in self.checked):
+            check_device_limits(prepared, info)
+            self.driver.check_launch(self.function(kernel), prepared)
+            if simt:
+                if len(self.checked) >= _SHAPES_KEPT:
+                    self.checked.clear()
+                self.checked.add(shape)
+        cache["checked"] = info
+
+    def unload_all(self) -> None:
+        """After the drain: unload every function (the scope decides when)."""
+        functions = self.functions
+        for kernel, fn in list(functions.items()):
+            del functions[kernel]
+            self.driver.unload_kernel(fn)
