@@ -1,6 +1,11 @@
 """A/B two trees of trio_cuda in one process, alternating round by round.
 
     python3 benchmarks/ab.py OLD_TREE [NEW_TREE] [--rounds 12] [--device cuda]
+    python3 benchmarks/ab.py --paths [--rounds 12]
+
+With ``--paths``, one tree (this one) is measured twice per round: "old" with
+the CUDA backend's launch path through cuda.bindings' wrappers (as with
+``TRIO_CUDA_PURE=1``), "new" through the compiled direct driver calls.
 
 Each tree (a directory that holds a ``trio_cuda`` package, e.g. one made with
 ``git archive REV trio_cuda | tar -x -C DIR``) is imported under its own name,
@@ -16,6 +21,8 @@ figures (a hiccup of the host only ever makes a figure worse):
   (µs per submission);
 * ``async_on``: ``unsafe.async_on`` of the same launch, bursts of 500 (µs per
   launch);
+* ``typed``: ``gpu.submit(k.launch(...))``, a fresh typed launch each call,
+  bursts of 500 (µs per launch);
 * ``tasks_100``: 100 tasks, each awaiting 50 of its own launches (launches/s).
 
 On the simulator (``--device sim``) it measures the library's Python against
@@ -57,7 +64,9 @@ def load_tree(tree: str, alias: str) -> ModuleType:
     return mod
 
 
-async def measure(tc: Any, device: str) -> dict[str, float]:
+async def measure(tc: Any, device: str, pure: bool | None = None) -> dict[str, float]:
+    if pure is not None:
+        importlib.import_module(f"{tc.__name__}._backends.cuda.direct").reset(pure=pure)
     kernel = tc.Kernel.from_source(
         SRC, "empty", params=[tc.In("f4")] * 4 + [tc.Scalar("i4")], reference=lambda *a: None
     )
@@ -91,6 +100,14 @@ async def measure(tc: Any, device: str) -> dict[str, float]:
             per.append((perf() - t0) / 500 * 1e6)
             await gpu.run(tc.ops.value(None), stream=s)
         out["async_on"] = min(per)
+        per = []
+        for _ in range(3):
+            t0 = perf()
+            futs = [gpu.submit(kernel.launch(*bufs, 256, grid=1, block=1), stream=s) for _ in range(500)]
+            per.append((perf() - t0) / 500 * 1e6)
+            await futs[-1].wait()
+            del futs
+        out["typed"] = min(per)
 
         async def task() -> None:
             for _ in range(50):
@@ -106,17 +123,28 @@ async def measure(tc: Any, device: str) -> dict[str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("old")
-    ap.add_argument("new", nargs="?", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("old", nargs="?")
+    ap.add_argument("new", nargs="?", default=here)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--paths", action="store_true", help="A/B the launch paths of this tree")
     args = ap.parse_args()
-    trees = {"old": load_tree(args.old, "trio_cuda_old"), "new": load_tree(args.new, "trio_cuda_new")}
+    pure: dict[str, bool | None] = {"old": None, "new": None}
+    if args.paths:
+        tree = load_tree(args.new, "trio_cuda_new")
+        trees = {"old": tree, "new": tree}
+        pure = {"old": True, "new": False}
+        print("old: cuda.bindings wrappers; new: direct driver calls")
+    elif args.old is None:
+        ap.error("give OLD_TREE, or --paths")
+    else:
+        trees = {"old": load_tree(args.old, "trio_cuda_old"), "new": load_tree(args.new, "trio_cuda_new")}
     rows: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
     ratios: dict[str, list[float]] = {}
     for r in range(args.rounds):
         order = ["old", "new"] if r % 2 == 0 else ["new", "old"]
-        got = {name: trio.run(measure, trees[name], args.device) for name in order}
+        got = {name: trio.run(measure, trees[name], args.device, pure[name]) for name in order}
         for name in order:
             for k, v in got[name].items():
                 rows[name].setdefault(k, []).append(v)

@@ -216,6 +216,22 @@ def bench_raw(raw: Raw) -> None:
     record("raw_event_record", burst(lambda: cu.cuEventRecord(ev, st), 1000, raw.sync, B), "us")
     record("raw_event_query", burst(lambda: cu.cuEventQuery(ev), 1000, raw.sync, B), "us")
     record("raw_launch+write_value32", burst(lambda: (v_obj(), W(st, dptr, 1, 0)), 1000, raw.sync, B), "us")
+    # the same two calls by address, through the compiled module the backend
+    # uses where it was built (for reference: the targets stay against the
+    # wrapper's raw launch above)
+    from trio_cuda._backends.cuda import direct
+
+    direct.reset(pure=False)
+    entries = direct.entries()
+    direct.reset()
+    if entries is None:
+        print("  direct calls: not available (the extension is not built)")
+    else:
+        dl = direct.launcher(entries[0], fn_i, (1, 1, 1), (1, 1, 1), 0, st_i, params)
+        dw = direct.writer(entries[1], st_i, raw.bufs[0])
+        assert dl() == 0
+        record("raw_launch_direct", burst(dl, 1000, raw.sync, B), "us")
+        record("raw_write_value32_direct", burst(lambda: dw(1), 1000, raw.sync, B), "us")
     # the device-side gap: the flag write's system-wide fence (default flags)
     # against CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER, on the host and in a
     # launch + flag + host-spin round trip
@@ -1074,8 +1090,17 @@ def main() -> int:
             RESULTS[f"error:{name}"] = repr(exc)[:300]
     rows = table()
     print_table(rows)
+    from trio_cuda._backends.cuda import direct
+
+    path = "direct driver calls" if direct.entries() is not None else "cuda.bindings wrappers"
+    if direct.pure_requested():
+        path += " (TRIO_CUDA_PURE is set)"
+    elif not direct.built():
+        path += " (the extension is not built)"
+    RESULTS["launch_path"] = path
     print(
-        f"\n(total {perf() - t0:.1f} s; device: {probe.device_count} GPU(s), driver {probe.driver_version})"
+        f"\n(total {perf() - t0:.1f} s; device: {probe.device_count} GPU(s), driver {probe.driver_version}; "
+        f"launch path: {path})"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -293,3 +293,8 @@ def patch_completion_steps(
 def conflict_mode(gpu: Any) -> Any:
     """The scope's ``conflicts=`` mode ("order" or "error")."""
     return gpu._conflicts
+
+
+def uses_direct_calls(scope: Any) -> bool:
+    """Whether ``scope``'s CUDA context launches through the direct driver calls."""
+    return scope._driver._kernels._direct is not None

@@ -356,8 +356,6 @@ class EnqueueContext(_Enqueue):
 
     __slots__ = ()
 
-    submission: Submission
-
     def __init__(self, scope: ResourceScope, stream: Stream, submission: Submission) -> None:
         super().__init__(scope, stream, submission)
 
@@ -636,9 +634,10 @@ def _conflict(
 FAST_LEASES = True
 
 
-#: (allocations, each once; one (array, allocation, access, extent) entry per
-#: access; whether every entry is a whole allocation of its own)
-LeasePlan = tuple[tuple[Allocation, ...], tuple[tuple[DeviceArray, Allocation, Access, Extent], ...], bool]
+#: (allocations, each once; whether every access is a whole allocation of
+#: its own); each access's allocation and extent are its array's
+#: (``_alloc``, ``_extent``, both fixed when the handle was made)
+LeasePlan = tuple[tuple[Allocation, ...], bool]
 
 #: a lease in the way of a launch: (the launch's array, the other stream's
 #: submission, the access it holds, the launch's access, the extent it holds)
@@ -648,22 +647,21 @@ _Conflict = tuple[DeviceArray, Submission, Access, Access, Extent]
 def launch_lease_plan(op: KernelLaunch) -> LeasePlan:
     """``op``'s lease plan, made once and shared by its submissions (each
     array's extent, and whether it is its whole allocation, come from the
-    handle: ``DeviceArray._create`` computed them)."""
+    handle: ``DeviceArray._create`` computed them). Two objects per launch:
+    a fresh launch submitted once pays for no more."""
     plan = op._lease_plan
     if plan is None:
-        entries = []
         allocs: list[Allocation] = []
         simple = True
-        for arr, access in op._accesses:
+        for arr, _ in op._accesses:
             alloc = arr._alloc
-            entries.append((arr, alloc, access, arr._extent))
-            if alloc in allocs:
+            if alloc in allocs:  # (identity: allocations do not define equality)
                 simple = False
             else:
                 allocs.append(alloc)
             if not arr._whole:
                 simple = False
-        plan = (tuple(allocs), tuple(entries), simple)
+        plan = (tuple(allocs), simple)
         object.__setattr__(op, "_lease_plan", plan)
     return plan
 
@@ -685,11 +683,14 @@ def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op
     anything was flushed or enqueued; it gives the same result or raises the
     same error (``tests/core/test_lease_paths.py`` checks both agree)."""
     if FAST_LEASES:
-        allocs, entries, simple = op._lease_plan or launch_lease_plan(op)
+        allocs, simple = op._lease_plan or launch_lease_plan(op)
+        accesses = op._accesses
         live = AllocState.LIVE
         write = Access.WRITE
         conflicts: list[_Conflict] | None = None
-        for arr, alloc, access, ext in entries:
+        for arr, access in accesses:
+            alloc = arr._alloc
+            ext = arr._extent
             if arr._closed or alloc.state is not live or alloc.scope is not scope or alloc.index is not None:
                 break
             if access is write and arr._readonly:
@@ -714,7 +715,9 @@ def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op
         else:
             if conflicts is None or _order_conflicts(scope, stream, sub, op, conflicts):
                 if simple:  # whole allocations, each once: the common case
-                    for _, alloc, access, ext in entries:
+                    for arr, access in accesses:
+                        alloc = arr._alloc
+                        ext = arr._extent
                         alloc.active += 1
                         if access is write:
                             writers = alloc.writers
@@ -728,8 +731,8 @@ def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op
                 else:
                     for alloc in allocs:
                         alloc.active += 1
-                    for _, alloc, access, ext in entries:
-                        record_lease(alloc, sub, access, ext)
+                    for arr, access in accesses:
+                        record_lease(arr._alloc, sub, access, arr._extent)
                 sub.leases = allocs
                 return
     take_leases(scope, stream, sub, op._accesses, op.prepared.kernel.name)

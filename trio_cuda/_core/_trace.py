@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ._array import Allocation
     from ._launch import KernelLaunch
     from ._scope import ResourceScope
-    from ._submit import LeasePlan, Submission
+    from ._submit import Submission
 
 log = logging.getLogger("trio_cuda")
 
@@ -337,11 +337,13 @@ def lease_args(sub: Submission) -> list[tuple[int, int, int, str]]:
     return out
 
 
-def plan_lease_args(plan: LeasePlan) -> list[tuple[int, int, int, str]]:
+def plan_lease_args(op: KernelLaunch) -> list[tuple[int, int, int, str]]:
     """The leases a launch's lease plan records (``take_launch_leases``'s
     fast path), as :func:`lease_args` gives them."""
     out: list[tuple[int, int, int, str]] = []
-    for _, alloc, access, ext in plan[1]:
+    for arr, access in op._accesses:
+        alloc = arr._alloc
+        ext = arr._extent
         mode = "write" if access is Access.WRITE else "read"
         for i in range(0, len(ext), 2):
             out.append((alloc.ptr, ext[i], ext[i + 1], mode))
@@ -408,7 +410,7 @@ def trace_submit(
         cache = op.prepared.cache
         leases = cache.get("trace_leases")
         if leases is None:
-            leases = cache["trace_leases"] = plan_lease_args(plan)
+            leases = cache["trace_leases"] = plan_lease_args(op)
     else:
         leases = lease_args(sub)
     name = op.prepared.kernel.name

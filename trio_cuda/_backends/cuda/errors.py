@@ -33,6 +33,11 @@ def describe(err: Any) -> tuple[str, str]:
     hit = _names.get(code)
     if hit is not None:
         return hit
+    if type(err) is int and cu is not None:  # from a direct call (``direct``): the enum
+        try:
+            err = cu.CUresult(code)
+        except ValueError:
+            pass
     name = getattr(err, "name", "") or f"CUresult {code}"
     text = ""
     try:

@@ -25,7 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any, Final, NoReturn, final
+from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, final
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from ..._core._config import check_cooperative_occupancy
 from ..._core._driver import StreamHandle
 from ..._core._errors import KernelArgumentError, LaunchError
 from .. import _common, _nvrtc
-from . import nvrtc
+from . import direct, nvrtc
 from . import primary as _primary
 from .bindings import cu
 from .errors import cuda_error, describe
@@ -58,6 +58,7 @@ class CudaFunction:
 
     __slots__ = (
         "__weakref__",
+        "addr",
         "arch",
         "argv",
         "dyn_smem",
@@ -69,6 +70,7 @@ class CudaFunction:
         "module",
         "ok",
         "owner",
+        "packed",
         "params",
         "params_end",
         "unloaded",
@@ -88,6 +90,8 @@ class CudaFunction:
         self.kernel = kernel
         self.module = module
         self.fn = fn
+        #: the CUfunction's address (the direct launch path's argument)
+        self.addr = int(fn)
         self.image_kind = image_kind
         self.arch = arch
         self.from_cache = from_cache
@@ -103,6 +107,9 @@ class CudaFunction:
         #: the kernel's preallocated parameter arena for first launches:
         #: (arena array, its address, void** array, its address), built on first use
         self.argv: tuple[Any, int, Any, int] | None = None
+        #: the offsets of its parameters for ``direct.launch_packed`` (first
+        #: launches through direct calls), False where not usable; None: not made yet
+        self.packed: bytes | Literal[False] | None = None
 
     def __repr__(self) -> str:
         state = " unloaded" if self.unloaded else ""
@@ -174,7 +181,16 @@ def _opt_in_shared_memory(function: CudaFunction, smem: int) -> None:
 class Kernels:
     """The loaded kernels of one context, their launch checks and the launch path."""
 
-    __slots__ = ("_cu_ctx", "_state", "_stream", "_table", "functions", "tile_descs")
+    __slots__ = (
+        "_cu_ctx",
+        "_direct",
+        "_launch_packed",
+        "_state",
+        "_stream",
+        "_table",
+        "functions",
+        "tile_descs",
+    )
 
     def __init__(self, state: ContextState, table: StreamTable) -> None:
         self._state = state
@@ -182,6 +198,11 @@ class Kernels:
         self._stream = table.stream
         #: the CUcontext (the state's, copied: it never changes)
         self._cu_ctx = state.ctx
+        #: the address of ``cuLaunchKernel`` for direct calls, or None: the
+        #: wrapper (``direct.entries``, decided when the context opened)
+        entries = direct.entries()
+        self._direct = entries[0] if entries is not None else None
+        self._launch_packed: Any = direct.launch_packed() if entries is not None else None
         #: the loaded kernels (their modules are unloaded at close)
         self.functions: dict[CudaFunction, None] = {}
         #: device buffers of tile launches' list arguments, by content (freed at close)
@@ -408,11 +429,20 @@ class Kernels:
         if len(cache) > 64:  # bound the per-stream entries of long-lived launches
             for key in [k for k in cache if k.startswith("cu:")]:
                 del cache[key]
+        # (function, how, what): how 0: ``what()`` is a prepared direct call;
+        # 1: ``what`` are the wrapper's arguments; 2: ``what`` is the
+        # ``cuLaunchKernelEx`` (config, function, params) of a launch with modes
         entry: tuple[Any, ...]
         if c.cluster is not None or c.cooperative or c.pdl:
-            entry = (function, function.fn, self._launch_config(stream, launch), params[2])
+            entry = (function, 2, (self._launch_config(stream, launch), function.fn, params[2]))
+        elif self._direct is not None:
+            entry = (
+                function,
+                0,
+                direct.launcher(self._direct, function.addr, c.grid, c.block, smem, stream.handle, params[2]),
+            )
         else:
-            entry = (function, (function.fn, *c.grid, *c.block, smem, stream.cu, params[2], 0), None)
+            entry = (function, 1, (function.fn, *c.grid, *c.block, smem, stream.cu, params[2], 0))
         cache[stream.key] = entry
         return entry
 
@@ -461,18 +491,23 @@ class Kernels:
             hit = self._prepare_launch(self._stream(stream), function, launch)
         if _primary.multi_device:
             cu.cuCtxSetCurrent(self._cu_ctx)
-        if hit[2] is None:
-            (err,) = _cuLaunchKernel(*hit[1])
+        how = hit[1]
+        if how == 0:
+            err = hit[2]()
+        elif how == 1:
+            (err,) = _cuLaunchKernel(*hit[2])
         else:
-            (err,) = cu.cuLaunchKernelEx(hit[2], hit[1], hit[3], 0)
+            (err,) = cu.cuLaunchKernelEx(*hit[2], 0)
         if err:
             self._launch_failed(err, launch)
 
     def _launch_first(self, stream: StreamHandle, function: object, launch: PreparedLaunch) -> bool:
-        """The first enqueue of a plain launch (no launch attributes): its
-        parameters are copied into the kernel's own preallocated arena and
-        launched from there, since ``cuLaunchKernel`` reads them during the
-        call. Only a launch enqueued again gets stable memory of its own (see
+        """The first enqueue of a plain launch (no launch attributes). Through
+        direct calls, ``cuLaunchKernel`` reads the parameters where the launch
+        packed them (``direct.launch_packed``); through the wrapper they are
+        copied into the kernel's own preallocated arena and launched from
+        there. Either way the driver reads them during the call only. Only a
+        launch enqueued again gets stable memory of its own (see
         :meth:`_prepare_launch`), so a launch built, submitted once and
         dropped costs no per-launch buffers. False: take the general path."""
         if type(function) is not CudaFunction or function.owner is not self or function.unloaded:
@@ -490,18 +525,27 @@ class Kernels:
         s = stream
         if type(s) is not CudaStream or s.owner is not self._table or s.destroyed:
             s = self._stream(stream)
-        argv = function.argv
-        if argv is None:
-            arena = np.zeros(max(plan.size, 8), dtype=np.uint8)
-            base = int(arena.ctypes.data)
-            ptrs = np.array([base + slot.offset for slot in plan.slots], dtype=np.uint64)
-            argv = function.argv = (arena, base, ptrs, int(ptrs.ctypes.data) if plan.slots else 0)
-        data = launch.arena
-        _memmove(argv[1], data, len(data))
+        packed = function.packed
+        if packed is None:
+            made = direct.packed_offsets(plan.slots) if self._launch_packed is not None else None
+            packed = function.packed = made if made is not None else False
         launch.cache["cu.seen"] = True
         if _primary.multi_device:
             cu.cuCtxSetCurrent(self._cu_ctx)
-        (err,) = _cuLaunchKernel(function.fn, *c.grid, *c.block, c.shared_mem, s.cu, argv[3], 0)
+        if packed is not False:  # direct: the parameters are read where they were packed
+            err = self._launch_packed(
+                self._direct, function.addr, *c.grid, *c.block, c.shared_mem, s.handle, launch.arena, packed
+            )
+        else:
+            argv = function.argv
+            if argv is None:
+                arena = np.zeros(max(plan.size, 8), dtype=np.uint8)
+                base = int(arena.ctypes.data)
+                ptrs = np.array([base + slot.offset for slot in plan.slots], dtype=np.uint64)
+                argv = function.argv = (arena, base, ptrs, int(ptrs.ctypes.data) if plan.slots else 0)
+            data = launch.arena
+            _memmove(argv[1], data, len(data))
+            (err,) = _cuLaunchKernel(function.fn, *c.grid, *c.block, c.shared_mem, s.cu, argv[3], 0)
         if err:
             self._launch_failed(err, launch)
         return True

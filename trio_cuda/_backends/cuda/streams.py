@@ -40,6 +40,7 @@ import trio
 from ..._core._driver import DONE, PENDING, Gate, Marker, MarkerState, Poll, StreamHandle
 from ..._core._errors import OutOfMemoryError
 from .. import _common
+from . import direct
 from . import primary as _primary
 from .bindings import cu
 from .errors import OOM, check, cuda_error
@@ -109,9 +110,12 @@ class CudaStream:
         "slot",
         "slot_dptr",
         "watched",
+        "write",
     )
 
-    def __init__(self, owner: StreamTable, index: int, stream: Any, page: _FlagPage, line: int) -> None:
+    def __init__(
+        self, owner: StreamTable, index: int, stream: Any, page: _FlagPage, line: int, entry: int | None
+    ) -> None:
         self.owner = owner
         self.index = index
         self.cu = stream
@@ -124,6 +128,11 @@ class CudaStream:
         self.gate_slot = line * 32 + 16
         self.slot_dptr = cu.CUdeviceptr(page.dptr + 4 * self.slot)
         self.gate_dptr = cu.CUdeviceptr(page.dptr + 4 * self.gate_slot)
+        #: the marker flag's write as a prepared direct call (``write(seq)``
+        #: returns the CUresult), or None: through the wrapper (``direct``)
+        self.write: Any = (
+            direct.writer(entry, self.handle, page.dptr + 4 * self.slot) if entry is not None else None
+        )
         self.seq = 0  # last marker sequence recorded (the GPU writes it when it gets there)
         self.gate_seq = 0
         self.watched = False
@@ -191,6 +200,7 @@ class StreamTable:
     __slots__ = (
         "_all_events",
         "_cu_ctx",
+        "_direct",
         "_dirty",
         "_free_events",
         "_hot",
@@ -213,6 +223,10 @@ class StreamTable:
         #: the CUcontext, made current before each call once scopes on several
         #: devices are open (the state's, copied: it never changes)
         self._cu_ctx = state.ctx
+        #: the address of ``cuStreamWriteValue32`` for direct calls, or None
+        #: (``direct.entries``, decided when the context opened)
+        entries = direct.entries()
+        self._direct = entries[1] if entries is not None else None
         self._pages: list[_FlagPage] = []
         #: another context's stream waited on one of our flags: never free the pages
         self._pages_shared = False
@@ -302,7 +316,7 @@ class StreamTable:
             page = _FlagPage()
             self._pages.append(page)
         handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-        s = CudaStream(self, index, handle, page, page.used)
+        s = CudaStream(self, index, handle, page, page.used, self._direct)
         page.used += 1
         self.streams[s] = None
         return s
@@ -329,7 +343,11 @@ class StreamTable:
         mode = self.marker_mode
         if mode == "hybrid" and not s.hot and not self.record_events:
             # first marker since the last flush: write it now
-            (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, seq & _M32, 0)
+            w = s.write
+            if w is not None:
+                err = w(seq)
+            else:
+                (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, seq & _M32, 0)
             if err:
                 self._state.fail(err, "cuStreamWriteValue32")
             s.seq = seq
@@ -349,7 +367,11 @@ class StreamTable:
             if not s.watched:
                 self.new_head = True
             return CudaMarker(s, seq)
-        (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, seq & _M32, 0)
+        w = s.write
+        if w is not None:
+            err = w(seq)
+        else:
+            (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, seq & _M32, 0)
         if err:
             self._state.fail(err, "cuStreamWriteValue32")
         s.seq = seq
@@ -430,7 +452,7 @@ class StreamTable:
             s.dirty = False
             if s.destroyed:
                 continue
-            (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, s.seq & _M32, 0)
+            err = _write_flag(s)
             if err:
                 self._state.fail(err, "cuStreamWriteValue32")
 
@@ -443,7 +465,7 @@ class StreamTable:
         if s.dirty:
             s.dirty = False
             self._dirty.remove(s)
-            (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, s.seq & _M32, 0)
+            err = _write_flag(s)
             if err:
                 self._state.fail(err, "cuStreamWriteValue32")
 
@@ -507,3 +529,12 @@ class StreamTable:
 
 
 _cuStreamWriteValue32: Any = cu.cuStreamWriteValue32 if cu is not None else None
+
+
+def _write_flag(s: CudaStream) -> Any:
+    """Enqueue the write of ``s``'s newest marker sequence to its flag; the CUresult."""
+    w = s.write
+    if w is not None:
+        return w(s.seq)
+    (err,) = _cuStreamWriteValue32(s.cu, s.slot_dptr, s.seq & _M32, 0)
+    return err

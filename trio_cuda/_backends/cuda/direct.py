@@ -1,0 +1,126 @@
+"""Direct driver calls on the launch path: the compiled ``_direct`` module
+where it was built at install, else cuda.bindings' wrappers (the reference).
+
+Invariants:
+
+* The choice is made once per process, when the first CUDA context opens
+  (:func:`entries`): direct calls when ``_direct`` imports, the driver hands
+  out both entry points (``cuGetProcAddress``), and ``TRIO_CUDA_PURE`` is not
+  set (to anything but ``0``). Contexts read it when they open; tests may
+  reset it between scopes (:func:`reset`).
+* Both paths make the same driver calls with the same arguments, and return
+  the same ``CUresult``; only the Python in between differs. A direct call is
+  prepared once (a launch per launch and stream, a flag write per stream)
+  from plain integers; the caller keeps the function, stream and argument
+  memory alive, as it does for the wrappers' arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from typing import Any
+
+from .bindings import cu
+
+try:
+    from . import _direct as _ext  # type: ignore[attr-defined]
+except ImportError:  # not built (no compiler at install, or TRIO_CUDA_PURE=1 then)
+    _ext = None
+
+log = logging.getLogger("trio_cuda")
+
+#: the driver API version whose entry points are asked for (12.0: the
+#: ``_v2`` ABI of ``cuStreamWriteValue32``, the one cuda.bindings calls)
+_API_VERSION = 12000
+_UNDECIDED: Any = object()
+_entries: Any = _UNDECIDED
+
+
+def pure_requested() -> bool:
+    """Whether ``TRIO_CUDA_PURE`` asks for the wrappers."""
+    return os.environ.get("TRIO_CUDA_PURE", "").strip() not in ("", "0")
+
+
+def built() -> bool:
+    """Whether the compiled module is present in this installation."""
+    return _ext is not None
+
+
+def entries() -> tuple[int, int] | None:
+    """The addresses of ``cuLaunchKernel`` and ``cuStreamWriteValue32`` for
+    direct calls, or None: use the wrappers (decided once; see the module
+    docstring)."""
+    global _entries
+    if _entries is _UNDECIDED:
+        _entries = _resolve()
+        log.debug(
+            "CUDA launch path: %s",
+            "direct driver calls" if _entries is not None else "cuda.bindings wrappers",
+        )
+    return _entries  # type: ignore[no-any-return]
+
+
+def reset(*, pure: bool | None = None) -> None:
+    """Decide again at the next context (tests): ``pure`` True forces the
+    wrappers, False the direct calls where they are available, None reads
+    the environment again."""
+    global _entries
+    _entries = None if pure else _UNDECIDED if pure is None else _resolve(force=True)
+
+
+def _resolve(*, force: bool = False) -> tuple[int, int] | None:
+    if _ext is None or cu is None or (pure_requested() and not force):
+        return None
+    found = []
+    for name in (b"cuLaunchKernel", b"cuStreamWriteValue32"):
+        try:
+            err, pfn, _ = cu.cuGetProcAddress(name, _API_VERSION, 0)
+        except Exception:  # an older binding or no driver: the wrappers work regardless
+            log.debug("cuGetProcAddress(%r) failed; the launch path uses the wrappers", name, exc_info=True)
+            return None
+        if err or not pfn:
+            return None
+        found.append(int(pfn))
+    return found[0], found[1]
+
+
+def launcher(
+    entry: int,
+    function: int,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    shared_mem: int,
+    stream: int,
+    params: int,
+) -> Any:
+    """A prepared ``cuLaunchKernel``: calling it launches, returning the ``CUresult`` as an int."""
+    assert _ext is not None
+    return _ext.Launch(entry, function, *grid, *block, shared_mem, stream, params)
+
+
+def writer(entry: int, stream: int, addr: int) -> Any:
+    """A prepared ``cuStreamWriteValue32`` of one flag: ``w(value)`` enqueues
+    the write of ``value`` (modulo 2**32) and returns the ``CUresult`` as an int."""
+    assert _ext is not None
+    return _ext.Writer(entry, stream, addr)
+
+
+def launch_packed() -> Any:
+    """``cuLaunchKernel`` from packed parameters, for launches enqueued once:
+    ``launch_packed(entry, function, gx, gy, gz, bx, by, bz, shared_mem,
+    stream, arena, offsets)`` reads parameter i at ``offsets`` (native uint32
+    each, see :func:`packed_offsets`) of ``arena`` (bytes), returning the
+    ``CUresult`` as an int."""
+    assert _ext is not None
+    return _ext.launch_packed
+
+
+def packed_offsets(slots: Any) -> bytes | None:
+    """The ``offsets`` argument of :func:`launch_packed` for a parameter plan's
+    slots, or None where a slot needs more than the 16-byte alignment a
+    bytes object's data has."""
+    if any(slot.align > 16 for slot in slots):
+        return None
+    return struct.pack(f"={len(slots)}I", *(slot.offset for slot in slots))
