@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 import attrs
 import trio
 
+from ._array import DeviceArray
 from ._final import NoPublicConstructor, final
 from ._ops import HostResult, resolve_output
 from ._submit import TERMINAL, Submission, SubState
@@ -190,7 +191,10 @@ def outcome(sub: Submission) -> Any:
     if sub.error is not None:
         sub.scope._completion.observed(sub)
         raise sub.error
-    return resolve_output(sub.output)
+    out = sub.output
+    if out is None or type(out) is DeviceArray:  # a launch's output, as it is
+        return out
+    return resolve_output(out)
 
 
 def _dropped(sub: Submission) -> None:

@@ -14,7 +14,9 @@ Invariants:
   unloaded again rather than kept twice.
 * A launch is checked against the device (its limits, then what only the
   loaded kernel knows) before anything of it is enqueued. The result is kept
-  on the launch (``cache["checked"]``), and for a SIMT kernel also per launch
+  on the launch with its loaded function (``PreparedLaunch.ready``, set only
+  by :meth:`KernelTable.function_for`, the one place that reads it besides
+  the scope's two hot entry points), and for a SIMT kernel also per launch
   shape (kernel, interned config, parameter plan), so a fresh launch of a
   checked shape is not checked again; a tile launch, whose check prepares its
   list arguments, is checked per launch. A refused shape is never kept.
@@ -122,7 +124,7 @@ class KernelTable:
         it is enqueued (``static_launches``): a kernel that cannot be loaded
         then fails the submission with nothing enqueued."""
         for prepared in static_launches(op):
-            self.kernel_function(prepared)
+            self.function_for(prepared)
 
     def function(self, kernel: Kernel) -> object:
         """``kernel``'s loaded function, loading it synchronously on first use."""
@@ -132,25 +134,26 @@ class KernelTable:
             self.functions[kernel] = fn
         return fn
 
-    def kernel_function(self, prepared: PreparedLaunch) -> object:
+    def function_for(self, prepared: PreparedLaunch) -> object:
         """The loaded function that ``prepared`` launches, once the launch was
-        checked against this device (both cached: the hot path is two dict
-        lookups). Loads the kernel synchronously on first use."""
-        if prepared.cache.get("checked") is not self.info:
-            self.check(prepared)
-        fn = self.functions.get(prepared.kernel)
-        if fn is None:
-            fn = self.function(prepared.kernel)
+        checked against this device; kept on the launch (``ready``), so a
+        launch submitted again costs one attribute read and one identity test
+        (which the scope's hot entry points make inline before calling this).
+        Loads the kernel synchronously on first use."""
+        functions = self.functions  # (the table's identity on the launch: pins no scope)
+        ready = prepared.ready
+        if ready is not None and ready[0] is functions:
+            return ready[1]
+        self.check(prepared)
+        fn = self.function(prepared.kernel)
+        prepared.ready = (functions, fn)
         return fn
 
     def check(self, prepared: PreparedLaunch) -> None:
         """Check a launch against this scope's device before anything is
         enqueued: the device's limits (``check_device_limits``), then what only
         the loaded kernel knows (``driver.check_launch``)."""
-        cache = prepared.cache
         info = self.info
-        if cache.get("checked") is info:
-            return
         kernel = prepared.kernel
         # What the checks read is the kernel, the config and the parameter
         # plan (configs are interned, compared by identity); a tile launch's
@@ -164,7 +167,6 @@ class KernelTable:
                 if len(self.checked) >= _SHAPES_KEPT:
                     self.checked.clear()
                 self.checked.add(shape)
-        cache["checked"] = info
 
     def unload_all(self) -> None:
         """After the drain: unload every function (the scope decides when)."""

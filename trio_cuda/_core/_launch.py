@@ -9,8 +9,11 @@ Invariants:
 * A launch's accesses hold one entry per view extent (an allocation and a
   byte range), with the strongest mode (:func:`_merge_accesses`); its output
   is the array it writes, a tuple of them, or None.
-* A :class:`PreparedLaunch` is immutable by convention; only ``cache``, the
-  backends' scratch space, is filled (on first launch). Its
+* A :class:`PreparedLaunch` is a launch's one description: its kernel,
+  configuration, parameter plan and packed arguments. It is immutable by
+  convention; only ``ready`` (the scope's kernel table sets it: the loaded
+  function, once the launch was checked against that scope's device) and
+  ``cache``, the backends' scratch space, are filled, on first launch. Its
   argument views are given, made once by the function given (a builder's),
   or derived once from the argument values.
 """
@@ -77,7 +80,7 @@ class PreparedLaunch:
     ``cache`` is the backends' scratch space (e.g. the ``void**`` array),
     filled on first launch."""
 
-    __slots__ = ("arena", "args", "cache", "config", "kernel", "plan", "values")
+    __slots__ = ("arena", "args", "cache", "config", "kernel", "plan", "ready", "values")
 
     kernel: Kernel
     config: LaunchConfig
@@ -86,6 +89,10 @@ class PreparedLaunch:
     args: tuple[ArgView, ...] | Callable[[], tuple[ArgView, ...]] | None
     values: tuple[object, ...]
     cache: dict[str, Any]
+    #: (the kernel table's function dict, standing for the table; the loaded
+    #: function) of the last scope that checked this launch against its
+    #: device (``KernelTable.function_for``), or None
+    ready: tuple[object, object] | None
 
     def __init__(
         self,
@@ -105,6 +112,7 @@ class PreparedLaunch:
         self.args = args
         self.values = values
         self.cache = {}
+        self.ready = None
 
     def arg_views(self) -> tuple[ArgView, ...]:
         """One :class:`ArgView` per kernel parameter (cached)."""

@@ -540,8 +540,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
         self._check_open(what)
         if self._enqueuing:
             raise RuntimeError(f"{what}: cannot submit from inside a then/map closure of another submission")
-        if type(op) is not KernelLaunch:  # a lone launch loads its kernel before it enqueues
-            self._kernels.load_static(op)
+        self._kernels.load_static(op)
         s = self._pick(op, stream)
         memo = None
         if self._conflicts == "error" and type(op) in COMPOSITE:
@@ -583,9 +582,11 @@ class ResourceScope(metaclass=NoPublicConstructor):
         leases from the launch's access plan (``take_launch_leases``)."""
         s = stream if type(stream) is Stream and stream._scope is self else self._pick(op, stream)
         prepared = op.prepared
-        function = self._functions.get(prepared.kernel)
-        if function is None or prepared.cache.get("checked") is not self._info:
-            function = self._kernel_function(prepared)
+        ready = prepared.ready  # ``KernelTable.function_for``, inline when it hits
+        if ready is not None and ready[0] is self._functions:
+            function = ready[1]
+        else:
+            function = self._kernels.function_for(prepared)
         self._next_id += 1
         sub = Submission(self, s, self._next_id, op)
         take_launch_leases(self, s, sub, op)
@@ -629,11 +630,18 @@ class ResourceScope(metaclass=NoPublicConstructor):
             kernel = op.prepared.kernel
             if kernel not in self._functions and (self._kernels.load_in_thread or kernel.tile is not None):
                 await self._kernels.load((kernel,))
-        elif isinstance(op, DeviceOp):
-            await self._kernels.load_tile_kernels(op)
-        if self._extensions.exports_releasing:  # an access after a consumer released an export
-            await self._extensions.finish_export_releases()
-        sub = self._submit(op, stream, "run")
+            if self._extensions.exports_releasing:  # an access after a consumer released an export
+                await self._extensions.finish_export_releases()
+            if self._closing or self._enqueuing or get_ident() != self._thread:
+                sub = self._submit(op, stream, "run")  # (it raises the reason)
+            else:
+                sub = self._submit_launch(op, stream)
+        else:
+            if isinstance(op, DeviceOp):
+                await self._kernels.load_tile_kernels(op)
+            if self._extensions.exports_releasing:
+                await self._extensions.finish_export_releases()
+            sub = self._submit(op, stream, "run")
         await self._completion.observe(sub)
         return outcome(sub)
 
@@ -678,8 +686,8 @@ class ResourceScope(metaclass=NoPublicConstructor):
 
     def _kernel_function(self, prepared: PreparedLaunch) -> object:
         """The loaded function that ``prepared`` launches, checked against
-        this device (``KernelTable.kernel_function``)."""
-        return self._kernels.kernel_function(prepared)
+        this device (``KernelTable.function_for``)."""
+        return self._kernels.function_for(prepared)
 
     # ------------------------------------------------------------------ entry and exit
     def _start_tracing(self, tracer: Tracer) -> None:
@@ -816,9 +824,11 @@ def enqueue_unsafe(op: DeviceOp[T], stream: Stream) -> T:
         if scope._closing or get_ident() != scope._thread:
             scope._check_open("async_on")
         prepared = op.prepared
-        fn = scope._functions.get(prepared.kernel)
-        if fn is None or prepared.cache.get("checked") is not scope._info:
-            fn = scope._kernel_function(prepared)
+        ready = prepared.ready  # ``KernelTable.function_for``, inline when it hits
+        if ready is not None and ready[0] is scope._functions:
+            fn = ready[1]
+        else:
+            fn = scope._kernels.function_for(prepared)
         scope._driver.launch(stream.handle, fn, prepared)
         return op._output  # type: ignore[return-value]
     if not isinstance(op, DeviceOp):
@@ -830,8 +840,7 @@ def enqueue_unsafe(op: DeviceOp[T], stream: Stream) -> T:
             )
         raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
     scope._check_open("async_on")
-    if type(op) is not KernelLaunch:  # a lone launch loads its kernel before it enqueues
-        scope._kernels.load_static(op)
+    scope._kernels.load_static(op)
     out: Any = op._enqueue(UnsafeEnqueue(scope, stream))
     return out  # type: ignore[no-any-return]
 
