@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._arena import _STRUCT_CODES, ParamPlan, _scalar_bytes
-from ._array import DeviceArray
+from ._array import AllocState, DeviceArray
 from ._config import _CONFIG_CACHE, LaunchConfig, cached_config
 from ._errors import KernelArgumentError
 from ._final import NoPublicConstructor, final
@@ -79,6 +79,7 @@ def _plan_for(kernel: Kernel, key: Layout) -> ParamPlan:
 #: the slot of a pointer
 _POINTER_SLOT = (8, 8)
 _WRITE = Access.WRITE
+_FREED = AllocState.FREED
 #: ``_PTR_AFTER[pad].pack(ptr)``: ``pad`` zero bytes, then the pointer
 _PTR_AFTER = tuple(struct.Struct(f"={pad}xQ") for pad in range(8))
 _ZEROS = tuple(bytes(n) for n in range(16))
@@ -255,7 +256,8 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
         values = self._values
         index = len(values)
         if isinstance(value, DeviceArray):
-            if value.closed:
+            alloc = value._alloc  # (``closed``, ``readonly`` and ``ptr``, read inline)
+            if value._closed or alloc.state is _FREED or alloc.table.closed:
                 raise KernelArgumentError(f"argument {index}: the array is closed")
             if access is not None:
                 mode = _access_from_name(access)
@@ -264,11 +266,11 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
                 declared = params[index].access if index < len(params) else None
                 mode = declared if declared is not None else _WRITE
             if mode is _WRITE:
-                if value.readonly:
+                if value._readonly:
                     raise KernelArgumentError(f"argument {index}: write access to a read-only array")
                 self._outputs.append(value)
             arena = self._arena
-            arena += _PTR_AFTER[-len(arena) & 7].pack(value.ptr)
+            arena += _PTR_AFTER[-len(arena) & 7].pack(alloc.ptr + value._offset)
             self._layout.append(_POINTER_SLOT)
             self._accesses.append((value, mode))
         elif isinstance(value, np.generic):
