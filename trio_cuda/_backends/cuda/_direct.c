@@ -26,7 +26,8 @@ typedef int (*launch_fn)(void *, unsigned int, unsigned int, unsigned int, unsig
                          unsigned int, unsigned int, unsigned int, void *, void **, void **);
 
 /* CUresult cuStreamWriteValue32(CUstream stream, CUdeviceptr addr,
-   cuuint32_t value, unsigned int flags) */
+   cuuint32_t value, unsigned int flags), and cuStreamWaitValue32, whose
+   prototype is the same (its flags 0: CU_STREAM_WAIT_VALUE_GEQ) */
 typedef int (*write32_fn)(void *, unsigned long long, uint32_t, unsigned int);
 
 static int as_ptr(PyObject *obj, void **out, const char *what) {

@@ -48,10 +48,10 @@ def built() -> bool:
     return _ext is not None
 
 
-def entries() -> tuple[int, int] | None:
-    """The addresses of ``cuLaunchKernel`` and ``cuStreamWriteValue32`` for
-    direct calls, or None: use the wrappers (decided once; see the module
-    docstring)."""
+def entries() -> tuple[int, int, int] | None:
+    """The addresses of ``cuLaunchKernel``, ``cuStreamWriteValue32`` and
+    ``cuStreamWaitValue32`` for direct calls, or None: use the wrappers
+    (decided once; see the module docstring)."""
     global _entries
     if _entries is _UNDECIDED:
         _entries = _resolve()
@@ -70,11 +70,11 @@ def reset(*, pure: bool | None = None) -> None:
     _entries = None if pure else _UNDECIDED if pure is None else _resolve(force=True)
 
 
-def _resolve(*, force: bool = False) -> tuple[int, int] | None:
+def _resolve(*, force: bool = False) -> tuple[int, int, int] | None:
     if _ext is None or cu is None or (pure_requested() and not force):
         return None
     found = []
-    for name in (b"cuLaunchKernel", b"cuStreamWriteValue32"):
+    for name in (b"cuLaunchKernel", b"cuStreamWriteValue32", b"cuStreamWaitValue32"):
         try:
             err, pfn, _ = cu.cuGetProcAddress(name, _API_VERSION, 0)
         except Exception:  # an older binding or no driver: the wrappers work regardless
@@ -83,7 +83,7 @@ def _resolve(*, force: bool = False) -> tuple[int, int] | None:
         if err or not pfn:
             return None
         found.append(int(pfn))
-    return found[0], found[1]
+    return found[0], found[1], found[2]
 
 
 def launcher(
@@ -102,7 +102,10 @@ def launcher(
 
 def writer(entry: int, stream: int, addr: int) -> Any:
     """A prepared ``cuStreamWriteValue32`` of one flag: ``w(value)`` enqueues
-    the write of ``value`` (modulo 2**32) and returns the ``CUresult`` as an int."""
+    the write of ``value`` (modulo 2**32) and returns the ``CUresult`` as an
+    int. With the entry of ``cuStreamWaitValue32`` (the same prototype; flags
+    0 is ``CU_STREAM_WAIT_VALUE_GEQ``), ``w(value)`` makes ``stream`` wait
+    until the flag is at least ``value``."""
     assert _ext is not None
     return _ext.Writer(entry, stream, addr)
 

@@ -109,6 +109,7 @@ class CudaStream:
         "seq",
         "slot",
         "slot_dptr",
+        "waits",
         "watched",
         "write",
     )
@@ -116,6 +117,7 @@ class CudaStream:
     def __init__(
         self, owner: StreamTable, index: int, stream: Any, page: _FlagPage, line: int, entry: int | None
     ) -> None:
+        # (entry: the address of cuStreamWriteValue32 for direct calls, or None)
         self.owner = owner
         self.index = index
         self.cu = stream
@@ -133,6 +135,9 @@ class CudaStream:
         self.write: Any = (
             direct.writer(entry, self.handle, page.dptr + 4 * self.slot) if entry is not None else None
         )
+        #: prepared direct waits of this stream on another stream's flag
+        #: (same context), by that stream: ``wait(seq)``, made on first use
+        self.waits: dict[CudaStream, Any] = {}
         self.seq = 0  # last marker sequence recorded (the GPU writes it when it gets there)
         self.gate_seq = 0
         self.watched = False
@@ -201,6 +206,7 @@ class StreamTable:
         "_all_events",
         "_cu_ctx",
         "_direct",
+        "_direct_wait",
         "_dirty",
         "_free_events",
         "_hot",
@@ -227,6 +233,8 @@ class StreamTable:
         #: (``direct.entries``, decided when the context opened)
         entries = direct.entries()
         self._direct = entries[1] if entries is not None else None
+        #: the address of ``cuStreamWaitValue32`` for direct calls, or None
+        self._direct_wait = entries[2] if entries is not None else None
         self._pages: list[_FlagPage] = []
         #: another context's stream waited on one of our flags: never free the pages
         self._pages_shared = False
@@ -435,8 +443,14 @@ class StreamTable:
             # that context closed: it must never free its pages (a leak of a
             # few KiB, rather than a wait on freed memory).
             owner.share_pages()
-        geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        (err,) = cu.cuStreamWaitValue32(s.cu, other.slot_dptr, m.seq & _M32, geq)
+        wait = s.waits.get(other) if owner is self else None
+        if wait is None and owner is self and self._direct_wait is not None:
+            wait = s.waits[other] = direct.writer(self._direct_wait, s.handle, int(other.slot_dptr))
+        if wait is not None:
+            err = wait(m.seq)  # cuStreamWaitValue32(..., CU_STREAM_WAIT_VALUE_GEQ), directly
+        else:
+            geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+            (err,) = cu.cuStreamWaitValue32(s.cu, other.slot_dptr, m.seq & _M32, geq)
         if err:
             self._state.fail(err, "cuStreamWaitValue32")
 
