@@ -1,6 +1,7 @@
 """Profile the launch path's rows on a device: where the host time goes.
 
-    python3 benchmarks/profile_launch.py [--device cuda] [--rows roundtrip,typed,submit,builder]
+    python3 benchmarks/profile_launch.py [--device cuda]
+        [--rows roundtrip,typed,submit,builder,tasks,conflict,traced]
         [--top 25] [--n 20000]
 
 Each row runs ``--n`` times under cProfile (after a warm-up) and prints the
@@ -31,6 +32,12 @@ extern "C" __global__ void empty(const float* a, const float* b, const float* c,
 """
 K = trio_cuda.Kernel.from_source(
     SRC, "empty", params=[trio_cuda.In("f4")] * 4 + [trio_cuda.Scalar("i4")], reference=lambda *a: None
+)
+W2 = trio_cuda.Kernel.from_source(
+    'extern "C" __global__ void write2(float* a, float* b, int n) {}',
+    "write2",
+    params=[trio_cuda.InOut("f4")] * 2 + [trio_cuda.Scalar("i4")],
+    reference=lambda *a: None,
 )
 
 
@@ -67,7 +74,43 @@ async def main(device: str, rows: list[str], top: int, n: int) -> None:
                 if i % 1000 == 999:
                     await gpu.run(trio_cuda.ops.value(None), stream=s)
 
-        fns: dict[str, Any] = {"roundtrip": roundtrip, "typed": typed, "submit": submit, "builder": builder}
+        async def tasks(conflict: bool = False) -> None:
+            """100 tasks, each awaiting a typed launch per await (``conflict``:
+            task i on stream i % 4, all writing the same two buffers)."""
+            a, b = bufs[:2]
+
+            async def worker(i: int) -> None:
+                st = gpu.streams[i % 4] if conflict else None
+                for _ in range(n // 100):
+                    if conflict:
+                        await gpu.run(W2.launch(a, b, 256, grid=1, block=1), stream=st)
+                    else:
+                        await gpu.run(K.launch(*bufs, 256, grid=1, block=1))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(100):
+                    nursery.start_soon(worker, i)
+
+        async def conflict() -> None:
+            await tasks(conflict=True)
+
+        async def traced() -> None:
+            trace = trio_cuda.trace.Trace(limit=4 * n + 100)
+            async with trio_cuda.open_scope(device=device, streams=4, trace=trace) as tgpu:
+                tb = [tgpu.zeros(256, np.float32) for _ in range(4)]
+                top = K.launch(*tb, 256, grid=1, block=1)
+                for _ in range(n):
+                    await tgpu.run(top, stream=tgpu.streams[0])
+
+        fns: dict[str, Any] = {
+            "roundtrip": roundtrip,
+            "typed": typed,
+            "submit": submit,
+            "builder": builder,
+            "tasks": tasks,
+            "conflict": conflict,
+            "traced": traced,
+        }
         for row in rows:
             await fns[row]()  # warm-up
             prof = cProfile.Profile()
@@ -81,7 +124,7 @@ async def main(device: str, rows: list[str], top: int, n: int) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--rows", default="roundtrip,typed,submit,builder")
+    ap.add_argument("--rows", default="roundtrip,typed,submit,builder,tasks,conflict,traced")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--n", type=int, default=20000)
     a = ap.parse_args()

@@ -53,7 +53,7 @@ class KernelTable:
     """A scope's loaded kernels and checked launch shapes (a component of
     :class:`~trio_cuda.ResourceScope`)."""
 
-    __slots__ = ("checked", "driver", "functions", "info", "load_in_thread", "scope")
+    __slots__ = ("checked", "driver", "functions", "info", "last_checked", "load_in_thread", "scope")
 
     def __init__(self, scope: ResourceScope, driver: DeviceContext) -> None:
         self.scope = scope
@@ -64,6 +64,9 @@ class KernelTable:
         self.functions: dict[Kernel, object] = {}
         #: (kernel, config, plan) of SIMT launches checked against this device
         self.checked: set[tuple[Kernel, object, object]] = set()
+        #: the (config, plan) of each SIMT kernel's last checked launch: a
+        #: fresh launch of the same shape is found by identity, unhashed
+        self.last_checked: dict[Kernel, tuple[object, object]] = {}
 
     async def load(self, kernels: Iterable[Kernel | DeviceOp[Any]]) -> None:
         """``ResourceScope.load``: see its documentation."""
@@ -145,7 +148,9 @@ class KernelTable:
         if ready is not None and ready[0] is functions:
             return ready[1]
         self.check(prepared)
-        fn = self.function(prepared.kernel)
+        fn = functions.get(prepared.kernel)
+        if fn is None:
+            fn = self.function(prepared.kernel)
         prepared.ready = (functions, fn)
         return fn
 
@@ -153,20 +158,28 @@ class KernelTable:
         """Check a launch against this scope's device before anything is
         enqueued: the device's limits (``check_device_limits``), then what only
         the loaded kernel knows (``driver.check_launch``)."""
-        info = self.info
         kernel = prepared.kernel
+        config = prepared.config
+        plan = prepared.plan
         # What the checks read is the kernel, the config and the parameter
         # plan (configs are interned, compared by identity); a tile launch's
         # check also prepares its list arguments, so it runs per launch.
-        shape = (kernel, prepared.config, prepared.plan)
-        simt = kernel.tile is None
-        if not (simt and shape in self.checked):
-            check_device_limits(prepared, info)
-            self.driver.check_launch(self.function(kernel), prepared)
-            if simt:
+        if kernel.tile is None:
+            last = self.last_checked.get(kernel)
+            if last is not None and last[0] is config and last[1] is plan:
+                return
+            shape = (kernel, config, plan)
+            if shape not in self.checked:
+                check_device_limits(prepared, self.info)
+                self.driver.check_launch(self.function(kernel), prepared)
                 if len(self.checked) >= _SHAPES_KEPT:
                     self.checked.clear()
+                    self.last_checked.clear()
                 self.checked.add(shape)
+            self.last_checked[kernel] = (config, plan)
+        else:
+            check_device_limits(prepared, self.info)
+            self.driver.check_launch(self.function(kernel), prepared)
 
     def unload_all(self) -> None:
         """After the drain: unload every function (the scope decides when)."""
