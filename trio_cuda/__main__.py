@@ -138,6 +138,27 @@ def tile_line() -> str:
     return f"tile kernels: {status}"
 
 
+def launch_path_line(driver_answers: bool) -> str:
+    """``info``'s line on the cuda backend's launch path (direct driver calls
+    through the compiled extension, or cuda.bindings' wrappers). Never raises."""
+    try:
+        from ._backends.cuda import direct
+
+        if direct.pure_requested():
+            path = "cuda.bindings wrappers (TRIO_CUDA_PURE is set)"
+        elif not direct.built():
+            path = "cuda.bindings wrappers (the compiled extension was not built at install)"
+        elif not driver_answers:
+            path = "direct driver calls where a CUDA driver answers (the compiled extension is built)"
+        elif direct.entries() is not None:
+            path = "direct driver calls (the compiled extension)"
+        else:
+            path = "cuda.bindings wrappers (the driver gave no entry points for direct calls)"
+    except Exception as exc:  # pragma: no cover - a broken install
+        path = f"unknown ({type(exc).__name__}: {exc})"
+    return f"cuda launch path: {path}"
+
+
 def info_lines() -> list[str]:
     """What ``trio-cuda info`` prints."""
     from ._backends import _cuda_backend_available, probe_cuda
@@ -164,6 +185,7 @@ def info_lines() -> list[str]:
     else:
         lines.append("  (no CUDA device)")
     lines.append("  sim: the simulated device (device='sim'), always available")
+    lines.append(launch_path_line(probe.available))
     lines.append(compile_check_line())
     lines.append(tile_line())
     lines.append("versions:")

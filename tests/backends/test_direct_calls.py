@@ -298,3 +298,15 @@ def test_a_direct_calls_result_is_reported_as_the_wrappers_is(code: int) -> None
     a, b = cuda_error(code, "cuLaunchKernel(k)"), cuda_error(cu.CUresult(code), "cuLaunchKernel(k)")
     assert (type(a), a.code, a.name, str(a)) == (type(b), b.code, b.name, str(b))
     assert a.name.startswith("CUDA_ERROR_")
+
+
+def test_info_says_which_launch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trio_cuda.__main__ import launch_path_line
+
+    monkeypatch.setenv("TRIO_CUDA_PURE", "1")
+    assert launch_path_line(True) == "cuda launch path: cuda.bindings wrappers (TRIO_CUDA_PURE is set)"
+    monkeypatch.setenv("TRIO_CUDA_PURE", "0")
+    if direct.built():
+        assert "direct driver calls where a CUDA driver answers" in launch_path_line(False)
+    monkeypatch.setattr(direct, "_ext", None)
+    assert launch_path_line(True).endswith("(the compiled extension was not built at install)")
