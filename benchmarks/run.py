@@ -331,6 +331,14 @@ async def _floor_bench(raw: Raw) -> None:
     fl.sync()
 
 
+async def _start_line() -> None:
+    """Checkpoint until every worker waits at the start line (nothing else runnable)."""
+    for _ in range(100):
+        await trio.lowlevel.checkpoint()
+        if not trio.lowlevel.current_statistics().tasks_runnable:
+            break
+
+
 async def _floor_tasks(fl: Floor, ntasks: int, per_task: int) -> float:
     """Launches/s of the floor's ``ntasks`` tasks (task i on stream i % 4),
     each awaiting ``per_task`` launches; the clock starts at the start line."""
@@ -345,10 +353,7 @@ async def _floor_tasks(fl: Floor, ntasks: int, per_task: int) -> float:
     async with trio.open_nursery() as nursery:
         for i in range(ntasks):
             nursery.start_soon(worker, i)
-        for _ in range(100):
-            await trio.lowlevel.checkpoint()
-            if not trio.lowlevel.current_statistics().tasks_runnable:
-                break
+        await _start_line()
         t0 = perf()
         go.set()
     return ntasks * per_task / (perf() - t0)
@@ -522,10 +527,7 @@ async def _many_tasks(gpu: Any, op: Any, ntasks: int, per_task: int, *, spawn: b
         for _ in range(ntasks):
             nursery.start_soon(worker)
         if not spawn:
-            for _ in range(100):  # until every worker waits at the start line
-                await trio.lowlevel.checkpoint()
-                if not trio.lowlevel.current_statistics().tasks_runnable:
-                    break
+            await _start_line()
             t0 = perf()
             go.set()
     return ntasks * per_task / (perf() - t0)
@@ -548,10 +550,7 @@ async def _conflict_tasks(gpu: Any, a: Any, b: Any, ntasks: int, per_task: int) 
     async with trio.open_nursery() as nursery:
         for i in range(ntasks):
             nursery.start_soon(worker, i)
-        for _ in range(100):  # until every worker waits at the start line
-            await trio.lowlevel.checkpoint()
-            if not trio.lowlevel.current_statistics().tasks_runnable:
-                break
+        await _start_line()
         t0 = perf()
         go.set()
     return ntasks * per_task / (perf() - t0)
