@@ -532,7 +532,7 @@ class Kernels:
         launch.cache["cu.seen"] = True
         if _primary.multi_device:
             cu.cuCtxSetCurrent(self._cu_ctx)
-        if packed is not False:  # direct: the parameters are read where they were packed
+        if packed is not False and len(launch.arena) >= plan.size:  # direct: read where packed
             err = self._launch_packed(
                 self._direct, function.addr, *c.grid, *c.block, c.shared_mem, s.handle, launch.arena, packed
             )
