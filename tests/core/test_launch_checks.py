@@ -68,3 +68,39 @@ async def test_a_shape_that_failed_its_check_is_checked_again() -> None:
             with pytest.raises(trio_cuda.KernelArgumentError, match="cluster"):
                 gpu.submit(op)
         assert gpu.statistics().submitted == before  # nothing was submitted
+
+
+async def test_launches_alternating_between_two_scopes_use_each_scopes_function() -> None:
+    """A launch keeps the loaded function of the scope that checked it
+    (``ready``): launches alternating between two live scopes are each
+    checked once, in their own scope, and run there; a launch of one scope's
+    arrays is refused by the other with nothing enqueued; and once its scope
+    exited, a launch is refused there while the other scope's still runs."""
+    from trio_cuda.testing import SimDevice
+
+    sims = [SimDevice(), SimDevice()]
+    async with trio_cuda.open_scope(device=sims[1]) as b:
+        async with trio_cuda.open_scope(device=sims[0]) as a:
+            spies = [CountingChecks(internals.driver_of(g)) for g in (a, b)]
+            for g, spy in zip((a, b), spies, strict=True):
+                internals.set_driver(g, spy)
+            x = [await g.to_device(np.ones(256, np.float32)) for g in (a, b)]
+            y = [g.zeros(256, np.float32) for g in (a, b)]
+            ops = [SAXPY.launch(np.float32(1), x[i], y[i], np.int32(256), grid=1, block=256) for i in (0, 1)]
+            for _ in range(3):
+                await a.run(ops[0])
+                await b.run(ops[1])
+            assert [s.checks for s in spies] == [1, 1]
+            for i, g in enumerate((a, b)):
+                np.testing.assert_array_equal(await g.to_host(y[i]), np.full(256, 3, np.float32))
+            before = b.statistics().submitted
+            with pytest.raises(ValueError, match="scope"):
+                await b.run(ops[0])
+            assert b.statistics().submitted == before
+        with pytest.raises(trio_cuda.ScopeClosedError):
+            await a.run(ops[0])
+        await b.run(ops[1])
+        np.testing.assert_array_equal(await b.to_host(y[1]), np.full(256, 4, np.float32))
+        assert spies[1].checks == 1
+    assert sims[0].violations == []
+    assert sims[1].violations == []

@@ -626,21 +626,18 @@ class ResourceScope(metaclass=NoPublicConstructor):
         loaded yet is loaded first, as :meth:`load` does (off the loop on a
         real GPU)."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        if type(op) is KernelLaunch:
-            kernel = op.prepared.kernel
+        lone = op if type(op) is KernelLaunch else None
+        if lone is not None:
+            kernel = lone.prepared.kernel
             if kernel not in self._functions and (self._kernels.load_in_thread or kernel.tile is not None):
                 await self._kernels.load((kernel,))
-            if self._extensions.exports_releasing:  # an access after a consumer released an export
-                await self._extensions.finish_export_releases()
-            if self._closing or self._enqueuing or get_ident() != self._thread:
-                sub = self._submit(op, stream, "run")  # (it raises the reason)
-            else:
-                sub = self._submit_launch(op, stream)
+        elif isinstance(op, DeviceOp):
+            await self._kernels.load_tile_kernels(op)
+        if self._extensions.exports_releasing:  # an access after a consumer released an export
+            await self._extensions.finish_export_releases()
+        if lone is not None and not (self._closing or self._enqueuing or get_ident() != self._thread):
+            sub = self._submit_launch(lone, stream)  # (``_submit`` raises the reasons otherwise)
         else:
-            if isinstance(op, DeviceOp):
-                await self._kernels.load_tile_kernels(op)
-            if self._extensions.exports_releasing:
-                await self._extensions.finish_export_releases()
             sub = self._submit(op, stream, "run")
         await self._completion.observe(sub)
         return outcome(sub)
