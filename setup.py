@@ -1,11 +1,13 @@
-"""Build hook for the optional compiled part: the direct driver calls of the
-CUDA backend (``trio_cuda/_backends/cuda/_direct.c``, Python headers and a C
-compiler only). Everything else is in pyproject.toml.
+"""Build hook for the optional compiled parts (Python headers and a C
+compiler only): the direct driver calls of the CUDA backend
+(``trio_cuda/_backends/cuda/_direct.c``) and the launch builder's hot methods
+(``trio_cuda/_core/_claunch.c``). Everything else is in pyproject.toml.
 
-The extension is optional: where it cannot be built (no compiler, no Python
-headers), the install goes on without it and the backend calls the driver
-through cuda.bindings' wrappers, the reference path. ``TRIO_CUDA_PURE=1`` at
-install skips the build; at run time it selects the wrappers.
+Both extensions are optional: where one cannot be built (no compiler, no
+Python headers), the install goes on without it and the pure-Python path, the
+reference, is used: the backend calls the driver through cuda.bindings'
+wrappers, and the builder is ``_builder._PyBuilder``. ``TRIO_CUDA_PURE=1`` at
+install skips the build; at run time it selects the pure-Python paths.
 """
 
 import os
@@ -23,6 +25,12 @@ setup(
             ["trio_cuda/_backends/cuda/_direct.c"],
             optional=True,
             extra_compile_args=["-O2"],
-        )
+        ),
+        Extension(
+            "trio_cuda._core._claunch",
+            ["trio_cuda/_core/_claunch.c"],
+            optional=True,
+            extra_compile_args=["-O2"],
+        ),
     ]
 )

@@ -6,6 +6,7 @@ import ast
 import functools
 import importlib.util
 import inspect
+import os
 import re
 import sys
 import textwrap
@@ -17,6 +18,10 @@ from sphinx.application import Sphinx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# The API pages document the pure-Python reference (the optional compiled
+# parts, where built, carry the same docs): the same pages with or without a
+# C compiler at install.
+os.environ["TRIO_CUDA_PURE"] = "1"
 
 from trio_cuda import __version__  # noqa: E402
 from trio_cuda._core._final import NoPublicConstructor  # noqa: E402
@@ -142,6 +147,9 @@ def _attrs_signature(cls: type) -> str:
 def _process_signature(
     app: Sphinx, what: str, name: str, obj: Any, options: object, signature: str, return_annotation: str
 ) -> tuple[str, str] | None:
+    if what == "method" and return_annotation in ("~typing.Self", "typing.Self", "Self"):
+        # a chaining method: it returns its own class (named, rather than ``Self``)
+        return signature, name.rsplit(".", 2)[-2]
     if what not in ("class", "exception"):
         return None
     if _attrs_init(obj):

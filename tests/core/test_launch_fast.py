@@ -18,6 +18,7 @@ import trio_cuda
 from tests.helpers import internals
 from tests.helpers.kernels import stub_source
 from trio_cuda import In, InOut, Kernel, KernelArgumentError, KernelLaunch, Out, Scalar, Slice
+from trio_cuda._core import _compiled, _kernel
 from trio_cuda._core._config import _SIMPLE_CONFIGS, cached_config, make_config
 from trio_cuda._core._ops import Access
 
@@ -177,6 +178,8 @@ async def test_fast_path_builds_the_checked_launch_or_declines(data: st.DataObje
     k = Kernel.from_source(stub_source("k"), "k", params=ps)
     has_struct = any(isinstance(p, Scalar) and p.dtype.fields is not None for p in ps)
     assert (internals.fast_launch(k) is None) == has_struct
+    if _compiled.ext is not None and not has_struct:
+        assert type(internals.fast_launch(k)).__name__ == "TypedLaunch"  # the compiled one is in use
     async with trio_cuda.open_scope(device="sim") as gpu:
         pool = await _array_pool(gpu)
         names = sorted(pool)
@@ -208,11 +211,32 @@ async def test_fast_path_builds_the_checked_launch_or_declines(data: st.DataObje
         event(_check_equivalent(k, args))
 
 
+_GENERATED: dict[int, tuple[Kernel, object]] = {}
+
+
+def _generated(k: Kernel) -> object:
+    """The kernel's generated (pure-Python) fast path, compiled once per kernel."""
+    entry = _GENERATED.get(id(k))
+    if entry is None or entry[0] is not k:
+        if len(_GENERATED) > 64:
+            _GENERATED.clear()
+        entry = _GENERATED[id(k)] = (k, _kernel._compile_fast_py(k))
+    return entry[1]
+
+
 def _check_equivalent(k: Kernel, args: list[object]) -> str:
     """Run both paths on ``args``: the fast path builds the checked path's
-    launch or declines; the public entry point agrees. Returns the outcome."""
+    launch or declines; the public entry point agrees. Where the fast path in
+    use is the compiled one, it declines exactly where the generated one does,
+    and builds the same launch. Returns the outcome."""
     config = cached_config(1, 1, 0, None, False, False)
     fast = internals.fast_launch(k)(tuple(args), config) if internals.fast_launch(k) is not None else None
+    generated = _generated(k)
+    if generated is not None and generated is not internals.fast_launch(k):
+        reference = generated(tuple(args), config)  # type: ignore[operator]
+        assert (fast is None) == (reference is None), (fast, reference)
+        if reference is not None:
+            _same_launch(fast, reference)
     refusal: KernelArgumentError | None = None
     try:
         checked = internals.checked_launch(k, tuple(args), config)
@@ -360,7 +384,8 @@ def test_generated_source_takes_nothing_from_user_text() -> None:
     plain = Kernel.from_source(stub_source("k"), "k", params=[Scalar("i4"), In("f4")])
     assert internals.fast_launch(odd) is not None
     assert internals.fast_launch(plain) is not None
-    assert internals.fast_launch(odd).__doc__ == internals.fast_launch(plain).__doc__  # the generated source
+    # the generated source (where the compiled path is used, it is made from the same table)
+    assert _kernel._compile_fast_py(odd).__doc__ == _kernel._compile_fast_py(plain).__doc__
 
 
 def test_cached_config_common_case_needs_exact_ints_and_bools() -> None:

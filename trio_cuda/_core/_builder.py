@@ -22,16 +22,25 @@ Invariants:
 * The launch's argument views are made from a snapshot of the arguments the
   first time a backend asks for them (``PreparedLaunch.arg_views``), and are
   the views an eager build would have made.
+* :class:`_PyBuilder` is the builder in pure Python: the reference. Where
+  the compiled paths are used (``_compiled``), ``LaunchBuilder``'s base is
+  the compiled ``_BuilderCore`` instead: the same fields under the same names, its hot
+  methods compiled, and every case they do not cover (errors included)
+  handed to the reference's method before anything changes, so both make
+  the same launches and raise the same errors. The choice is made once, at
+  import.
 """
 
 from __future__ import annotations
 
+import inspect
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
+from . import _compiled
 from ._arena import _STRUCT_CODES, ParamPlan, _scalar_bytes
 from ._array import AllocState, DeviceArray
 from ._config import _CONFIG_CACHE, LaunchConfig, cached_config
@@ -159,15 +168,9 @@ def _lazy_views(
 # --------------------------------------------------------------------------- builder
 
 
-@final
-class LaunchBuilder(metaclass=NoPublicConstructor):
-    """Inert launch builder: collects geometry, modes and raw arguments, checks
-    nothing against the kernel's parameter list, and cannot be scheduled.
-    ``finalize_unchecked()`` returns an immutable :class:`KernelLaunch`.
-
-    ``arg(array, access=...)`` takes the access mode from the kernel's matching
-    parameter when it declares one, else ``"readwrite"``.
-    """
+class _PyBuilder:
+    """The builder's fields and methods in pure Python: the reference (and
+    the base of :class:`LaunchBuilder` where the compiled one is not used)."""
 
     __slots__ = (
         "_accesses",
@@ -183,8 +186,6 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
         "_shared",
         "_values",
     )
-
-    _obtain = "use Kernel.builder()"
 
     _kernel: Kernel
     _grid: object
@@ -205,7 +206,7 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
     _arena: bytearray
 
     @classmethod
-    def _create(cls, kernel: Kernel) -> LaunchBuilder:
+    def _create(cls, kernel: Kernel) -> Self:
         self = object.__new__(cls)
         self._kernel = kernel
         self._grid = 1
@@ -221,37 +222,37 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
         self._arena = bytearray()
         return self
 
-    def grid(self, *dims: int) -> LaunchBuilder:
+    def grid(self, *dims: int) -> Self:
         """Set the grid dimensions (1 to 3 ints)."""
         self._grid = dims
         return self
 
-    def block(self, *dims: int) -> LaunchBuilder:
+    def block(self, *dims: int) -> Self:
         """Set the block dimensions (1 to 3 ints)."""
         self._block = dims
         return self
 
-    def shared_mem(self, nbytes: int) -> LaunchBuilder:
+    def shared_mem(self, nbytes: int) -> Self:
         """Set the dynamic shared memory in bytes."""
         self._shared = nbytes
         return self
 
-    def cluster(self, *dims: int) -> LaunchBuilder:
+    def cluster(self, *dims: int) -> Self:
         """Set the thread-block cluster dimensions."""
         self._cluster = dims
         return self
 
-    def cooperative(self, enabled: bool = True) -> LaunchBuilder:
+    def cooperative(self, enabled: bool = True) -> Self:
         """Make it a cooperative launch (checked at finalize: a bool)."""
         self._cooperative = enabled
         return self
 
-    def pdl(self, enabled: bool = True) -> LaunchBuilder:
+    def pdl(self, enabled: bool = True) -> Self:
         """Allow programmatic dependent launch (checked at finalize: a bool)."""
         self._pdl = enabled
         return self
 
-    def arg(self, value: object, *, access: AccessName | None = None) -> LaunchBuilder:
+    def arg(self, value: object, *, access: AccessName | None = None) -> Self:
         """Append a DeviceArray (passed as its pointer) or a NumPy scalar."""
         values = self._values
         index = len(values)
@@ -307,7 +308,7 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
         values.append(value)
         return self
 
-    def arg_boxed(self, raw: bytes | bytearray | memoryview, *, align: int) -> LaunchBuilder:
+    def arg_boxed(self, raw: bytes | bytearray | memoryview, *, align: int) -> Self:
         """Append an opaque parameter of ``len(raw)`` bytes at alignment ``align``."""
         values = self._values
         index = len(values)
@@ -377,5 +378,79 @@ class LaunchBuilder(metaclass=NoPublicConstructor):
         output = None if not outputs else outputs[0] if len(outputs) == 1 else tuple(outputs)
         return _make_launch(prepared, merged, output)
 
+
+#: the methods the compiled base writes out (the others are the reference's)
+_COMPILED_METHODS = (
+    "_create",
+    "grid",
+    "block",
+    "shared_mem",
+    "cluster",
+    "cooperative",
+    "pdl",
+    "arg",
+    "finalize_unchecked",
+)
+
+
+def _compiled_base() -> type[_PyBuilder] | None:
+    """The compiled builder base, or None where the pure-Python paths run
+    (``_compiled``)."""
+    if _compiled.ext is None:
+        return None
+    docs = {}
+    for name in _COMPILED_METHODS:
+        method = inspect.getattr_static(_PyBuilder, name)
+        function = method.__func__ if isinstance(method, classmethod) else method
+        sig = inspect.signature(function)
+        plain = sig.replace(
+            parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+            return_annotation=sig.empty,
+        )
+        text = str(plain).replace("(self", "($self", 1).replace("(cls", "($cls", 1)
+        docs[name] = f"{name}{text}\n--\n\n{inspect.getdoc(function) or ''}"
+    env = {
+        "POINTER_SLOT": _POINTER_SLOT,
+        "SCALAR_KINDS": _SCALAR_KINDS,
+        "CONFIG_CACHE": _CONFIG_CACHE,
+        "OWN_LAYOUTS": _OWN_LAYOUTS,
+        "cached_config": cached_config,
+        "plan_for": _plan_for,
+        "views": _views,
+    }
+    base: type[_PyBuilder] = _compiled.ext.make_base(_PyBuilder, env, docs)
+    # what is not compiled is the reference's own
+    for name, member in vars(_PyBuilder).items():
+        if callable(member) and name not in _COMPILED_METHODS and not name.startswith("__"):
+            setattr(base, name, member)
+    return base
+
+
+_COMPILED = _compiled_base()
+if TYPE_CHECKING:
+    _BuilderBase = _PyBuilder
+else:
+    _BuilderBase = _PyBuilder if _COMPILED is None else _COMPILED
+
+
+@final
+class LaunchBuilder(_BuilderBase, metaclass=NoPublicConstructor):
+    """Inert launch builder: collects geometry, modes and raw arguments, checks
+    nothing against the kernel's parameter list, and cannot be scheduled.
+    ``finalize_unchecked()`` returns an immutable :class:`KernelLaunch`.
+
+    ``arg(array, access=...)`` takes the access mode from the kernel's matching
+    parameter when it declares one, else ``"readwrite"``.
+    """
+
+    __slots__ = ()
+
+    _obtain = "use Kernel.builder()"
+
     def __repr__(self) -> str:
         return f"<LaunchBuilder {self._kernel.name} ({len(self._values)} args, not finalized)>"
+
+
+def compiled() -> bool:
+    """Whether :class:`LaunchBuilder` uses the compiled base in this process."""
+    return _COMPILED is not None

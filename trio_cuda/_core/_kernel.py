@@ -37,7 +37,7 @@ from typing import Any, Final, Literal, Protocol, TypeAlias
 import attrs
 import numpy as np
 
-from . import _fastgen
+from . import _compiled, _fastgen
 from ._arena import (
     _K_ARRAY,
     _K_FLOAT,
@@ -45,6 +45,7 @@ from ._arena import (
     _K_SLICE,
     _POINTER,
     ParamPlan,
+    _code,
     _fast_packer,
     _pack,
     _scalar_bytes,
@@ -508,6 +509,39 @@ _PAIRWISE = 6
 
 
 def _compile_fast(kernel: Kernel) -> FastLauncher | None:
+    """The kernel's fast path (see :func:`_compile_fast_py`): compiled where
+    the compiled paths are used (``_compiled``), else generated Python."""
+    if _compiled.ext is not None:
+        return _compile_fast_c(kernel)
+    return _compile_fast_py(kernel)
+
+
+def _compile_fast_c(kernel: Kernel) -> FastLauncher | None:
+    """The compiled fast path: ``_claunch.typed``, given each parameter's
+    kind, type, access, struct code and offsets in the arena; it makes what
+    :func:`_compile_fast_py`'s function makes (None where that returns None).
+    None where a parameter needs the general path, or nothing is compiled."""
+    ext = _compiled.ext
+    table, _ = _fast_packer(kernel.params, kernel._plan)
+    if table is None or ext is None:
+        return None
+    entries: list[tuple[object, ...]] = []
+    slots = iter(kernel._plan.slots)
+    for param, (kind, dt, _lo, _hi, access) in zip(kernel.params, table, strict=True):
+        at = next(slots).offset
+        if kind == _K_SLICE:
+            assert isinstance(param, Slice)
+            entries.append((kind, dt, access, _code(param.len_dtype), at, next(slots).offset))
+        elif kind == _K_ARRAY:
+            entries.append((kind, dt, access, "Q", at, 0))
+        else:
+            assert isinstance(param, Scalar)
+            entries.append((kind, dt, None, _code(param.dtype), at, 0))
+    fast: FastLauncher = ext.typed(kernel, kernel._plan, kernel._plan.size, tuple(entries))
+    return fast
+
+
+def _compile_fast_py(kernel: Kernel) -> FastLauncher | None:
     """The kernel's fast path: a function ``fast(args, config)`` specialised
     to its parameter list, that returns the launch the checked path would
     build, or None (then the checked path raises the precise error, or

@@ -1,0 +1,1252 @@
+/* The hot paths of making a launch, compiled: the launch builder's methods
+   (the base class of trio_cuda.LaunchBuilder) and a kernel's typed-launch
+   fast path, where this module was built at install.
+
+   Invariants:
+   - The pure-Python code is the reference. The builder base keeps the fields
+     of the reference builder (trio_cuda/_core/_builder.py, ``_PyBuilder``)
+     under the same names (its members), so every reference method runs
+     unchanged on it; the methods written here do the common cases (a
+     positional call, an array or a scalar of a known kind, the cached
+     geometry and plan) and hand every other case, errors included, to the
+     reference method before changing anything.
+   - A typed launcher (``typed``) does what the kernel's generated fast path
+     (trio_cuda/_core/_kernel.py, ``_compile_fast_py``) does: it returns the
+     launch the checked path would build, or None, and then the checked path
+     runs (and raises the precise error). It never raises for an argument.
+   - What either makes is what the reference makes: the same bytes, layout,
+     accesses, outputs, configuration, plan and objects (a PreparedLaunch
+     and a KernelLaunch, their slots set through their own descriptors).
+   - configure() is called once, by _compiled.py, with the types and
+     constants the paths read; make_base() once, by _builder.py. What they
+     are given is held for the life of the process.
+   - Nothing here imports CUDA; this module belongs to the CUDA-free core. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ state */
+
+static PyObject *g_base;           /* the base type, once made */
+static PyObject *g_reference;      /* the reference class (_PyBuilder) */
+static PyTypeObject *g_array_type; /* DeviceArray */
+static PyObject *g_freed, *g_live, *g_write, *g_pointer_slot;
+static int g_configured;
+static PyObject *g_scalar_kinds, *g_config_cache, *g_own_layouts;
+static PyObject *g_cached_config, *g_plan_for, *g_merge, *g_views;
+static PyTypeObject *g_prepared_type, *g_launch_type;
+static PyObject *g_prepared_descr[8]; /* kernel config plan arena args values cache ready */
+static PyObject *g_launch_descr[4];   /* prepared _accesses _lease_plan _output */
+static PyTypeObject *g_views_type;    /* LazyViews */
+static PyTypeObject *g_typed_type;    /* TypedLaunch */
+
+enum { REF_GRID, REF_BLOCK, REF_SHARED, REF_CLUSTER, REF_COOPERATIVE, REF_PDL, REF_ARG, REF_FINALIZE, REF_N };
+static const char *const ref_names[REF_N] = {"grid", "block", "shared_mem", "cluster",
+                                             "cooperative", "pdl", "arg", "finalize_unchecked"};
+static PyObject *g_ref[REF_N];
+
+static PyObject *s_params, *s_access, *s_plan, *s_closed_attr;
+
+/* A slot of one exact type, read where it is stored: the offset its member
+   descriptor gives (what the descriptor's own __get__ reads). */
+typedef struct {
+    PyTypeObject *type;
+    Py_ssize_t offset;
+    PyObject *name;
+} SlotRef;
+
+enum { A_ALLOC, A_CLOSED, A_READONLY, A_OFFSET, A_DTYPE, A_SHAPE, L_STATE, L_TABLE, L_PTR, L_SCOPE, T_CLOSED, N_SLOTREFS };
+static SlotRef g_slot[N_SLOTREFS];
+
+/* The value of slot ``ref`` of ``obj`` (a new reference), through getattr
+   where ``obj`` is not of the slot's exact type or the slot is empty. */
+static PyObject *read_slot(PyObject *obj, SlotRef *ref) {
+    if (Py_TYPE(obj) == ref->type) {
+        PyObject *v = *(PyObject **)((char *)obj + ref->offset);
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+    }
+    return PyObject_GetAttr(obj, ref->name);
+}
+
+static int make_slot_ref(PyObject *type, const char *name, SlotRef *out) {
+    PyObject *d = PyObject_GetAttrString(type, name);
+    if (d == NULL) return -1;
+    int ok = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
+             PyType_IsSubtype((PyTypeObject *)type, PyDescr_TYPE(d));
+    if (ok) out->offset = ((PyMemberDescrObject *)d)->d_member->offset;
+    Py_DECREF(d);
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "make_base: %s.%s is not a slot", ((PyTypeObject *)type)->tp_name, name);
+        return -1;
+    }
+    out->name = PyUnicode_InternFromString(name);
+    if (out->name == NULL) return -1;
+    Py_INCREF(type);
+    out->type = (PyTypeObject *)type;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ Builder */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *kernel, *grid, *block, *shared, *cluster, *cooperative, *pdl;
+    PyObject *values, *accesses, *outputs, *layout, *arena;
+} Builder;
+
+#define N_FIELDS 12
+
+static PyObject **fields(Builder *self) { return &self->kernel; }
+
+static PyMemberDef builder_members[] = {
+    {"_kernel", T_OBJECT_EX, offsetof(Builder, kernel), 0, NULL},
+    {"_grid", T_OBJECT_EX, offsetof(Builder, grid), 0, NULL},
+    {"_block", T_OBJECT_EX, offsetof(Builder, block), 0, NULL},
+    {"_shared", T_OBJECT_EX, offsetof(Builder, shared), 0, NULL},
+    {"_cluster", T_OBJECT_EX, offsetof(Builder, cluster), 0, NULL},
+    {"_cooperative", T_OBJECT_EX, offsetof(Builder, cooperative), 0, NULL},
+    {"_pdl", T_OBJECT_EX, offsetof(Builder, pdl), 0, NULL},
+    {"_values", T_OBJECT_EX, offsetof(Builder, values), 0, NULL},
+    {"_accesses", T_OBJECT_EX, offsetof(Builder, accesses), 0, NULL},
+    {"_outputs", T_OBJECT_EX, offsetof(Builder, outputs), 0, NULL},
+    {"_layout", T_OBJECT_EX, offsetof(Builder, layout), 0, NULL},
+    {"_arena", T_OBJECT_EX, offsetof(Builder, arena), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static int builder_traverse(Builder *self, visitproc visit, void *arg) {
+    PyObject **f = fields(self);
+    for (int i = 0; i < N_FIELDS; i++) Py_VISIT(f[i]);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int builder_clear(Builder *self) {
+    PyObject **f = fields(self);
+    for (int i = 0; i < N_FIELDS; i++) Py_CLEAR(f[i]);
+    return 0;
+}
+
+static void builder_dealloc(Builder *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    builder_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* Whether the fields are what the fast paths read (a user may have set or
+   deleted them; the reference then decides what happens). */
+static int fields_ok(Builder *self) {
+    PyObject **f = fields(self);
+    for (int i = 0; i < N_FIELDS; i++)
+        if (f[i] == NULL) return 0;
+    return PyList_CheckExact(self->values) && PyList_CheckExact(self->accesses) &&
+           PyList_CheckExact(self->outputs) && PyList_CheckExact(self->layout) &&
+           PyByteArray_CheckExact(self->arena);
+}
+
+/* The reference method ``which`` called with the same arguments. */
+static PyObject *delegate(int which, PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                          PyObject *kwnames) {
+    Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject *small[8];
+    PyObject **vec = small;
+    if (total + 1 > 8) {
+        vec = PyMem_Malloc((size_t)(total + 1) * sizeof(PyObject *));
+        if (vec == NULL) return PyErr_NoMemory();
+    }
+    vec[0] = self;
+    for (Py_ssize_t i = 0; i < total; i++) vec[i + 1] = args[i];
+    PyObject *out = PyObject_Vectorcall(g_ref[which], vec, (size_t)(nargs + 1), kwnames);
+    if (vec != small) PyMem_Free(vec);
+    return out;
+}
+
+static PyObject *self_ref(Builder *self) {
+    Py_INCREF(self);
+    return (PyObject *)self;
+}
+
+static PyObject *tuple_of(PyObject *const *args, Py_ssize_t n) {
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SET_ITEM(t, i, args[i]);
+    }
+    return t;
+}
+
+/* grid(*dims), block(*dims), cluster(*dims): the dims tuple is stored */
+static PyObject *set_dims(Builder *self, PyObject **slot, int which, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *kwnames) {
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) return delegate(which, (PyObject *)self, args, nargs, kwnames);
+    PyObject *dims = tuple_of(args, nargs);
+    if (dims == NULL) return NULL;
+    Py_XSETREF(*slot, dims);
+    return self_ref(self);
+}
+
+static PyObject *b_grid(Builder *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    return set_dims(self, &self->grid, REF_GRID, args, nargs, kwnames);
+}
+
+static PyObject *b_block(Builder *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    return set_dims(self, &self->block, REF_BLOCK, args, nargs, kwnames);
+}
+
+static PyObject *b_cluster(Builder *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    return set_dims(self, &self->cluster, REF_CLUSTER, args, nargs, kwnames);
+}
+
+static PyObject *b_shared_mem(Builder *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    if (nargs != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)))
+        return delegate(REF_SHARED, (PyObject *)self, args, nargs, kwnames);
+    Py_INCREF(args[0]);
+    Py_XSETREF(self->shared, args[0]);
+    return self_ref(self);
+}
+
+/* cooperative(enabled=True), pdl(enabled=True) */
+static PyObject *set_flag(Builder *self, PyObject **slot, int which, PyObject *const *args, Py_ssize_t nargs,
+                          PyObject *kwnames) {
+    if (nargs > 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)))
+        return delegate(which, (PyObject *)self, args, nargs, kwnames);
+    PyObject *value = nargs ? args[0] : Py_True;
+    Py_INCREF(value);
+    Py_XSETREF(*slot, value);
+    return self_ref(self);
+}
+
+static PyObject *b_cooperative(Builder *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    return set_flag(self, &self->cooperative, REF_COOPERATIVE, args, nargs, kwnames);
+}
+
+static PyObject *b_pdl(Builder *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    return set_flag(self, &self->pdl, REF_PDL, args, nargs, kwnames);
+}
+
+/* Append ``lead`` zero bytes and ``n`` bytes of ``data`` to the arena. */
+static int arena_append(PyObject *arena, Py_ssize_t lead, const void *data, Py_ssize_t n) {
+    Py_ssize_t at = PyByteArray_GET_SIZE(arena);
+    if (PyByteArray_Resize(arena, at + lead + n) < 0) return -1;
+    char *buf = PyByteArray_AS_STRING(arena);
+    memset(buf + at, 0, (size_t)lead);
+    memcpy(buf + at + lead, data, (size_t)n);
+    return 0;
+}
+
+/* An exact int from 0 to 2**64-1 into *out; 0 (no error set) if it is not one. */
+static int as_u64(PyObject *obj, unsigned long long *out) {
+    if (!PyLong_CheckExact(obj)) return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+#define SLOW_IF(cond) \
+    do {              \
+        if (cond) {   \
+            rc = 0;   \
+            goto done; \
+        }             \
+    } while (0)
+#define FAIL_IF_NULL(x) \
+    do {                \
+        if ((x) == NULL) { \
+            rc = -1;    \
+            goto done;  \
+        }               \
+    } while (0)
+
+/* arg(array) with the access the kernel declares: 1 done, 0 take the
+   reference path (nothing changed), -1 error. */
+static int arg_array(Builder *self, PyObject *value) {
+    int rc = 0;
+    PyObject *alloc = NULL, *flag = NULL, *table = NULL, *params = NULL, *declared = NULL, *ptr = NULL,
+             *offset = NULL, *entry = NULL;
+    PyObject *mode;
+    Py_ssize_t index = PyList_GET_SIZE(self->values);
+    FAIL_IF_NULL(alloc = read_slot(value, &g_slot[A_ALLOC]));
+    FAIL_IF_NULL(flag = read_slot(value, &g_slot[A_CLOSED]));
+    SLOW_IF(flag != Py_False);
+    Py_CLEAR(flag);
+    FAIL_IF_NULL(flag = read_slot(alloc, &g_slot[L_STATE]));
+    SLOW_IF(flag == g_freed);
+    Py_CLEAR(flag);
+    FAIL_IF_NULL(table = read_slot(alloc, &g_slot[L_TABLE]));
+    FAIL_IF_NULL(flag = read_slot(table, &g_slot[T_CLOSED]));
+    SLOW_IF(flag != Py_False);
+    Py_CLEAR(flag);
+    FAIL_IF_NULL(params = PyObject_GetAttr(self->kernel, s_params));
+    SLOW_IF(!PyTuple_CheckExact(params) && !PyList_CheckExact(params));
+    mode = g_write;
+    if (index < PySequence_Fast_GET_SIZE(params)) {
+        FAIL_IF_NULL(declared = PyObject_GetAttr(PySequence_Fast_GET_ITEM(params, index), s_access));
+        if (declared != Py_None) mode = declared;
+    }
+    if (mode == g_write) {
+        FAIL_IF_NULL(flag = read_slot(value, &g_slot[A_READONLY]));
+        SLOW_IF(flag != Py_False);
+        Py_CLEAR(flag);
+    }
+    unsigned long long base, off;
+    FAIL_IF_NULL(ptr = read_slot(alloc, &g_slot[L_PTR]));
+    FAIL_IF_NULL(offset = read_slot(value, &g_slot[A_OFFSET]));
+    SLOW_IF(!as_u64(ptr, &base) || !as_u64(offset, &off) || base + off < base);
+    uint64_t address = (uint64_t)(base + off);
+    FAIL_IF_NULL(entry = PyTuple_Pack(2, value, mode));
+    Py_ssize_t at = PyByteArray_GET_SIZE(self->arena);
+    if (arena_append(self->arena, (-at) & 7, &address, 8) < 0 || PyList_Append(self->layout, g_pointer_slot) < 0 ||
+        PyList_Append(self->accesses, entry) < 0 || (mode == g_write && PyList_Append(self->outputs, value) < 0) ||
+        PyList_Append(self->values, value) < 0) {
+        rc = -1;
+        goto done;
+    }
+    rc = 1;
+done:
+    Py_XDECREF(alloc);
+    Py_XDECREF(flag);
+    Py_XDECREF(table);
+    Py_XDECREF(params);
+    Py_XDECREF(declared);
+    Py_XDECREF(ptr);
+    Py_XDECREF(offset);
+    Py_XDECREF(entry);
+    return rc;
+}
+
+/* arg(scalar) of a kind the reference has cached ((size, align), packer):
+   1 done, 0 reference path (nothing changed), -1 error (the packer's, as
+   the reference would raise it). */
+static int arg_scalar(Builder *self, PyObject *value, PyObject *kind) {
+    if (!PyTuple_CheckExact(kind) || PyTuple_GET_SIZE(kind) != 2) return 0;
+    PyObject *slot = PyTuple_GET_ITEM(kind, 0);
+    if (!PyTuple_CheckExact(slot) || PyTuple_GET_SIZE(slot) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(slot, 1)))
+        return 0;
+    long align = PyLong_AsLong(PyTuple_GET_ITEM(slot, 1));
+    if (align <= 0 || (align & (align - 1))) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_INCREF(kind); /* the packer may run anything: keep what is used */
+    PyObject *raw = PyObject_CallOneArg(PyTuple_GET_ITEM(kind, 1), value);
+    int rc = -1;
+    if (raw == NULL) goto out;
+    if (!PyBytes_CheckExact(raw)) {
+        rc = 0;
+        goto out;
+    }
+    Py_ssize_t at = PyByteArray_GET_SIZE(self->arena);
+    if (arena_append(self->arena, (-at) & (align - 1), PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw)) < 0 ||
+        PyList_Append(self->layout, slot) < 0 || PyList_Append(self->values, value) < 0)
+        goto out;
+    rc = 1;
+out:
+    Py_XDECREF(raw);
+    Py_DECREF(kind);
+    return rc;
+}
+
+static PyObject *b_arg(Builder *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    if (nargs != 1 || !fields_ok(self)) goto slow;
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) {
+        /* arg(value, access=None) is arg(value); any other keyword goes to the reference */
+        if (PyTuple_GET_SIZE(kwnames) != 1 || args[1] != Py_None) goto slow;
+        PyObject *key = PyTuple_GET_ITEM(kwnames, 0);
+        if (!PyUnicode_CheckExact(key) || PyUnicode_CompareWithASCIIString(key, "access") != 0) goto slow;
+    }
+    PyObject *value = args[0];
+    int rc;
+    if (Py_TYPE(value) == g_array_type) {
+        rc = arg_array(self, value);
+    } else {
+        PyObject *kind = PyDict_GetItemWithError(g_scalar_kinds, (PyObject *)Py_TYPE(value));
+        if (kind == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            goto slow;
+        }
+        rc = arg_scalar(self, value, kind);
+    }
+    if (rc < 0) return NULL;
+    if (rc > 0) return self_ref(self);
+slow:
+    return delegate(REF_ARG, (PyObject *)self, args, nargs, kwnames);
+}
+
+/* ------------------------------------------------------------------ LazyViews */
+
+/* The argument views of a finalized builder, made on first use: calls the
+   reference's ``_views(values, accesses)``. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *values, *accesses;
+} LazyViews;
+
+static int views_traverse(LazyViews *self, visitproc visit, void *arg) {
+    Py_VISIT(self->values);
+    Py_VISIT(self->accesses);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int views_clear(LazyViews *self) {
+    Py_CLEAR(self->values);
+    Py_CLEAR(self->accesses);
+    return 0;
+}
+
+static void views_dealloc(LazyViews *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    views_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *views_call(LazyViews *self, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) || (kwargs != NULL && PyDict_GET_SIZE(kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "the argument views take no arguments");
+        return NULL;
+    }
+    return PyObject_CallFunctionObjArgs(g_views, self->values, self->accesses, NULL);
+}
+
+static PyType_Slot views_slots[] = {
+    {Py_tp_dealloc, views_dealloc}, {Py_tp_traverse, views_traverse}, {Py_tp_clear, views_clear},
+    {Py_tp_call, views_call},       {Py_tp_doc, "A finalized builder's argument views, made when called."},
+    {0, NULL},
+};
+
+static PyType_Spec views_spec = {
+    "trio_cuda._core._claunch.LazyViews", sizeof(LazyViews), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION, views_slots,
+};
+
+/* ------------------------------------------------------------------ finalize */
+
+/* An instance of a slots class, its fields set through their descriptors
+   (as object.__new__ and object.__setattr__ would; steals nothing). */
+static PyObject *new_instance(PyTypeObject *tp, PyObject *const *descr, PyObject *const *values, int n) {
+    PyObject *obj = tp->tp_alloc(tp, 0);
+    if (obj == NULL) return NULL;
+    for (int i = 0; i < n; i++) {
+        if (Py_TYPE(descr[i])->tp_descr_set(descr[i], obj, values[i]) < 0) {
+            Py_DECREF(obj);
+            return NULL;
+        }
+    }
+    return obj;
+}
+
+static int exact_int_1tuple(PyObject *t) {
+    return PyTuple_CheckExact(t) && PyTuple_GET_SIZE(t) == 1 && PyLong_CheckExact(PyTuple_GET_ITEM(t, 0));
+}
+
+/* The launch configuration: the cache entry the reference's ``_config``
+   finds in the common case, else ``cached_config(...)``. New reference. */
+static PyObject *config_of(Builder *self) {
+    if (exact_int_1tuple(self->grid) && exact_int_1tuple(self->block) && PyLong_CheckExact(self->shared) &&
+        self->cluster == Py_None && self->cooperative == Py_False && self->pdl == Py_False) {
+        PyObject *key = PyTuple_Pack(6, self->grid, self->block, self->shared, Py_None, Py_False, Py_False);
+        if (key == NULL) return NULL;
+        PyObject *config = PyDict_GetItemWithError(g_config_cache, key);
+        Py_DECREF(key);
+        if (config != NULL) {
+            Py_INCREF(config);
+            return config;
+        }
+        if (PyErr_Occurred()) return NULL;
+    }
+    PyObject *args[6] = {self->grid, self->block, self->shared, self->cluster, self->cooperative, self->pdl};
+    return PyObject_Vectorcall(g_cached_config, args, 6, NULL);
+}
+
+/* The parameter plan of the layout ``key``: the kernel's own when it is
+   known to match (the reference's cache), else ``_plan_for``. */
+static PyObject *plan_of(Builder *self, PyObject *key) {
+    PyObject *own = PyObject_GetAttr(self->kernel, s_plan);
+    if (own == NULL) return NULL;
+    PyObject *id = PyLong_FromVoidPtr(own);
+    if (id == NULL) {
+        Py_DECREF(own);
+        return NULL;
+    }
+    PyObject *entry = PyDict_GetItemWithError(g_own_layouts, id);
+    Py_DECREF(id);
+    if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 2 &&
+        PyTuple_GET_ITEM(entry, 0) == own) {
+        Py_INCREF(entry);
+        int same = PyObject_RichCompareBool(key, PyTuple_GET_ITEM(entry, 1), Py_EQ);
+        Py_DECREF(entry);
+        if (same < 0) {
+            Py_DECREF(own);
+            return NULL;
+        }
+        if (same) return own;
+    }
+    Py_DECREF(own);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *args[2] = {self->kernel, key};
+    return PyObject_Vectorcall(g_plan_for, args, 2, NULL);
+}
+
+/* 1 if two array arguments are views of one allocation, 0 if not, -1
+   error, 2 if an entry is not an (array, access) pair of a DeviceArray
+   (fields set by hand: the reference decides). */
+static int shares_allocation(PyObject *accesses) {
+    Py_ssize_t n = PyTuple_GET_SIZE(accesses);
+    if (n < 2) return 0;
+    PyObject *small[16];
+    PyObject **allocs = small;
+    if (n > 16) {
+        allocs = PyMem_Malloc((size_t)n * sizeof(PyObject *));
+        if (allocs == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    Py_ssize_t got = 0;
+    int rc = 0;
+    for (; got < n; got++) {
+        PyObject *entry = PyTuple_GET_ITEM(accesses, got);
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2 ||
+            Py_TYPE(PyTuple_GET_ITEM(entry, 0)) != g_array_type) {
+            rc = 2;
+            break;
+        }
+        allocs[got] = read_slot(PyTuple_GET_ITEM(entry, 0), &g_slot[A_ALLOC]);
+        if (allocs[got] == NULL) {
+            rc = -1;
+            break;
+        }
+    }
+    for (Py_ssize_t i = 0; rc == 0 && i < got; i++)
+        for (Py_ssize_t j = i + 1; j < got; j++)
+            if (allocs[i] == allocs[j]) {
+                rc = 1;
+                break;
+            }
+    for (Py_ssize_t i = 0; i < got; i++) Py_DECREF(allocs[i]);
+    if (allocs != small) PyMem_Free(allocs);
+    return rc;
+}
+
+static PyObject *b_finalize(Builder *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    if (nargs || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) || !fields_ok(self))
+        return delegate(REF_FINALIZE, (PyObject *)self, args, nargs, kwnames);
+    PyObject *config = NULL, *key = NULL, *plan = NULL, *accesses = NULL, *merged = NULL, *arena = NULL,
+             *values = NULL, *views = NULL, *cache = NULL, *prepared = NULL, *output = NULL, *launch = NULL;
+    if ((config = config_of(self)) == NULL) goto done;
+    if ((key = PyList_AsTuple(self->layout)) == NULL) goto done;
+    if ((plan = plan_of(self, key)) == NULL) goto done;
+    if ((accesses = PyList_AsTuple(self->accesses)) == NULL) goto done;
+    int shared = shares_allocation(accesses);
+    if (shared < 0) goto done;
+    if (shared == 2) {
+        launch = delegate(REF_FINALIZE, (PyObject *)self, args, nargs, kwnames);
+        goto done;
+    }
+    if (shared) {
+        if ((merged = PyObject_CallOneArg(g_merge, accesses)) == NULL) goto done;
+    } else {
+        Py_INCREF(accesses);
+        merged = accesses;
+    }
+    if ((arena = PyBytes_FromStringAndSize(PyByteArray_AS_STRING(self->arena), PyByteArray_GET_SIZE(self->arena))) ==
+        NULL)
+        goto done;
+    if ((values = PyList_AsTuple(self->values)) == NULL) goto done;
+    LazyViews *lazy = PyObject_GC_New(LazyViews, g_views_type);
+    if (lazy == NULL) goto done; /* (it holds its heap type, as every instance does) */
+    Py_INCREF(values);
+    Py_INCREF(accesses);
+    lazy->values = values;
+    lazy->accesses = accesses;
+    PyObject_GC_Track(lazy);
+    views = (PyObject *)lazy;
+    if ((cache = PyDict_New()) == NULL) goto done;
+    {
+        PyObject *fields[8] = {self->kernel, config, plan, arena, views, PyTuple_New(0), cache, Py_None};
+        if (fields[5] == NULL) goto done;
+        prepared = new_instance(g_prepared_type, g_prepared_descr, fields, 8);
+        Py_DECREF(fields[5]);
+        if (prepared == NULL) goto done;
+    }
+    Py_ssize_t n_out = PyList_GET_SIZE(self->outputs);
+    if (n_out == 0) {
+        output = Py_None;
+        Py_INCREF(output);
+    } else if (n_out == 1) {
+        output = PyList_GET_ITEM(self->outputs, 0);
+        Py_INCREF(output);
+    } else if ((output = PyList_AsTuple(self->outputs)) == NULL) {
+        goto done;
+    }
+    {
+        PyObject *fields[4] = {prepared, merged, Py_None, output};
+        launch = new_instance(g_launch_type, g_launch_descr, fields, 4);
+    }
+done:
+    Py_XDECREF(config);
+    Py_XDECREF(key);
+    Py_XDECREF(plan);
+    Py_XDECREF(accesses);
+    Py_XDECREF(merged);
+    Py_XDECREF(arena);
+    Py_XDECREF(values);
+    Py_XDECREF(views);
+    Py_XDECREF(cache);
+    Py_XDECREF(prepared);
+    Py_XDECREF(output);
+    return launch;
+}
+
+/* ------------------------------------------------------------------ typed launch */
+
+/* The kinds of _arena._fast_packer's table */
+enum { K_INT, K_FLOAT, K_BOOL, K_ARRAY, K_SLICE };
+
+typedef struct {
+    int kind;
+    PyObject *dt;          /* a scalar's NumPy type, or an array's dtype */
+    PyObject *access;      /* an array's access */
+    char code;             /* struct code: a scalar's, or a slice length's */
+    Py_ssize_t offset;     /* of the value, or of an array's pointer */
+    Py_ssize_t len_offset; /* of a slice's length */
+} Entry;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *kernel, *plan;
+    Py_ssize_t size, n;
+    Entry *entries;
+} TypedLaunch;
+
+static int typed_traverse(TypedLaunch *self, visitproc visit, void *arg) {
+    Py_VISIT(self->kernel);
+    Py_VISIT(self->plan);
+    for (Py_ssize_t i = 0; i < self->n && self->entries; i++) {
+        Py_VISIT(self->entries[i].dt);
+        Py_VISIT(self->entries[i].access);
+    }
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int typed_clear(TypedLaunch *self) {
+    Py_CLEAR(self->kernel);
+    Py_CLEAR(self->plan);
+    for (Py_ssize_t i = 0; i < self->n && self->entries; i++) {
+        Py_CLEAR(self->entries[i].dt);
+        Py_CLEAR(self->entries[i].access);
+    }
+    return 0;
+}
+
+static void typed_dealloc(TypedLaunch *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    typed_clear(self);
+    PyMem_Free(self->entries);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static void put_le(unsigned char *p, unsigned long long v, int size) {
+    for (int i = 0; i < size; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static int code_size(char code) {
+    switch (code) {
+    case 'b': case 'B': case '?': return 1;
+    case 'h': case 'H': case 'e': return 2;
+    case 'i': case 'I': case 'f': return 4;
+    case 'q': case 'Q': case 'd': return 8;
+    default: return 0;
+    }
+}
+
+/* Pack the int ``v`` as struct code ``code`` (little-endian) at ``p``: 1,
+   0 if it is out of the code's range (struct.error), -1 error. */
+static int pack_int(unsigned char *p, PyObject *v, char code) {
+    PyObject *index = PyNumber_Index(v);
+    if (index == NULL) return -1;
+    int overflow = 0, size = code_size(code);
+    int is_signed = code == 'b' || code == 'h' || code == 'i' || code == 'q';
+    unsigned long long bits;
+    if (is_signed) {
+        long long x = PyLong_AsLongLongAndOverflow(index, &overflow);
+        Py_DECREF(index);
+        if (x == -1 && PyErr_Occurred()) return -1;
+        if (overflow) return 0;
+        if (size < 8) {
+            long long lim = 1LL << (8 * size - 1);
+            if (x < -lim || x >= lim) return 0;
+        }
+        bits = (unsigned long long)x;
+    } else {
+        long long x = PyLong_AsLongLongAndOverflow(index, &overflow);
+        if ((x == -1 && PyErr_Occurred()) || overflow < 0 || (!overflow && x < 0)) {
+            Py_DECREF(index);
+            return PyErr_Occurred() ? -1 : 0;
+        }
+        bits = PyLong_AsUnsignedLongLong(index);
+        Py_DECREF(index);
+        if (bits == (unsigned long long)-1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+            PyErr_Clear();
+            return 0;
+        }
+        if (size < 8 && bits >= (1ULL << (8 * size))) return 0;
+    }
+    put_le(p, bits, size);
+    return 1;
+}
+
+/* float ``x`` as struct code ``code``: 1, 0 if it does not fit (OverflowError), -1 error. */
+static int pack_float(unsigned char *p, double x, char code) {
+    int rc = code == 'e' ? PyFloat_Pack2(x, (char *)p, 1) : code == 'f' ? PyFloat_Pack4(x, (char *)p, 1)
+                                                                        : PyFloat_Pack8(x, (char *)p, 1);
+    if (rc < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+#define TYPED_NONE(cond) \
+    do {                 \
+        if (cond) {      \
+            rc = 0;      \
+            goto out;    \
+        }                \
+    } while (0)
+#define TYPED_CHECK(x) \
+    do {               \
+        if ((x) == NULL) { \
+            rc = -1;   \
+            goto out;  \
+        }              \
+    } while (0)
+
+/* One array argument: its pointer (and a slice's length) packed, its
+   allocation in *alloc_out: 1, 0 (None), -1 error. */
+static int typed_array(Entry *e, PyObject *a, unsigned char *arena, PyObject **alloc_out) {
+    int rc = 0;
+    PyObject *flag = NULL, *alloc = NULL, *scope = NULL, *dtype = NULL, *ptr = NULL, *offset = NULL, *shape = NULL;
+    if (Py_TYPE(a) != g_array_type) return 0;
+    TYPED_CHECK(flag = read_slot(a, &g_slot[A_CLOSED]));
+    int t = PyObject_IsTrue(flag);
+    if (t < 0) rc = -1;
+    TYPED_NONE(t != 0);
+    Py_CLEAR(flag);
+    TYPED_CHECK(alloc = read_slot(a, &g_slot[A_ALLOC]));
+    TYPED_CHECK(flag = read_slot(alloc, &g_slot[L_STATE]));
+    TYPED_NONE(flag != g_live);
+    Py_CLEAR(flag);
+    TYPED_CHECK(scope = read_slot(alloc, &g_slot[L_SCOPE]));
+    TYPED_CHECK(flag = PyObject_GetAttr(scope, s_closed_attr));
+    t = PyObject_IsTrue(flag);
+    if (t < 0) rc = -1;
+    TYPED_NONE(t != 0);
+    Py_CLEAR(flag);
+    TYPED_CHECK(dtype = read_slot(a, &g_slot[A_DTYPE]));
+    if (dtype != e->dt) {
+        int same = PyObject_RichCompareBool(dtype, e->dt, Py_EQ);
+        if (same < 0) rc = -1;
+        TYPED_NONE(same <= 0);
+    }
+    if (e->access == g_write) {
+        TYPED_CHECK(flag = read_slot(a, &g_slot[A_READONLY]));
+        t = PyObject_IsTrue(flag);
+        if (t < 0) rc = -1;
+        TYPED_NONE(t != 0);
+        Py_CLEAR(flag);
+    }
+    unsigned long long base, off;
+    TYPED_CHECK(ptr = read_slot(alloc, &g_slot[L_PTR]));
+    TYPED_CHECK(offset = read_slot(a, &g_slot[A_OFFSET]));
+    TYPED_NONE(!as_u64(ptr, &base) || !as_u64(offset, &off) || base + off < base);
+    put_le(arena + e->offset, base + off, 8);
+    if (e->kind == K_SLICE) {
+        TYPED_CHECK(shape = read_slot(a, &g_slot[A_SHAPE]));
+        TYPED_NONE(!PyTuple_CheckExact(shape));
+        /* math.prod of the shape (ints), then packed as the length's code */
+        PyObject *n = PyLong_FromLong(1);
+        TYPED_CHECK(n);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); i++) {
+            PyObject *next = PyNumber_Multiply(n, PyTuple_GET_ITEM(shape, i));
+            Py_DECREF(n);
+            n = next;
+            if (n == NULL) break;
+        }
+        TYPED_CHECK(n);
+        int packed = PyLong_CheckExact(n) ? pack_int(arena + e->len_offset, n, e->code) : 0;
+        Py_DECREF(n);
+        if (packed < 0) rc = -1;
+        TYPED_NONE(packed <= 0);
+    }
+    *alloc_out = alloc;
+    alloc = NULL;
+    rc = 1;
+out:
+    Py_XDECREF(flag);
+    Py_XDECREF(alloc);
+    Py_XDECREF(scope);
+    Py_XDECREF(dtype);
+    Py_XDECREF(ptr);
+    Py_XDECREF(offset);
+    Py_XDECREF(shape);
+    return rc;
+}
+
+/* One scalar argument, packed: 1, 0 (None), -1 error. */
+static int typed_scalar(Entry *e, PyObject *a, unsigned char *arena) {
+    PyObject *t = (PyObject *)Py_TYPE(a);
+    unsigned char *p = arena + e->offset;
+    if (e->kind == K_INT) {
+        if (t != (PyObject *)&PyLong_Type && t != e->dt) return 0;
+        return pack_int(p, a, e->code);
+    }
+    if (e->kind == K_BOOL) {
+        if (t != (PyObject *)&PyBool_Type && t != e->dt) return 0;
+        int truth = PyObject_IsTrue(a);
+        if (truth < 0) return -1;
+        *p = (unsigned char)truth;
+        return 1;
+    }
+    /* K_FLOAT: a float (not a NaN for a half), an int that converts exactly,
+       or the parameter's own NumPy type (not a NaN: its payload is kept by
+       the checked path) */
+    double x;
+    if (t == (PyObject *)&PyFloat_Type) {
+        x = PyFloat_AS_DOUBLE(a);
+        if (e->code == 'e' && x != x) return 0;
+    } else if (t == (PyObject *)&PyLong_Type) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(a, &overflow);
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (overflow || v < -(1LL << 53) || v > (1LL << 53)) return 0;
+        x = (double)v;
+    } else if (t == e->dt) {
+        x = PyFloat_AsDouble(a);
+        if (x == -1.0 && PyErr_Occurred()) return -1;
+        if (x != x) return 0;
+    } else {
+        return 0;
+    }
+    return pack_float(p, x, e->code);
+}
+
+static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "fast(args, config): expected two positional arguments");
+        return NULL;
+    }
+    PyObject *args = argv[0], *config = argv[1];
+    if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != self->n) Py_RETURN_NONE;
+    Py_ssize_t n = self->n, n_arrays = 0, n_out = 0;
+    PyObject *small_allocs[16], *small_acc[16];
+    PyObject **allocs = small_allocs, **acc = small_acc;
+    PyObject *arena = NULL, *accesses = NULL, *merged = NULL, *output = NULL, *cache = NULL, *prepared = NULL,
+             *result = NULL;
+    int rc = 1;
+    if (n > 16) {
+        allocs = PyMem_Calloc((size_t)n, sizeof(PyObject *));
+        acc = PyMem_Calloc((size_t)n, sizeof(PyObject *));
+        if (allocs == NULL || acc == NULL) {
+            PyErr_NoMemory();
+            rc = -1;
+            goto out;
+        }
+    }
+    TYPED_CHECK(arena = PyBytes_FromStringAndSize(NULL, self->size));
+    unsigned char *buf = (unsigned char *)PyBytes_AS_STRING(arena);
+    memset(buf, 0, (size_t)self->size);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Entry *e = &self->entries[i];
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        if (e->kind == K_ARRAY || e->kind == K_SLICE) {
+            PyObject *alloc = NULL;
+            rc = typed_array(e, a, buf, &alloc);
+            if (rc <= 0) goto out;
+            allocs[n_arrays] = alloc;
+            acc[n_arrays++] = a;
+            if (e->access == g_write) n_out++;
+        } else {
+            rc = typed_scalar(e, a, buf);
+            if (rc <= 0) goto out;
+        }
+    }
+    TYPED_CHECK(accesses = PyTuple_New(n_arrays));
+    for (Py_ssize_t i = 0, j = 0; i < n; i++) {
+        Entry *e = &self->entries[i];
+        if (e->kind != K_ARRAY && e->kind != K_SLICE) continue;
+        PyObject *pair = PyTuple_Pack(2, acc[j], e->access);
+        TYPED_CHECK(pair);
+        PyTuple_SET_ITEM(accesses, j++, pair);
+    }
+    int shared = 0;
+    for (Py_ssize_t i = 0; i < n_arrays && !shared; i++)
+        for (Py_ssize_t j = i + 1; j < n_arrays; j++)
+            if (allocs[i] == allocs[j]) {
+                shared = 1;
+                break;
+            }
+    if (shared) {
+        TYPED_CHECK(merged = PyObject_CallOneArg(g_merge, accesses));
+    } else {
+        Py_INCREF(accesses);
+        merged = accesses;
+    }
+    if (n_out == 0) {
+        output = Py_None;
+        Py_INCREF(output);
+    } else {
+        if (n_out > 1) TYPED_CHECK(output = PyTuple_New(n_out));
+        for (Py_ssize_t i = 0, j = 0, k = 0; i < n; i++) {
+            Entry *e = &self->entries[i];
+            if (e->kind != K_ARRAY && e->kind != K_SLICE) continue;
+            PyObject *a = acc[j++];
+            if (e->access != g_write) continue;
+            Py_INCREF(a);
+            if (n_out == 1)
+                output = a;
+            else
+                PyTuple_SET_ITEM(output, k++, a);
+        }
+    }
+    TYPED_CHECK(cache = PyDict_New());
+    {
+        PyObject *fields[8] = {self->kernel, config, self->plan, arena, Py_None, args, cache, Py_None};
+        TYPED_CHECK(prepared = new_instance(g_prepared_type, g_prepared_descr, fields, 8));
+    }
+    {
+        PyObject *fields[4] = {prepared, merged, Py_None, output};
+        TYPED_CHECK(result = new_instance(g_launch_type, g_launch_descr, fields, 4));
+    }
+out:
+    for (Py_ssize_t i = 0; i < n_arrays; i++) Py_DECREF(allocs[i]);
+    if (allocs != small_allocs) PyMem_Free(allocs);
+    if (acc != small_acc) PyMem_Free(acc);
+    Py_XDECREF(arena);
+    Py_XDECREF(accesses);
+    Py_XDECREF(merged);
+    Py_XDECREF(output);
+    Py_XDECREF(cache);
+    Py_XDECREF(prepared);
+    if (rc < 0) return NULL;
+    if (rc == 0) Py_RETURN_NONE;
+    return result;
+}
+
+static PyObject *typed_call_tuple(TypedLaunch *self, PyObject *args, PyObject *kwargs) {
+    return PyVectorcall_Call((PyObject *)self, args, kwargs);
+}
+
+static PyMemberDef typed_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(TypedLaunch, vectorcall), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot typed_slots[] = {
+    {Py_tp_dealloc, typed_dealloc},
+    {Py_tp_traverse, typed_traverse},
+    {Py_tp_clear, typed_clear},
+    {Py_tp_call, typed_call_tuple},
+    {Py_tp_members, typed_members},
+    {Py_tp_doc, "A kernel's typed-launch fast path, compiled: fast(args, config) -> KernelLaunch or None."},
+    {0, NULL},
+};
+
+static PyType_Spec typed_spec = {
+    "trio_cuda._core._claunch.TypedLaunch", sizeof(TypedLaunch), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_HAVE_VECTORCALL,
+    typed_slots,
+};
+
+/* typed(kernel, plan, size, entries): entries, one per parameter, are
+   (kind, dt, access, code, offset, len_offset) */
+static PyObject *make_typed(PyObject *module, PyObject *args) {
+    PyObject *kernel, *plan, *entries;
+    Py_ssize_t size;
+    if (!PyArg_ParseTuple(args, "OOnO!:typed", &kernel, &plan, &size, &PyTuple_Type, &entries)) return NULL;
+    if (!g_configured) {
+        PyErr_SetString(PyExc_RuntimeError, "typed: configure() first");
+        return NULL;
+    }
+    if (size < 0) {
+        PyErr_SetString(PyExc_ValueError, "typed: size must be >= 0");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(entries);
+    TypedLaunch *self = PyObject_GC_New(TypedLaunch, g_typed_type);
+    if (self == NULL) return NULL;
+    self->vectorcall = (vectorcallfunc)typed_call;
+    self->n = 0;
+    self->size = size;
+    self->entries = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Entry));
+    Py_INCREF(kernel);
+    self->kernel = kernel;
+    Py_INCREF(plan);
+    self->plan = plan;
+    PyObject_GC_Track(self);
+    if (self->entries == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Entry *e = &self->entries[i];
+        int kind;
+        PyObject *dt, *access;
+        const char *code;
+        Py_ssize_t offset, len_offset;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(entries, i), "iOOsnn:typed entry", &kind, &dt, &access, &code,
+                              &offset, &len_offset)) {
+            Py_DECREF(self);
+            return NULL;
+        }
+        int width = code_size(code[0]);
+        int is_array = kind == K_ARRAY || kind == K_SLICE;
+        int bad = kind < K_INT || kind > K_SLICE || strlen(code) != 1 || width == 0 || offset < 0 ||
+                  offset + (is_array ? 8 : width) > size ||
+                  (kind == K_SLICE && (len_offset < 0 || len_offset + width > size)) ||
+                  (kind == K_FLOAT && strchr("efd", code[0]) == NULL) || (kind == K_BOOL && code[0] != '?') ||
+                  ((kind == K_INT || kind == K_SLICE) && strchr("bBhHiIqQ", code[0]) == NULL);
+        if (bad) {
+            Py_DECREF(self);
+            PyErr_Format(PyExc_ValueError, "typed: entry %zd does not describe a parameter in %zd bytes", i, size);
+            return NULL;
+        }
+        e->kind = kind;
+        Py_INCREF(dt);
+        e->dt = dt;
+        Py_INCREF(access);
+        e->access = access;
+        e->code = code[0];
+        e->offset = offset;
+        e->len_offset = len_offset;
+        self->n = i + 1;
+    }
+    return (PyObject *)self;
+}
+
+/* ------------------------------------------------------------------ _create */
+
+static PyObject *b_create(PyObject *cls, PyObject *kernel) {
+    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, (PyTypeObject *)g_base)) {
+        PyErr_SetString(PyExc_TypeError, "_create: cls must be a subclass of the builder base");
+        return NULL;
+    }
+    PyTypeObject *tp = (PyTypeObject *)cls;
+    Builder *self = (Builder *)tp->tp_alloc(tp, 0);
+    if (self == NULL) return NULL;
+    Py_INCREF(kernel);
+    self->kernel = kernel;
+    self->grid = PyLong_FromLong(1);
+    self->block = PyLong_FromLong(1);
+    self->shared = PyLong_FromLong(0);
+    Py_INCREF(Py_None);
+    self->cluster = Py_None;
+    Py_INCREF(Py_False);
+    self->cooperative = Py_False;
+    Py_INCREF(Py_False);
+    self->pdl = Py_False;
+    self->values = PyList_New(0);
+    self->accesses = PyList_New(0);
+    self->outputs = PyList_New(0);
+    self->layout = PyList_New(0);
+    self->arena = PyByteArray_FromStringAndSize(NULL, 0);
+    PyObject **f = fields(self);
+    for (int i = 0; i < N_FIELDS; i++)
+        if (f[i] == NULL) {
+            Py_DECREF(self);
+            return NULL;
+        }
+    return (PyObject *)self;
+}
+
+/* ------------------------------------------------------------------ make_base */
+
+static PyMethodDef builder_methods[] = {
+    {"_create", (PyCFunction)(void (*)(void))b_create, METH_O | METH_CLASS, NULL},
+    {"grid", (PyCFunction)(void (*)(void))b_grid, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"block", (PyCFunction)(void (*)(void))b_block, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"shared_mem", (PyCFunction)(void (*)(void))b_shared_mem, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"cluster", (PyCFunction)(void (*)(void))b_cluster, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"cooperative", (PyCFunction)(void (*)(void))b_cooperative, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"pdl", (PyCFunction)(void (*)(void))b_pdl, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"arg", (PyCFunction)(void (*)(void))b_arg, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"finalize_unchecked", (PyCFunction)(void (*)(void))b_finalize, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot builder_slots[] = {
+    {Py_tp_dealloc, builder_dealloc},
+    {Py_tp_traverse, builder_traverse},
+    {Py_tp_clear, builder_clear},
+    {Py_tp_methods, builder_methods},
+    {Py_tp_members, builder_members},
+    {Py_tp_doc, "The launch builder's fields and hot methods, compiled (see trio_cuda.LaunchBuilder)."},
+    {0, NULL},
+};
+
+static PyType_Spec builder_spec = {
+    "trio_cuda._core._builder._BuilderCore", sizeof(Builder), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    builder_slots,
+};
+
+static int take(PyObject *env, const char *name, PyObject **out) {
+    PyObject *v = PyDict_GetItemString(env, name);
+    if (v == NULL) {
+        PyErr_Format(PyExc_KeyError, "make_base: env lacks %s", name);
+        return -1;
+    }
+    Py_INCREF(v);
+    *out = v;
+    return 0;
+}
+
+static int take_type(PyObject *env, const char *name, PyTypeObject **out) {
+    PyObject *v;
+    if (take(env, name, &v) < 0) return -1;
+    if (!PyType_Check(v)) {
+        Py_DECREF(v);
+        PyErr_Format(PyExc_TypeError, "make_base: %s must be a type", name);
+        return -1;
+    }
+    *out = (PyTypeObject *)v;
+    return 0;
+}
+
+static int take_descrs(PyTypeObject *tp, const char *const *names, PyObject **out, int n) {
+    for (int i = 0; i < n; i++) {
+        PyObject *d = PyDict_GetItemString(tp->tp_dict, names[i]);
+        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type) || Py_TYPE(d)->tp_descr_set == NULL) {
+            PyErr_Format(PyExc_TypeError, "make_base: %s.%s is not a slot", tp->tp_name, names[i]);
+            return -1;
+        }
+        Py_INCREF(d);
+        out[i] = d;
+    }
+    return 0;
+}
+
+static PyObject *configure(PyObject *module, PyObject *env) {
+    if (!PyDict_Check(env)) {
+        PyErr_SetString(PyExc_TypeError, "configure: expected a dict");
+        return NULL;
+    }
+    if (g_configured) {
+        PyErr_SetString(PyExc_RuntimeError, "configure: called once per process");
+        return NULL;
+    }
+    static const char *const prepared_names[8] = {"kernel", "config", "plan", "arena",
+                                                  "args", "values", "cache", "ready"};
+    static const char *const launch_names[4] = {"prepared", "_accesses", "_lease_plan", "_output"};
+    PyTypeObject *alloc_type, *table_type;
+    if (take_type(env, "DeviceArray", &g_array_type) < 0 || take_type(env, "Allocation", &alloc_type) < 0 ||
+        take_type(env, "MemoryTable", &table_type) < 0)
+        return NULL;
+    static const struct {
+        int which, owner;
+        const char *name;
+    } refs[N_SLOTREFS] = {{A_ALLOC, 0, "_alloc"},   {A_CLOSED, 0, "_closed"}, {A_READONLY, 0, "_readonly"},
+                          {A_OFFSET, 0, "_offset"}, {A_DTYPE, 0, "_dtype"},   {A_SHAPE, 0, "_shape"},
+                          {L_STATE, 1, "state"},    {L_TABLE, 1, "table"},    {L_PTR, 1, "ptr"},
+                          {L_SCOPE, 1, "scope"},    {T_CLOSED, 2, "closed"}};
+    PyTypeObject *owners[3] = {g_array_type, alloc_type, table_type};
+    for (int i = 0; i < N_SLOTREFS; i++)
+        if (make_slot_ref((PyObject *)owners[refs[i].owner], refs[i].name, &g_slot[refs[i].which]) < 0) return NULL;
+    if (take(env, "FREED", &g_freed) < 0 || take(env, "LIVE", &g_live) < 0 || take(env, "WRITE", &g_write) < 0 ||
+        take(env, "merge_accesses", &g_merge) < 0 || take_type(env, "PreparedLaunch", &g_prepared_type) < 0 ||
+        take_type(env, "KernelLaunch", &g_launch_type) < 0)
+        return NULL;
+    if (take_descrs(g_prepared_type, prepared_names, g_prepared_descr, 8) < 0 ||
+        take_descrs(g_launch_type, launch_names, g_launch_descr, 4) < 0)
+        return NULL;
+    g_views_type = (PyTypeObject *)PyType_FromSpec(&views_spec);
+    if (g_views_type == NULL) return NULL;
+    g_typed_type = (PyTypeObject *)PyType_FromSpec(&typed_spec);
+    if (g_typed_type == NULL) return NULL;
+    g_configured = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *make_base(PyObject *module, PyObject *args) {
+    PyObject *reference, *env, *docs;
+    if (!PyArg_ParseTuple(args, "OO!O!:make_base", &reference, &PyDict_Type, &env, &PyDict_Type, &docs)) return NULL;
+    if (!g_configured || g_base != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "make_base: called once per process, after configure()");
+        return NULL;
+    }
+    if (take(env, "POINTER_SLOT", &g_pointer_slot) < 0 || take(env, "SCALAR_KINDS", &g_scalar_kinds) < 0 ||
+        take(env, "CONFIG_CACHE", &g_config_cache) < 0 || take(env, "OWN_LAYOUTS", &g_own_layouts) < 0 ||
+        take(env, "cached_config", &g_cached_config) < 0 || take(env, "plan_for", &g_plan_for) < 0 ||
+        take(env, "views", &g_views) < 0)
+        return NULL;
+    if (!PyDict_CheckExact(g_scalar_kinds) || !PyDict_CheckExact(g_config_cache) || !PyDict_CheckExact(g_own_layouts)) {
+        PyErr_SetString(PyExc_TypeError, "make_base: the caches must be dicts");
+        return NULL;
+    }
+    for (int i = 0; i < REF_N; i++) {
+        g_ref[i] = PyObject_GetAttrString(reference, ref_names[i]);
+        if (g_ref[i] == NULL) return NULL;
+    }
+    /* each method's doc: the reference's, with its text signature */
+    for (PyMethodDef *m = builder_methods; m->ml_name != NULL; m++) {
+        PyObject *doc = PyDict_GetItemString(docs, m->ml_name);
+        if (doc == NULL) continue;
+        const char *text = PyUnicode_AsUTF8(doc);
+        if (text == NULL) return NULL;
+        char *copy = PyMem_RawMalloc(strlen(text) + 1); /* held for the life of the type */
+        if (copy == NULL) return PyErr_NoMemory();
+        strcpy(copy, text);
+        m->ml_doc = copy;
+    }
+    Py_INCREF(reference);
+    g_reference = reference;
+    g_base = PyType_FromSpec(&builder_spec);
+    if (g_base == NULL) return NULL;
+    Py_INCREF(g_base);
+    return g_base;
+}
+
+static PyMethodDef module_methods[] = {
+    {"configure", configure, METH_O, "configure(env): the types and constants the paths read (once per process)."},
+    {"make_base", make_base, METH_VARARGS,
+     "make_base(reference, env, docs) -> the builder base type (once per process)."},
+    {"typed", make_typed, METH_VARARGS,
+     "typed(kernel, plan, size, entries) -> the kernel's typed-launch fast path, fast(args, config)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_claunch", "The hot paths of making a launch, compiled.", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__claunch(void) {
+    const char *names[] = {"params", "access", "_plan", "_closed"};
+    PyObject **slots[] = {&s_params, &s_access, &s_plan, &s_closed_attr};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        *slots[i] = PyUnicode_InternFromString(names[i]);
+        if (*slots[i] == NULL) return NULL;
+    }
+    return PyModule_Create(&module_def);
+}

@@ -1,0 +1,59 @@
+"""The optional compiled hot paths of making a launch (``_claunch``).
+
+Invariants:
+
+* The choice is made once per process, at import: the compiled paths are
+  used when ``_claunch`` was built at install and imports, and
+  ``TRIO_CUDA_PURE`` is not set (to anything but ``0``); otherwise :data:`ext`
+  is None and the pure-Python paths run. Those are the reference: the
+  compiled ones make the same launches and raise the same errors
+  (``tests/core/test_builder_compiled.py``, ``test_typed_compiled.py``).
+* ``_claunch`` is configured here, once, with the types and constants its
+  paths read; the builder and the kernels ask it for their paths
+  (``make_base``, ``typed``).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from ._array import Allocation, AllocState, DeviceArray
+from ._launch import KernelLaunch, PreparedLaunch, _merge_accesses
+from ._memory import MemoryTable
+from ._ops import Access
+
+__all__ = ["ext", "pure_requested"]
+
+
+def pure_requested() -> bool:
+    """Whether ``TRIO_CUDA_PURE`` asks for the pure-Python paths."""
+    return os.environ.get("TRIO_CUDA_PURE", "").strip() not in ("", "0")
+
+
+def _load() -> ModuleType | None:
+    if pure_requested():
+        return None
+    try:
+        from . import _claunch  # type: ignore[attr-defined]
+    except ImportError:  # not built: no compiler at install, or TRIO_CUDA_PURE=1 then
+        return None
+    module: ModuleType = _claunch
+    module.configure(
+        {
+            "DeviceArray": DeviceArray,
+            "Allocation": Allocation,
+            "MemoryTable": MemoryTable,
+            "FREED": AllocState.FREED,
+            "LIVE": AllocState.LIVE,
+            "WRITE": Access.WRITE,
+            "merge_accesses": _merge_accesses,
+            "PreparedLaunch": PreparedLaunch,
+            "KernelLaunch": KernelLaunch,
+        }
+    )
+    return module
+
+
+#: the compiled module, configured; None where the pure-Python paths run
+ext: ModuleType | None = _load()
