@@ -28,7 +28,12 @@ setup(
         ),
         Extension(
             "trio_cuda._core._claunch",
-            ["trio_cuda/_core/_claunch.c"],
+            [
+                "trio_cuda/_core/_claunch.c",
+                "trio_cuda/_core/_claunch_builder.c",
+                "trio_cuda/_core/_claunch_typed.c",
+            ],
+            depends=["trio_cuda/_core/_claunch.h"],
             optional=True,
             extra_compile_args=["-O2"],
         ),

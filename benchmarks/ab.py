@@ -3,9 +3,11 @@
     python3 benchmarks/ab.py OLD_TREE [NEW_TREE] [--rounds 12] [--device cuda]
     python3 benchmarks/ab.py --paths [--rounds 12]
 
-With ``--paths``, one tree (this one) is measured twice per round: "old" with
-the CUDA backend's launch path through cuda.bindings' wrappers (as with
-``TRIO_CUDA_PURE=1``), "new" through the compiled direct driver calls.
+With ``--paths``, one tree (this one) is imported twice and measured twice per
+round: "old" with every compiled part off, as with ``TRIO_CUDA_PURE=1`` (the
+CUDA backend's launch path through cuda.bindings' wrappers, the pure-Python
+builder and typed-launch fast path), "new" with the compiled parts on (the
+direct driver calls, the compiled builder and typed-launch fast path).
 
 Each tree (a directory that holds a ``trio_cuda`` package, e.g. one made with
 ``git archive REV trio_cuda | tar -x -C DIR``) is imported under its own name,
@@ -23,6 +25,8 @@ figures (a hiccup of the host only ever makes a figure worse):
   launch);
 * ``typed``: ``gpu.submit(k.launch(...))``, a fresh typed launch each call,
   bursts of 500 (µs per launch);
+* ``builder``: ``unsafe.async_on`` of ``k.builder()...finalize_unchecked()``,
+  built each call, bursts of 500 (µs per launch);
 * ``tasks_100``: 100 tasks, each awaiting 50 of its own launches (launches/s).
 
 On the simulator (``--device sim``) it measures the library's Python against
@@ -49,9 +53,23 @@ extern "C" __global__ void empty(const float* a, const float* b, const float* c,
 """
 
 
-def load_tree(tree: str, alias: str) -> ModuleType:
+def load_tree(tree: str, alias: str, *, pure: bool = False) -> ModuleType:
     """Import ``tree/trio_cuda`` as the package ``alias`` (its imports are
-    relative, so its modules stay apart from any other copy)."""
+    relative, so its modules stay apart from any other copy); ``pure``: with
+    ``TRIO_CUDA_PURE=1`` while it imports (its compiled parts are chosen then)."""
+    saved = os.environ.get("TRIO_CUDA_PURE")
+    if pure:
+        os.environ["TRIO_CUDA_PURE"] = "1"
+    try:
+        return _load_tree(tree, alias)
+    finally:
+        if saved is None:
+            os.environ.pop("TRIO_CUDA_PURE", None)
+        else:
+            os.environ["TRIO_CUDA_PURE"] = saved
+
+
+def _load_tree(tree: str, alias: str) -> ModuleType:
     init = os.path.join(os.path.abspath(tree), "trio_cuda", "__init__.py")
     spec = importlib.util.spec_from_file_location(
         alias, init, submodule_search_locations=[os.path.dirname(init)]
@@ -108,6 +126,19 @@ async def measure(tc: Any, device: str, pure: bool | None = None) -> dict[str, f
             await futs[-1].wait()
             del futs
         out["typed"] = min(per)
+        a, b, c, d = bufs
+        n = np.int32(256)
+        per = []
+        for _ in range(3):  # the builder, built each call, then unsafe.async_on
+            t0 = perf()
+            for _ in range(500):
+                tc.unsafe.async_on(
+                    kernel.builder().grid(1).block(1).arg(a).arg(b).arg(c).arg(d).arg(n).finalize_unchecked(),
+                    s,
+                )
+            per.append((perf() - t0) / 500 * 1e6)
+            await gpu.run(tc.ops.value(None), stream=s)
+        out["builder"] = min(per)
 
         async def task() -> None:
             for _ in range(50):
@@ -132,10 +163,15 @@ def main() -> int:
     args = ap.parse_args()
     pure: dict[str, bool | None] = {"old": None, "new": None}
     if args.paths:
-        tree = load_tree(args.new, "trio_cuda_new")
-        trees = {"old": tree, "new": tree}
+        trees = {
+            "old": load_tree(args.new, "trio_cuda_pure", pure=True),
+            "new": load_tree(args.new, "trio_cuda_new"),
+        }
         pure = {"old": True, "new": False}
-        print("old: cuda.bindings wrappers; new: direct driver calls")
+        compiled = importlib.import_module("trio_cuda_new._core._compiled").ext is not None
+        print(
+            f"old: every compiled part off; new: the compiled parts on (launch making compiled: {compiled})"
+        )
     elif args.old is None:
         ap.error("give OLD_TREE, or --paths")
     else:

@@ -1174,9 +1174,12 @@ def main() -> int:
     elif not direct.built():
         path += " (the extension is not built)"
     RESULTS["launch_path"] = path
+    from trio_cuda.__main__ import launch_making_line
+
+    RESULTS["launch_making"] = making = launch_making_line()
     print(
         f"\n(total {perf() - t0:.1f} s; device: {probe.device_count} GPU(s), driver {probe.driver_version}; "
-        f"launch path: {path})"
+        f"launch path: {path}; {making})"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -159,6 +159,23 @@ def launch_path_line(driver_answers: bool) -> str:
     return f"cuda launch path: {path}"
 
 
+def launch_making_line() -> str:
+    """``info``'s line on how launches are made: the compiled builder and
+    typed-launch fast path, or the pure-Python ones. Never raises."""
+    try:
+        from ._core import _compiled
+
+        if _compiled.ext is not None:
+            how = "compiled (the launch builder and the typed-launch fast path)"
+        elif _compiled.pure_requested():
+            how = "pure Python (TRIO_CUDA_PURE is set)"
+        else:
+            how = "pure Python (the compiled extension was not built at install)"
+    except Exception as exc:  # pragma: no cover - a broken install
+        how = f"unknown ({type(exc).__name__}: {exc})"
+    return f"launch making: {how}"
+
+
 def info_lines() -> list[str]:
     """What ``trio-cuda info`` prints."""
     from ._backends import _cuda_backend_available, probe_cuda
@@ -186,6 +203,7 @@ def info_lines() -> list[str]:
         lines.append("  (no CUDA device)")
     lines.append("  sim: the simulated device (device='sim'), always available")
     lines.append(launch_path_line(probe.available))
+    lines.append(launch_making_line())
     lines.append(compile_check_line())
     lines.append(tile_line())
     lines.append("versions:")

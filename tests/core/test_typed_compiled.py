@@ -111,3 +111,14 @@ async def test_a_kernel_made_before_and_used_from_a_worker_thread():
         there: Any = await trio.to_thread.run_sync(lambda: k.launch(x, 3, grid=1, block=1))
         assert there.prepared.arena == here.prepared.arena
         assert internals.output_of(there) is x
+
+
+def test_info_says_how_launches_are_made():
+    from trio_cuda.__main__ import info_lines, launch_making_line
+
+    line = launch_making_line()
+    assert line in info_lines()
+    if _compiled.ext is not None:
+        assert line == "launch making: compiled (the launch builder and the typed-launch fast path)"
+    else:
+        assert line.startswith("launch making: pure Python (")

@@ -1,0 +1,68 @@
+/* Shared by the parts of trio_cuda._core._claunch: the module and its
+   configuration (_claunch.c), the launch builder (_claunch_builder.c) and
+   the typed-launch fast path (_claunch_typed.c). */
+
+#ifndef TRIO_CUDA_CLAUNCH_H
+#define TRIO_CUDA_CLAUNCH_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+/* A slot of one exact type, read where it is stored: the offset its member
+   descriptor gives (what the descriptor's own __get__ reads). */
+typedef struct {
+    PyTypeObject *type;
+    Py_ssize_t offset;
+    PyObject *name;
+} SlotRef;
+
+enum { A_ALLOC, A_CLOSED, A_READONLY, A_OFFSET, A_DTYPE, A_SHAPE, L_STATE, L_TABLE, L_PTR, L_SCOPE, T_CLOSED, N_SLOTREFS };
+
+/* set once by configure() */
+extern int g_configured;
+extern SlotRef g_slot[N_SLOTREFS];
+extern PyTypeObject *g_array_type, *g_prepared_type, *g_launch_type;
+extern PyObject *g_freed, *g_live, *g_write, *g_merge;
+extern PyObject *g_prepared_descr[8]; /* kernel config plan arena args values cache ready */
+extern PyObject *g_launch_descr[4];   /* prepared _accesses _lease_plan _output */
+
+/* The value of slot ``ref`` of ``obj`` (a new reference), through getattr
+   where ``obj`` is not of the slot's exact type or the slot is empty. */
+static inline PyObject *read_slot(PyObject *obj, SlotRef *ref) {
+    if (Py_TYPE(obj) == ref->type) {
+        PyObject *v = *(PyObject **)((char *)obj + ref->offset);
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+    }
+    return PyObject_GetAttr(obj, ref->name);
+}
+
+/* An exact int from 0 to 2**64-1 into *out; 0 (no error set) if it is not one. */
+static inline int as_u64(PyObject *obj, unsigned long long *out) {
+    if (!PyLong_CheckExact(obj)) return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+PyObject *new_instance(PyTypeObject *tp, PyObject *const *descr, PyObject *const *values, int n);
+int take(PyObject *env, const char *name, PyObject **out);
+
+/* _claunch_builder.c */
+int builder_init(void);
+PyObject *make_base(PyObject *module, PyObject *args);
+
+/* _claunch_typed.c */
+int typed_init(void);
+PyObject *make_typed(PyObject *module, PyObject *args);
+
+#endif

@@ -1,0 +1,448 @@
+/* A kernel's typed-launch fast path, compiled (see _claunch.c for the
+   invariants): fast(args, config) -> the launch the checked path would
+   build, or None. */
+
+#include "_claunch.h"
+
+static PyTypeObject *g_typed_type; /* TypedLaunch */
+static PyObject *s_closed_attr;
+
+/* ------------------------------------------------------------------ typed launch */
+
+/* The kinds of _arena._fast_packer's table */
+enum { K_INT, K_FLOAT, K_BOOL, K_ARRAY, K_SLICE };
+
+typedef struct {
+    int kind;
+    PyObject *dt;          /* a scalar's NumPy type, or an array's dtype */
+    PyObject *access;      /* an array's access */
+    char code;             /* struct code: a scalar's, or a slice length's */
+    Py_ssize_t offset;     /* of the value, or of an array's pointer */
+    Py_ssize_t len_offset; /* of a slice's length */
+} Entry;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *kernel, *plan;
+    Py_ssize_t size, n;
+    Entry *entries;
+} TypedLaunch;
+
+static int typed_traverse(TypedLaunch *self, visitproc visit, void *arg) {
+    Py_VISIT(self->kernel);
+    Py_VISIT(self->plan);
+    for (Py_ssize_t i = 0; i < self->n && self->entries; i++) {
+        Py_VISIT(self->entries[i].dt);
+        Py_VISIT(self->entries[i].access);
+    }
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int typed_clear(TypedLaunch *self) {
+    Py_CLEAR(self->kernel);
+    Py_CLEAR(self->plan);
+    for (Py_ssize_t i = 0; i < self->n && self->entries; i++) {
+        Py_CLEAR(self->entries[i].dt);
+        Py_CLEAR(self->entries[i].access);
+    }
+    return 0;
+}
+
+static void typed_dealloc(TypedLaunch *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    typed_clear(self);
+    PyMem_Free(self->entries);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static void put_le(unsigned char *p, unsigned long long v, int size) {
+    for (int i = 0; i < size; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static int code_size(char code) {
+    switch (code) {
+    case 'b': case 'B': case '?': return 1;
+    case 'h': case 'H': case 'e': return 2;
+    case 'i': case 'I': case 'f': return 4;
+    case 'q': case 'Q': case 'd': return 8;
+    default: return 0;
+    }
+}
+
+/* Pack the int ``v`` as struct code ``code`` (little-endian) at ``p``: 1,
+   0 if it is out of the code's range (struct.error), -1 error. */
+static int pack_int(unsigned char *p, PyObject *v, char code) {
+    PyObject *index = PyNumber_Index(v);
+    if (index == NULL) return -1;
+    int overflow = 0, size = code_size(code);
+    int is_signed = code == 'b' || code == 'h' || code == 'i' || code == 'q';
+    unsigned long long bits;
+    if (is_signed) {
+        long long x = PyLong_AsLongLongAndOverflow(index, &overflow);
+        Py_DECREF(index);
+        if (x == -1 && PyErr_Occurred()) return -1;
+        if (overflow) return 0;
+        if (size < 8) {
+            long long lim = 1LL << (8 * size - 1);
+            if (x < -lim || x >= lim) return 0;
+        }
+        bits = (unsigned long long)x;
+    } else {
+        long long x = PyLong_AsLongLongAndOverflow(index, &overflow);
+        if ((x == -1 && PyErr_Occurred()) || overflow < 0 || (!overflow && x < 0)) {
+            Py_DECREF(index);
+            return PyErr_Occurred() ? -1 : 0;
+        }
+        bits = PyLong_AsUnsignedLongLong(index);
+        Py_DECREF(index);
+        if (bits == (unsigned long long)-1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+            PyErr_Clear();
+            return 0;
+        }
+        if (size < 8 && bits >= (1ULL << (8 * size))) return 0;
+    }
+    put_le(p, bits, size);
+    return 1;
+}
+
+/* float ``x`` as struct code ``code``: 1, 0 if it does not fit (OverflowError), -1 error. */
+static int pack_float(unsigned char *p, double x, char code) {
+    int rc = code == 'e' ? PyFloat_Pack2(x, (char *)p, 1) : code == 'f' ? PyFloat_Pack4(x, (char *)p, 1)
+                                                                        : PyFloat_Pack8(x, (char *)p, 1);
+    if (rc < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+#define TYPED_NONE(cond) \
+    do {                 \
+        if (cond) {      \
+            rc = 0;      \
+            goto out;    \
+        }                \
+    } while (0)
+#define TYPED_CHECK(x) \
+    do {               \
+        if ((x) == NULL) { \
+            rc = -1;   \
+            goto out;  \
+        }              \
+    } while (0)
+
+/* One array argument: its pointer (and a slice's length) packed, its
+   allocation in *alloc_out: 1, 0 (None), -1 error. */
+static int typed_array(Entry *e, PyObject *a, unsigned char *arena, PyObject **alloc_out) {
+    int rc = 0;
+    PyObject *flag = NULL, *alloc = NULL, *scope = NULL, *dtype = NULL, *ptr = NULL, *offset = NULL, *shape = NULL;
+    if (Py_TYPE(a) != g_array_type) return 0;
+    TYPED_CHECK(flag = read_slot(a, &g_slot[A_CLOSED]));
+    int t = PyObject_IsTrue(flag);
+    if (t < 0) rc = -1;
+    TYPED_NONE(t != 0);
+    Py_CLEAR(flag);
+    TYPED_CHECK(alloc = read_slot(a, &g_slot[A_ALLOC]));
+    TYPED_CHECK(flag = read_slot(alloc, &g_slot[L_STATE]));
+    TYPED_NONE(flag != g_live);
+    Py_CLEAR(flag);
+    TYPED_CHECK(scope = read_slot(alloc, &g_slot[L_SCOPE]));
+    TYPED_CHECK(flag = PyObject_GetAttr(scope, s_closed_attr));
+    t = PyObject_IsTrue(flag);
+    if (t < 0) rc = -1;
+    TYPED_NONE(t != 0);
+    Py_CLEAR(flag);
+    TYPED_CHECK(dtype = read_slot(a, &g_slot[A_DTYPE]));
+    if (dtype != e->dt) {
+        int same = PyObject_RichCompareBool(dtype, e->dt, Py_EQ);
+        if (same < 0) rc = -1;
+        TYPED_NONE(same <= 0);
+    }
+    if (e->access == g_write) {
+        TYPED_CHECK(flag = read_slot(a, &g_slot[A_READONLY]));
+        t = PyObject_IsTrue(flag);
+        if (t < 0) rc = -1;
+        TYPED_NONE(t != 0);
+        Py_CLEAR(flag);
+    }
+    unsigned long long base, off;
+    TYPED_CHECK(ptr = read_slot(alloc, &g_slot[L_PTR]));
+    TYPED_CHECK(offset = read_slot(a, &g_slot[A_OFFSET]));
+    TYPED_NONE(!as_u64(ptr, &base) || !as_u64(offset, &off) || base + off < base);
+    put_le(arena + e->offset, base + off, 8);
+    if (e->kind == K_SLICE) {
+        TYPED_CHECK(shape = read_slot(a, &g_slot[A_SHAPE]));
+        TYPED_NONE(!PyTuple_CheckExact(shape));
+        /* math.prod of the shape (ints), then packed as the length's code */
+        PyObject *n = PyLong_FromLong(1);
+        TYPED_CHECK(n);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); i++) {
+            PyObject *next = PyNumber_Multiply(n, PyTuple_GET_ITEM(shape, i));
+            Py_DECREF(n);
+            n = next;
+            if (n == NULL) break;
+        }
+        TYPED_CHECK(n);
+        int packed = PyLong_CheckExact(n) ? pack_int(arena + e->len_offset, n, e->code) : 0;
+        Py_DECREF(n);
+        if (packed < 0) rc = -1;
+        TYPED_NONE(packed <= 0);
+    }
+    *alloc_out = alloc;
+    alloc = NULL;
+    rc = 1;
+out:
+    Py_XDECREF(flag);
+    Py_XDECREF(alloc);
+    Py_XDECREF(scope);
+    Py_XDECREF(dtype);
+    Py_XDECREF(ptr);
+    Py_XDECREF(offset);
+    Py_XDECREF(shape);
+    return rc;
+}
+
+/* One scalar argument, packed: 1, 0 (None), -1 error. */
+static int typed_scalar(Entry *e, PyObject *a, unsigned char *arena) {
+    PyObject *t = (PyObject *)Py_TYPE(a);
+    unsigned char *p = arena + e->offset;
+    if (e->kind == K_INT) {
+        if (t != (PyObject *)&PyLong_Type && t != e->dt) return 0;
+        return pack_int(p, a, e->code);
+    }
+    if (e->kind == K_BOOL) {
+        if (t != (PyObject *)&PyBool_Type && t != e->dt) return 0;
+        int truth = PyObject_IsTrue(a);
+        if (truth < 0) return -1;
+        *p = (unsigned char)truth;
+        return 1;
+    }
+    /* K_FLOAT: a float (not a NaN for a half), an int that converts exactly,
+       or the parameter's own NumPy type (not a NaN: its payload is kept by
+       the checked path) */
+    double x;
+    if (t == (PyObject *)&PyFloat_Type) {
+        x = PyFloat_AS_DOUBLE(a);
+        if (e->code == 'e' && x != x) return 0;
+    } else if (t == (PyObject *)&PyLong_Type) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(a, &overflow);
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (overflow || v < -(1LL << 53) || v > (1LL << 53)) return 0;
+        x = (double)v;
+    } else if (t == e->dt) {
+        x = PyFloat_AsDouble(a);
+        if (x == -1.0 && PyErr_Occurred()) return -1;
+        if (x != x) return 0;
+    } else {
+        return 0;
+    }
+    return pack_float(p, x, e->code);
+}
+
+static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "fast(args, config): expected two positional arguments");
+        return NULL;
+    }
+    PyObject *args = argv[0], *config = argv[1];
+    if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != self->n) Py_RETURN_NONE;
+    Py_ssize_t n = self->n, n_arrays = 0, n_out = 0;
+    PyObject *small_allocs[16], *small_acc[16];
+    PyObject **allocs = small_allocs, **acc = small_acc;
+    PyObject *arena = NULL, *accesses = NULL, *merged = NULL, *output = NULL, *cache = NULL, *prepared = NULL,
+             *result = NULL;
+    int rc = 1;
+    if (n > 16) {
+        allocs = PyMem_Calloc((size_t)n, sizeof(PyObject *));
+        acc = PyMem_Calloc((size_t)n, sizeof(PyObject *));
+        if (allocs == NULL || acc == NULL) {
+            PyErr_NoMemory();
+            rc = -1;
+            goto out;
+        }
+    }
+    TYPED_CHECK(arena = PyBytes_FromStringAndSize(NULL, self->size));
+    unsigned char *buf = (unsigned char *)PyBytes_AS_STRING(arena);
+    memset(buf, 0, (size_t)self->size);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Entry *e = &self->entries[i];
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        if (e->kind == K_ARRAY || e->kind == K_SLICE) {
+            PyObject *alloc = NULL;
+            rc = typed_array(e, a, buf, &alloc);
+            if (rc <= 0) goto out;
+            allocs[n_arrays] = alloc;
+            acc[n_arrays++] = a;
+            if (e->access == g_write) n_out++;
+        } else {
+            rc = typed_scalar(e, a, buf);
+            if (rc <= 0) goto out;
+        }
+    }
+    TYPED_CHECK(accesses = PyTuple_New(n_arrays));
+    for (Py_ssize_t i = 0, j = 0; i < n; i++) {
+        Entry *e = &self->entries[i];
+        if (e->kind != K_ARRAY && e->kind != K_SLICE) continue;
+        PyObject *pair = PyTuple_Pack(2, acc[j], e->access);
+        TYPED_CHECK(pair);
+        PyTuple_SET_ITEM(accesses, j++, pair);
+    }
+    int shared = 0;
+    for (Py_ssize_t i = 0; i < n_arrays && !shared; i++)
+        for (Py_ssize_t j = i + 1; j < n_arrays; j++)
+            if (allocs[i] == allocs[j]) {
+                shared = 1;
+                break;
+            }
+    if (shared) {
+        TYPED_CHECK(merged = PyObject_CallOneArg(g_merge, accesses));
+    } else {
+        Py_INCREF(accesses);
+        merged = accesses;
+    }
+    if (n_out == 0) {
+        output = Py_None;
+        Py_INCREF(output);
+    } else {
+        if (n_out > 1) TYPED_CHECK(output = PyTuple_New(n_out));
+        for (Py_ssize_t i = 0, j = 0, k = 0; i < n; i++) {
+            Entry *e = &self->entries[i];
+            if (e->kind != K_ARRAY && e->kind != K_SLICE) continue;
+            PyObject *a = acc[j++];
+            if (e->access != g_write) continue;
+            Py_INCREF(a);
+            if (n_out == 1)
+                output = a;
+            else
+                PyTuple_SET_ITEM(output, k++, a);
+        }
+    }
+    TYPED_CHECK(cache = PyDict_New());
+    {
+        PyObject *fields[8] = {self->kernel, config, self->plan, arena, Py_None, args, cache, Py_None};
+        TYPED_CHECK(prepared = new_instance(g_prepared_type, g_prepared_descr, fields, 8));
+    }
+    {
+        PyObject *fields[4] = {prepared, merged, Py_None, output};
+        TYPED_CHECK(result = new_instance(g_launch_type, g_launch_descr, fields, 4));
+    }
+out:
+    for (Py_ssize_t i = 0; i < n_arrays; i++) Py_DECREF(allocs[i]);
+    if (allocs != small_allocs) PyMem_Free(allocs);
+    if (acc != small_acc) PyMem_Free(acc);
+    Py_XDECREF(arena);
+    Py_XDECREF(accesses);
+    Py_XDECREF(merged);
+    Py_XDECREF(output);
+    Py_XDECREF(cache);
+    Py_XDECREF(prepared);
+    if (rc < 0) return NULL;
+    if (rc == 0) Py_RETURN_NONE;
+    return result;
+}
+
+static PyObject *typed_call_tuple(TypedLaunch *self, PyObject *args, PyObject *kwargs) {
+    return PyVectorcall_Call((PyObject *)self, args, kwargs);
+}
+
+static PyMemberDef typed_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(TypedLaunch, vectorcall), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot typed_slots[] = {
+    {Py_tp_dealloc, typed_dealloc},
+    {Py_tp_traverse, typed_traverse},
+    {Py_tp_clear, typed_clear},
+    {Py_tp_call, typed_call_tuple},
+    {Py_tp_members, typed_members},
+    {Py_tp_doc, "A kernel's typed-launch fast path, compiled: fast(args, config) -> KernelLaunch or None."},
+    {0, NULL},
+};
+
+static PyType_Spec typed_spec = {
+    "trio_cuda._core._claunch.TypedLaunch", sizeof(TypedLaunch), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_HAVE_VECTORCALL,
+    typed_slots,
+};
+
+/* typed(kernel, plan, size, entries): entries, one per parameter, are
+   (kind, dt, access, code, offset, len_offset) */
+PyObject *make_typed(PyObject *module, PyObject *args) {
+    PyObject *kernel, *plan, *entries;
+    Py_ssize_t size;
+    if (!PyArg_ParseTuple(args, "OOnO!:typed", &kernel, &plan, &size, &PyTuple_Type, &entries)) return NULL;
+    if (!g_configured) {
+        PyErr_SetString(PyExc_RuntimeError, "typed: configure() first");
+        return NULL;
+    }
+    if (size < 0) {
+        PyErr_SetString(PyExc_ValueError, "typed: size must be >= 0");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(entries);
+    TypedLaunch *self = PyObject_GC_New(TypedLaunch, g_typed_type);
+    if (self == NULL) return NULL;
+    self->vectorcall = (vectorcallfunc)typed_call;
+    self->n = 0;
+    self->size = size;
+    self->entries = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Entry));
+    Py_INCREF(kernel);
+    self->kernel = kernel;
+    Py_INCREF(plan);
+    self->plan = plan;
+    PyObject_GC_Track(self);
+    if (self->entries == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Entry *e = &self->entries[i];
+        int kind;
+        PyObject *dt, *access;
+        const char *code;
+        Py_ssize_t offset, len_offset;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(entries, i), "iOOsnn:typed entry", &kind, &dt, &access, &code,
+                              &offset, &len_offset)) {
+            Py_DECREF(self);
+            return NULL;
+        }
+        int width = code_size(code[0]);
+        int is_array = kind == K_ARRAY || kind == K_SLICE;
+        int bad = kind < K_INT || kind > K_SLICE || strlen(code) != 1 || width == 0 || offset < 0 ||
+                  offset + (is_array ? 8 : width) > size ||
+                  (kind == K_SLICE && (len_offset < 0 || len_offset + width > size)) ||
+                  (kind == K_FLOAT && strchr("efd", code[0]) == NULL) || (kind == K_BOOL && code[0] != '?') ||
+                  ((kind == K_INT || kind == K_SLICE) && strchr("bBhHiIqQ", code[0]) == NULL);
+        if (bad) {
+            Py_DECREF(self);
+            PyErr_Format(PyExc_ValueError, "typed: entry %zd does not describe a parameter in %zd bytes", i, size);
+            return NULL;
+        }
+        e->kind = kind;
+        Py_INCREF(dt);
+        e->dt = dt;
+        Py_INCREF(access);
+        e->access = access;
+        e->code = code[0];
+        e->offset = offset;
+        e->len_offset = len_offset;
+        self->n = i + 1;
+    }
+    return (PyObject *)self;
+}
+
+int typed_init(void) {
+    s_closed_attr = PyUnicode_InternFromString("_closed");
+    if (s_closed_attr == NULL) return -1;
+    g_typed_type = (PyTypeObject *)PyType_FromSpec(&typed_spec);
+    return g_typed_type == NULL ? -1 : 0;
+}
