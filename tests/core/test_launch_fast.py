@@ -21,6 +21,7 @@ from trio_cuda import In, InOut, Kernel, KernelArgumentError, KernelLaunch, Out,
 from trio_cuda._core import _compiled, _kernel
 from trio_cuda._core._config import _SIMPLE_CONFIGS, cached_config, make_config
 from trio_cuda._core._ops import Access
+from trio_cuda._core._submit import launch_lease_plan
 
 SCALAR_DTYPES = ["i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "?"]
 PAIR = np.dtype([("a", "f4"), ("b", "f8")], align=True)
@@ -165,7 +166,11 @@ def _same_launch(fast: KernelLaunch, checked: KernelLaunch) -> None:
     else:
         assert internals.output_of(fast) is internals.output_of(checked)
     assert [_view_key(v) for v in fp.arg_views()] == [_view_key(v) for v in cp.arg_views()]
-    assert internals.lease_plan_of(fast) is None
+    plan = internals.lease_plan_of(fast)
+    if plan is not None:  # (the compiled path makes it with the launch: the one a first submission makes)
+        want = launch_lease_plan(checked)
+        assert [id(a) for a in plan[0]] == [id(a) for a in want[0]]
+        assert plan[1] is want[1]
     assert set(fp.cache) <= {"views"}  # its own scratch space, unused so far
     with pytest.raises(AttributeError):
         internals.set_output(fast, None)

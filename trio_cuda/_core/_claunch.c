@@ -29,8 +29,8 @@ int g_configured;
 SlotRef g_slot[N_SLOTREFS];
 PyTypeObject *g_array_type, *g_prepared_type, *g_launch_type;
 PyObject *g_freed, *g_live, *g_write, *g_merge;
-PyObject *g_prepared_descr[8];
-PyObject *g_launch_descr[4];
+Py_ssize_t g_prepared_off[8];
+Py_ssize_t g_launch_off[4];
 
 static int make_slot_ref(PyObject *type, const char *name, SlotRef *out) {
     PyObject *d = PyObject_GetAttrString(type, name);
@@ -50,16 +50,16 @@ static int make_slot_ref(PyObject *type, const char *name, SlotRef *out) {
     return 0;
 }
 
-/* An instance of a slots class, its fields set through their descriptors
-   (as object.__new__ and object.__setattr__ would; steals nothing). */
-PyObject *new_instance(PyTypeObject *tp, PyObject *const *descr, PyObject *const *values, int n) {
+/* An instance of a slots class (as object.__new__ makes it), its fields
+   stored where their member descriptors keep them (as object.__setattr__
+   would store them: the class's own __setattr__ is not called); steals
+   nothing. */
+PyObject *new_instance(PyTypeObject *tp, const Py_ssize_t *offsets, PyObject *const *values, int n) {
     PyObject *obj = tp->tp_alloc(tp, 0);
     if (obj == NULL) return NULL;
     for (int i = 0; i < n; i++) {
-        if (Py_TYPE(descr[i])->tp_descr_set(descr[i], obj, values[i]) < 0) {
-            Py_DECREF(obj);
-            return NULL;
-        }
+        Py_INCREF(values[i]);
+        *(PyObject **)((char *)obj + offsets[i]) = values[i];
     }
     return obj;
 }
@@ -87,15 +87,12 @@ static int take_type(PyObject *env, const char *name, PyTypeObject **out) {
     return 0;
 }
 
-static int take_descrs(PyTypeObject *tp, const char *const *names, PyObject **out, int n) {
+/* Where each named slot of ``tp`` is stored (its member descriptor's offset). */
+static int take_offsets(PyTypeObject *tp, const char *const *names, Py_ssize_t *out, int n) {
     for (int i = 0; i < n; i++) {
-        PyObject *d = PyDict_GetItemString(tp->tp_dict, names[i]);
-        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type) || Py_TYPE(d)->tp_descr_set == NULL) {
-            PyErr_Format(PyExc_TypeError, "configure: %s.%s is not a slot", tp->tp_name, names[i]);
-            return -1;
-        }
-        Py_INCREF(d);
-        out[i] = d;
+        SlotRef ref;
+        if (make_slot_ref((PyObject *)tp, names[i], &ref) < 0) return -1;
+        out[i] = ref.offset;
     }
     return 0;
 }
@@ -121,6 +118,7 @@ static PyObject *configure(PyObject *module, PyObject *env) {
         const char *name;
     } refs[N_SLOTREFS] = {{A_ALLOC, 0, "_alloc"},   {A_CLOSED, 0, "_closed"}, {A_READONLY, 0, "_readonly"},
                           {A_OFFSET, 0, "_offset"}, {A_DTYPE, 0, "_dtype"},   {A_SHAPE, 0, "_shape"},
+                          {A_WHOLE, 0, "_whole"},
                           {L_STATE, 1, "state"},    {L_TABLE, 1, "table"},    {L_PTR, 1, "ptr"},
                           {L_SCOPE, 1, "scope"},    {T_CLOSED, 2, "closed"}};
     PyTypeObject *owners[3] = {g_array_type, alloc_type, table_type};
@@ -130,8 +128,8 @@ static PyObject *configure(PyObject *module, PyObject *env) {
         take(env, "merge_accesses", &g_merge) < 0 || take_type(env, "PreparedLaunch", &g_prepared_type) < 0 ||
         take_type(env, "KernelLaunch", &g_launch_type) < 0)
         return NULL;
-    if (take_descrs(g_prepared_type, prepared_names, g_prepared_descr, 8) < 0 ||
-        take_descrs(g_launch_type, launch_names, g_launch_descr, 4) < 0)
+    if (take_offsets(g_prepared_type, prepared_names, g_prepared_off, 8) < 0 ||
+        take_offsets(g_launch_type, launch_names, g_launch_off, 4) < 0)
         return NULL;
     if (builder_init() < 0 || typed_init() < 0) return NULL;
     g_configured = 1;

@@ -19,15 +19,18 @@ typedef struct {
     PyObject *name;
 } SlotRef;
 
-enum { A_ALLOC, A_CLOSED, A_READONLY, A_OFFSET, A_DTYPE, A_SHAPE, L_STATE, L_TABLE, L_PTR, L_SCOPE, T_CLOSED, N_SLOTREFS };
+enum {
+    A_ALLOC, A_CLOSED, A_READONLY, A_OFFSET, A_DTYPE, A_SHAPE, A_WHOLE,
+    L_STATE, L_TABLE, L_PTR, L_SCOPE, T_CLOSED, N_SLOTREFS
+};
 
 /* set once by configure() */
 extern int g_configured;
 extern SlotRef g_slot[N_SLOTREFS];
 extern PyTypeObject *g_array_type, *g_prepared_type, *g_launch_type;
 extern PyObject *g_freed, *g_live, *g_write, *g_merge;
-extern PyObject *g_prepared_descr[8]; /* kernel config plan arena args values cache ready */
-extern PyObject *g_launch_descr[4];   /* prepared _accesses _lease_plan _output */
+extern Py_ssize_t g_prepared_off[8]; /* kernel config plan arena args values cache ready */
+extern Py_ssize_t g_launch_off[4];   /* prepared _accesses _lease_plan _output */
 
 /* The value of slot ``ref`` of ``obj`` (a new reference), through getattr
    where ``obj`` is not of the slot's exact type or the slot is empty. */
@@ -54,7 +57,7 @@ static inline int as_u64(PyObject *obj, unsigned long long *out) {
     return 1;
 }
 
-PyObject *new_instance(PyTypeObject *tp, PyObject *const *descr, PyObject *const *values, int n);
+PyObject *new_instance(PyTypeObject *tp, const Py_ssize_t *offsets, PyObject *const *values, int n);
 int take(PyObject *env, const char *name, PyObject **out);
 
 /* _claunch_builder.c */

@@ -477,7 +477,7 @@ static PyObject *b_finalize(Builder *self, PyObject *const *args, Py_ssize_t nar
     {
         PyObject *fields[8] = {self->kernel, config, plan, arena, views, PyTuple_New(0), cache, Py_None};
         if (fields[5] == NULL) goto done;
-        prepared = new_instance(g_prepared_type, g_prepared_descr, fields, 8);
+        prepared = new_instance(g_prepared_type, g_prepared_off, fields, 8);
         Py_DECREF(fields[5]);
         if (prepared == NULL) goto done;
     }
@@ -493,7 +493,7 @@ static PyObject *b_finalize(Builder *self, PyObject *const *args, Py_ssize_t nar
     }
     {
         PyObject *fields[4] = {prepared, merged, Py_None, output};
-        launch = new_instance(g_launch_type, g_launch_descr, fields, 4);
+        launch = new_instance(g_launch_type, g_launch_off, fields, 4);
     }
 done:
     Py_XDECREF(config);

@@ -257,8 +257,8 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
     Py_ssize_t n = self->n, n_arrays = 0, n_out = 0;
     PyObject *small_allocs[16], *small_acc[16];
     PyObject **allocs = small_allocs, **acc = small_acc;
-    PyObject *arena = NULL, *accesses = NULL, *merged = NULL, *output = NULL, *cache = NULL, *prepared = NULL,
-             *result = NULL;
+    PyObject *arena = NULL, *accesses = NULL, *merged = NULL, *lease_plan = NULL, *output = NULL, *cache = NULL,
+             *prepared = NULL, *result = NULL;
     int rc = 1;
     if (n > 16) {
         allocs = PyMem_Calloc((size_t)n, sizeof(PyObject *));
@@ -302,11 +302,31 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
                 shared = 1;
                 break;
             }
-    if (shared) {
+    if (shared) { /* (its lease plan: made from the merged accesses at its first safe submission) */
         TYPED_CHECK(merged = PyObject_CallOneArg(g_merge, accesses));
+        Py_INCREF(Py_None);
+        lease_plan = Py_None;
     } else {
         Py_INCREF(accesses);
         merged = accesses;
+        /* its lease plan, as _submit.launch_lease_plan makes it: each
+           allocation once, and whether every array is its whole allocation */
+        int simple = 1;
+        for (Py_ssize_t i = 0; i < n_arrays && simple; i++) {
+            PyObject *whole = read_slot(acc[i], &g_slot[A_WHOLE]);
+            TYPED_CHECK(whole);
+            simple = whole == Py_True;
+            Py_DECREF(whole);
+        }
+        PyObject *plan_allocs = PyTuple_New(n_arrays);
+        TYPED_CHECK(plan_allocs);
+        for (Py_ssize_t i = 0; i < n_arrays; i++) {
+            Py_INCREF(allocs[i]);
+            PyTuple_SET_ITEM(plan_allocs, i, allocs[i]);
+        }
+        lease_plan = PyTuple_Pack(2, plan_allocs, simple ? Py_True : Py_False);
+        Py_DECREF(plan_allocs);
+        TYPED_CHECK(lease_plan);
     }
     if (n_out == 0) {
         output = Py_None;
@@ -328,11 +348,11 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
     TYPED_CHECK(cache = PyDict_New());
     {
         PyObject *fields[8] = {self->kernel, config, self->plan, arena, Py_None, args, cache, Py_None};
-        TYPED_CHECK(prepared = new_instance(g_prepared_type, g_prepared_descr, fields, 8));
+        TYPED_CHECK(prepared = new_instance(g_prepared_type, g_prepared_off, fields, 8));
     }
     {
-        PyObject *fields[4] = {prepared, merged, Py_None, output};
-        TYPED_CHECK(result = new_instance(g_launch_type, g_launch_descr, fields, 4));
+        PyObject *fields[4] = {prepared, merged, lease_plan, output};
+        TYPED_CHECK(result = new_instance(g_launch_type, g_launch_off, fields, 4));
     }
 out:
     for (Py_ssize_t i = 0; i < n_arrays; i++) Py_DECREF(allocs[i]);
@@ -341,6 +361,7 @@ out:
     Py_XDECREF(arena);
     Py_XDECREF(accesses);
     Py_XDECREF(merged);
+    Py_XDECREF(lease_plan);
     Py_XDECREF(output);
     Py_XDECREF(cache);
     Py_XDECREF(prepared);
