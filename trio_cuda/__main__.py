@@ -166,7 +166,7 @@ def launch_making_line() -> str:
         from ._core import _compiled
 
         if _compiled.ext is not None:
-            how = "compiled (the launch builder and the typed-launch fast path)"
+            how = "compiled (the launch builder, the typed-launch fast path, lease taking and retirement)"
         elif _compiled.pure_requested():
             how = "pure Python (TRIO_CUDA_PURE is set)"
         else:

@@ -44,7 +44,7 @@ from tests.helpers import internals
 from tests.helpers.guard import run_bounded
 from tests.helpers.kernels import stub_source
 from trio_cuda import In, InOut, Out, Scalar
-from trio_cuda._core import _scope, _submit
+from trio_cuda._core import _completion, _scope, _submit
 from trio_cuda._core._array import AllocState
 from trio_cuda._core._extent import array_extent, overlaps
 from trio_cuda._core._ops import Access
@@ -170,7 +170,8 @@ class Run:
         pending = tuple(
             tuple(getattr(p, "id", "host") for p in internals.pending_submissions(s)) for s in gpu.streams
         )
-        self.record.append((what, outcome, tuple(allocs), queues, pending, gpu.statistics()))
+        streams = tuple(s.statistics() for s in gpu.streams)
+        self.record.append((what, outcome, tuple(allocs), queues, pending, gpu.statistics(), streams))
 
     async def main(self) -> None:
         prog = self.program
@@ -305,10 +306,26 @@ def _why_general(scope: Any, stream: Any, op: Any) -> str:
     return "- ordered"
 
 
-def _run(program: dict[str, Any], fast: bool, counts: Counter[str]) -> Run:
+def _run(program: dict[str, Any], fast: bool, counts: Counter[str], *, compiled: bool = True) -> Run:
+    """Run ``program``: on the fast path (its compiled common case too where
+    it exists and ``compiled``), or on the general path only."""
     run = Run(program)
     saved = _submit.FAST_LEASES
     real = _scope.take_launch_leases
+    saved_whole = _submit.take_whole
+    saved_retire = _completion.retire_done
+
+    def whole(*args: Any) -> bool:
+        assert saved_whole is not None
+        took: bool = saved_whole(*args)
+        counts["compiled common case"] += took
+        return took
+
+    def retire(*args: Any) -> bool:
+        assert saved_retire is not None
+        took: bool = saved_retire(*args)
+        counts["compiled retire"] += took
+        return took
 
     def counting(scope: Any, stream: Any, sub: Any, op: Any) -> None:
         why = _why_general(scope, stream, op)
@@ -326,11 +343,15 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str]) -> Run:
     _submit.FAST_LEASES = fast
     if fast:
         _scope.take_launch_leases = counting
+    _submit.take_whole = whole if compiled and saved_whole is not None else None
+    _completion.retire_done = retire if compiled and saved_retire is not None else None
     try:
         run_bounded(run.main, limit=20.0)
     finally:
         _submit.FAST_LEASES = saved
         _scope.take_launch_leases = real
+        _submit.take_whole = saved_whole
+        _completion.retire_done = saved_retire
     return run
 
 
@@ -343,10 +364,12 @@ def test_fast_and_general_lease_paths_agree() -> None:
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-    @given(programs)
-    def check(program: dict[str, Any]) -> None:
-        fast = _run(program, True, counts)
-        general = _run(program, False, Counter())
+    @given(programs, st.booleans())
+    def check(program: dict[str, Any], compiled: bool) -> None:
+        # the fast path with the compiled common cases (where built: taking a
+        # launch's leases, retiring) or all in Python, against all in Python
+        fast = _run(program, True, counts, compiled=compiled)
+        general = _run(program, False, Counter(), compiled=False)
         assert fast.sim.violations == []
         assert general.sim.violations == []
         assert len(fast.record) == len(general.record)
@@ -370,6 +393,9 @@ def test_fast_and_general_lease_paths_agree() -> None:
     assert counts["fallback: conflict to refuse"] > 0, counts
     assert counts["programs with cross-stream waits"] > 0, counts
     assert counts["programs with conflicts refused"] > 0, counts
+    if _submit.take_whole is not None:
+        assert counts["compiled common case"] > 0, counts
+        assert counts["compiled retire"] > 0, counts
 
 
 def test_zeros_and_full_do_not_conflict_with_their_own_allocation() -> None:

@@ -119,6 +119,53 @@ def test_info_says_how_launches_are_made():
     line = launch_making_line()
     assert line in info_lines()
     if _compiled.ext is not None:
-        assert line == "launch making: compiled (the launch builder and the typed-launch fast path)"
+        assert line == (
+            "launch making: compiled (the launch builder, the typed-launch fast path, "
+            "lease taking and retirement)"
+        )
     else:
         assert line.startswith("launch making: pure Python (")
+
+
+@compiled_only
+async def test_compiled_leases_leak_nothing_and_are_used():
+    """The compiled common case of a launch's leases takes them (each run
+    goes through it) and returns every reference it took once retired."""
+    from trio_cuda._core import _submit
+
+    k = trio_cuda.Kernel.from_source(
+        stub_source("k"), "k", params=[In("f4"), InOut("f4")], reference=trio_cuda.NO_REFERENCE
+    )
+    assert _submit.take_whole is not None
+    real = _submit.take_whole
+    taken = []
+
+    def counting(*args: Any) -> bool:
+        assert real is not None
+        took: bool = real(*args)
+        taken.append(took)
+        return took
+
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x, y = gpu.zeros(8, "f4"), gpu.zeros(8, "f4")
+        op = k.launch(x, y, grid=1, block=1)
+        await gpu.run(op)
+
+        def counts() -> list[int]:
+            gc.collect()
+            held = (x, y, x._alloc, y._alloc, x._extent, y._extent, op, op._accesses)
+            return [sys.getrefcount(o) for o in held]
+
+        before = counts()
+        _submit.take_whole = counting
+        try:
+            for _ in range(200):
+                await gpu.run(op)
+            futures = [gpu.submit(op) for _ in range(50)]
+            for f in futures:
+                await f.wait()
+            del futures, f
+        finally:
+            _submit.take_whole = real
+        assert counts() == before
+        assert taken == [True] * 250

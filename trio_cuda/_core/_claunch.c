@@ -1,26 +1,42 @@
-/* The hot paths of making a launch, compiled: the launch builder's methods
-   (the base class of trio_cuda.LaunchBuilder) and a kernel's typed-launch
-   fast path, where this module was built at install.
+/* The hot paths of a kernel launch, compiled, where this module was built at
+   install: making it (the launch builder's methods, the base class of
+   trio_cuda.LaunchBuilder: _claunch_builder.c; a kernel's typed-launch fast
+   path: _claunch_typed.c), and the common cases of taking its leases and of
+   retiring it (_claunch_leases.c).
 
    Invariants:
-   - The pure-Python code is the reference. The builder base keeps the fields
-     of the reference builder (trio_cuda/_core/_builder.py, ``_PyBuilder``)
-     under the same names (its members), so every reference method runs
-     unchanged on it; the methods written here do the common cases (a
-     positional call, an array or a scalar of a known kind, the cached
-     geometry and plan) and hand every other case, errors included, to the
-     reference method before changing anything.
-   - A typed launcher (``typed``) does what the kernel's generated fast path
-     (trio_cuda/_core/_kernel.py, ``_compile_fast_py``) does: it returns the
-     launch the checked path would build, or None, and then the checked path
-     runs (and raises the precise error). It never raises for an argument.
-   - What either makes is what the reference makes: the same bytes, layout,
+   - The pure-Python code is the reference, and every path here does what it
+     does, or hands the case to it before changing anything:
+     - the builder base keeps the fields of the reference builder
+       (trio_cuda/_core/_builder.py, ``_PyBuilder``) under the same names
+       (its members), so every reference method runs unchanged on it; its
+       methods do the common cases (a positional call, an array or a scalar
+       of a known kind, the cached geometry and plan) and hand every other
+       case, errors included, to the reference method;
+     - a typed launcher (``typed``) does what the kernel's generated fast
+       path (trio_cuda/_core/_kernel.py, ``_compile_fast_py``) does: it
+       returns the launch the checked path would build, or None, and then
+       the checked path runs (and raises the precise error);
+     - ``take_whole`` and ``retire_done`` return False where the Python
+       path must decide (see _claunch_leases.c).
+   - What is made is what the reference makes: the same bytes, layout,
      accesses, outputs, configuration, plan and objects (a PreparedLaunch
-     and a KernelLaunch, their slots set through their own descriptors).
+     and a KernelLaunch, their slots stored where their descriptors keep
+     them); the lease tables and counters the reference leaves.
+   - Slots are read and stored at the offsets their member descriptors give,
+     for objects of the exact classes configured; anything else goes through
+     getattr or to the reference.
+   - No path calls back into Python code except the reference's own
+     functions (and a scalar's packer); the lease paths call none, so they
+     are atomic with respect to other threads and KeyboardInterrupt. Their
+     callers are KI-protected Python functions.
    - configure() is called once, by _compiled.py, with the types and
-     constants the paths read; make_base() once, by _builder.py. What they
-     are given is held for the life of the process.
+     constants the paths read; make_base() once, by _builder.py;
+     configure_leases() and configure_retire() once, by _submit.py and
+     _completion.py. What they are given is held for the life of the
+     process.
    - Nothing here imports CUDA; this module belongs to the CUDA-free core. */
+
 #include "_claunch.h"
 
 /* ------------------------------------------------------------------ state */
@@ -32,7 +48,7 @@ PyObject *g_freed, *g_live, *g_write, *g_merge;
 Py_ssize_t g_prepared_off[8];
 Py_ssize_t g_launch_off[4];
 
-static int make_slot_ref(PyObject *type, const char *name, SlotRef *out) {
+int make_slot_ref(PyObject *type, const char *name, SlotRef *out) {
     PyObject *d = PyObject_GetAttrString(type, name);
     if (d == NULL) return -1;
     int ok = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
@@ -140,6 +156,15 @@ static PyMethodDef module_methods[] = {
     {"configure", configure, METH_O, "configure(env): the types and constants the paths read (once per process)."},
     {"make_base", make_base, METH_VARARGS,
      "make_base(reference, env, docs) -> the builder base type (once per process)."},
+    {"configure_leases", configure_leases, METH_VARARGS,
+     "configure_leases(Submission, Allocation): the slots take_whole reads (once per process)."},
+    {"take_whole", (PyCFunction)(void (*)(void))take_whole, METH_FASTCALL,
+     "take_whole(scope, stream, sub, accesses, allocs) -> bool: a simple launch's leases, where nothing is in "
+     "the way."},
+    {"configure_retire", configure_retire, METH_VARARGS,
+     "configure_retire(Completion, Stream, DONE): the slots retire_done reads (once per process)."},
+    {"retire_done", (PyCFunction)(void (*)(void))retire_done, METH_FASTCALL,
+     "retire_done(completion, sub) -> bool: a completed submission retired, where nothing but bookkeeping is left."},
     {"typed", make_typed, METH_VARARGS,
      "typed(kernel, plan, size, entries) -> the kernel's typed-launch fast path, fast(args, config)."},
     {NULL, NULL, 0, NULL},

@@ -1,6 +1,7 @@
 /* Shared by the parts of trio_cuda._core._claunch: the module and its
-   configuration (_claunch.c), the launch builder (_claunch_builder.c) and
-   the typed-launch fast path (_claunch_typed.c). */
+   configuration (_claunch.c), the launch builder (_claunch_builder.c), the
+   typed-launch fast path (_claunch_typed.c) and a launch's leases
+   (_claunch_leases.c). */
 
 #ifndef TRIO_CUDA_CLAUNCH_H
 #define TRIO_CUDA_CLAUNCH_H
@@ -57,12 +58,19 @@ static inline int as_u64(PyObject *obj, unsigned long long *out) {
     return 1;
 }
 
+int make_slot_ref(PyObject *type, const char *name, SlotRef *out);
 PyObject *new_instance(PyTypeObject *tp, const Py_ssize_t *offsets, PyObject *const *values, int n);
 int take(PyObject *env, const char *name, PyObject **out);
 
 /* _claunch_builder.c */
 int builder_init(void);
 PyObject *make_base(PyObject *module, PyObject *args);
+
+/* _claunch_leases.c */
+PyObject *configure_leases(PyObject *module, PyObject *args);
+PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *configure_retire(PyObject *module, PyObject *args);
+PyObject *retire_done(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* _claunch_typed.c */
 int typed_init(void);

@@ -1,4 +1,6 @@
-"""The optional compiled hot paths of making a launch (``_claunch``).
+"""The optional compiled hot paths of a kernel launch (``_claunch``): making
+it (the builder, the typed-launch fast path), and the common cases of taking
+its leases and retiring it.
 
 Invariants:
 
@@ -7,10 +9,12 @@ Invariants:
   ``TRIO_CUDA_PURE`` is not set (to anything but ``0``); otherwise :data:`ext`
   is None and the pure-Python paths run. Those are the reference: the
   compiled ones make the same launches and raise the same errors
-  (``tests/core/test_builder_compiled.py``, ``test_typed_compiled.py``).
+  (``tests/core/test_builder_compiled.py``, ``test_launch_fast.py``,
+  ``test_lease_paths.py`` compare them over random programs).
 * ``_claunch`` is configured here, once, with the types and constants its
   paths read; the builder and the kernels ask it for their paths
-  (``make_base``, ``typed``).
+  (``make_base``, ``typed``), and the submission and completion modules
+  configure and take theirs (``take_whole``, ``retire_done``).
 """
 
 from __future__ import annotations

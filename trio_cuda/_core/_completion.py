@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -38,12 +39,14 @@ from trio.lowlevel import (
     wait_task_rescheduled,
 )
 
+from . import _compiled
 from ._array import AllocState
 from ._dlpack import UNCONSUMED, sweep_dropped
 from ._driver import PENDING as _PENDING
 from ._driver import MarkerState, Poll
 from ._errors import CompletionUnknownError
 from ._final import final
+from ._stream import Stream
 from ._submit import TERMINAL, HostStep, Submission, SubState
 from ._trio_internals import others_runnable
 
@@ -53,7 +56,6 @@ if TYPE_CHECKING:
     from ._extension import Extensions
     from ._memory import MemoryTable
     from ._scope import ResourceScope
-    from ._stream import Stream
     from ._trace import Tracer
 
 __all__ = ["Completion", "others_runnable"]
@@ -503,6 +505,7 @@ class Completion:
         if self.memory.gc_releases:
             self.memory.release_pending()
         poll = self.driver.poll_marker
+        done = MarkerState.DONE
         for stream in self.streams:
             pending = stream._pending
             last: object = None  # a burst shares one marker: poll it once
@@ -522,7 +525,7 @@ class Completion:
                 if type(head) is HostStep:
                     progressed = True
                     self.run_host_step(head, p)
-                else:
+                elif not (p.state is done and retire_done is not None and retire_done(self, head)):
                     self.retire(head, p)
         return progressed
 
@@ -741,3 +744,12 @@ class Completion:
                 ),
                 stacklevel=3,
             )
+
+
+#: the compiled common case of ``Completion.retire`` (``_claunch.retire_done``:
+#: work done with nothing but bookkeeping left), where the compiled paths are
+#: used (``_compiled``); None retires everything in Python (tests compare both)
+retire_done: Callable[[Completion, Submission], bool] | None = None
+if _compiled.ext is not None:
+    _compiled.ext.configure_retire(Completion, Stream, SubState.DONE)
+    retire_done = _compiled.ext.retire_done

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, final
 import numpy as np
 import trio
 
+from . import _compiled
 from ._array import Allocation, AllocState, DeviceArray, h2d_source, host_layout
 from ._crosscopy import cross_scope_copy
 from ._driver import Finisher, Gate, Marker, MarkerState
@@ -633,6 +634,14 @@ def _conflict(
 #: check that both paths agree)
 FAST_LEASES = True
 
+#: the compiled common case of that fast path (``_claunch.take_whole``: a
+#: simple plan with nothing in the way), where the compiled paths are used
+#: (``_compiled``); None runs it in Python (tests compare both)
+take_whole: Callable[..., bool] | None = None
+if _compiled.ext is not None:
+    _compiled.ext.configure_leases(Submission, Allocation)
+    take_whole = _compiled.ext.take_whole
+
 
 #: (allocations, each once; whether every access is a whole allocation of
 #: its own); each access's allocation and extent are its array's
@@ -685,6 +694,8 @@ def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op
     if FAST_LEASES:
         allocs, simple = op._lease_plan or launch_lease_plan(op)
         accesses = op._accesses
+        if simple and take_whole is not None and take_whole(scope, stream, sub, accesses, allocs):
+            return
         live = AllocState.LIVE
         write = Access.WRITE
         conflicts: list[_Conflict] | None = None

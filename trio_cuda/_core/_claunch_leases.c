@@ -1,0 +1,366 @@
+/* A launch's leases, compiled: the common cases of taking them
+   (_submit.take_launch_leases) and of releasing them when the work is done
+   (_completion.Completion.retire); see _claunch.c for the invariants.
+
+   take_whole(scope, stream, sub, accesses, allocs) records the leases of a
+   launch whose lease plan is simple (whole allocations, each once) when
+   every array is a live, usable array of ``scope`` whose allocation has no
+   range index, and no other stream holds a lease in its way; it returns
+   True. Otherwise it changes nothing and returns False, and the Python
+   path decides (orders the conflicts, refuses, or takes the general path).
+   It records what the Python path records: each allocation's ``active``
+   count, and ``sub`` as its only writer (a write: the tables cleared first)
+   or as one more reader; ``sub.leases`` is the plan's tuple.
+
+   retire_done(completion, sub) retires a submission whose marker completed
+   when nothing but the bookkeeping is left to do: no error, no finishers,
+   nobody parked on it, no trace, and no allocation it leases to free now
+   (each is this scope's own memory, and still held, or still has handles);
+   it returns True. Otherwise it changes nothing and returns False, and
+   ``Completion.retire`` runs. It does what that method does in that case:
+   each lease released, the submission's references dropped, and it settled
+   as done with the counters moved.
+
+   Neither runs Python code, so each is atomic with respect to other
+   threads and to KeyboardInterrupt; their callers are KI-protected. */
+
+#include "_claunch.h"
+
+static SlotRef s_sub_stream, s_sub_leases, s_arr_extent, s_alloc_scope, s_alloc_index, s_alloc_active,
+    s_alloc_writers, s_alloc_readers, s_alloc_table, s_alloc_handles;
+static SlotRef s_sub_unknown, s_sub_error, s_sub_finishers, s_sub_waiter, s_sub_owners, s_sub_op, s_sub_state;
+static SlotRef s_c_tracer, s_c_memory, s_c_in_flight, s_c_completed, s_st_in_flight, s_st_completed;
+static PyObject *g_done;
+static int g_retire_ready;
+static int g_leases_ready;
+static PyObject *g_one;
+
+#define leases_slot read_slot
+
+/* Store ``value`` (a new reference, stolen) in slot ``ref`` of ``obj`` of
+   the slot's exact type; -1 (error set) otherwise. */
+static int store_slot(PyObject *obj, SlotRef *ref, PyObject *value) {
+    if (Py_TYPE(obj) != ref->type) {
+        int rc = PyObject_SetAttr(obj, ref->name, value);
+        Py_DECREF(value);
+        return rc;
+    }
+    PyObject **at = (PyObject **)((char *)obj + ref->offset);
+    PyObject *old = *at;
+    *at = value;
+    Py_XDECREF(old);
+    return 0;
+}
+
+/* 1 if a key of the dict ``table`` (submissions) is on another stream
+   than ``stream``, 0 if none, -1 error. */
+static int other_stream(PyObject *table, PyObject *stream) {
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(table, &pos, &key, &value)) {
+        PyObject *s = leases_slot(key, &s_sub_stream);
+        if (s == NULL) return -1;
+        int other = s != stream;
+        Py_DECREF(s);
+        if (other) return 1;
+    }
+    return 0;
+}
+
+#define NOT_HERE(cond) \
+    do {               \
+        if (cond) {    \
+            rc = 0;    \
+            goto next; \
+        }              \
+    } while (0)
+
+PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "take_whole(scope, stream, sub, accesses, allocs)");
+        return NULL;
+    }
+    if (!g_leases_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "take_whole: configure_leases() first");
+        return NULL;
+    }
+    PyObject *scope = args[0], *stream = args[1], *sub = args[2], *accesses = args[3], *allocs = args[4];
+    if (!PyTuple_CheckExact(accesses) || !PyTuple_CheckExact(allocs)) Py_RETURN_FALSE;
+    Py_ssize_t n = PyTuple_GET_SIZE(accesses);
+    /* 1. every array usable, nothing in the way (reads only) */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *entry = PyTuple_GET_ITEM(accesses, i);
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2) Py_RETURN_FALSE;
+        PyObject *arr = PyTuple_GET_ITEM(entry, 0), *access = PyTuple_GET_ITEM(entry, 1);
+        int rc = 1;
+        PyObject *flag = NULL, *alloc = NULL, *v = NULL, *ext = NULL;
+        NOT_HERE(Py_TYPE(arr) != g_array_type);
+        if ((flag = read_slot(arr, &g_slot[A_CLOSED])) == NULL) goto fail;
+        NOT_HERE(flag != Py_False);
+        if ((alloc = read_slot(arr, &g_slot[A_ALLOC])) == NULL) goto fail;
+        NOT_HERE(Py_TYPE(alloc) != s_alloc_scope.type);
+        if ((v = read_slot(alloc, &g_slot[L_STATE])) == NULL) goto fail;
+        NOT_HERE(v != g_live);
+        Py_CLEAR(v);
+        if ((v = leases_slot(alloc, &s_alloc_scope)) == NULL) goto fail;
+        NOT_HERE(v != scope);
+        Py_CLEAR(v);
+        if ((v = leases_slot(alloc, &s_alloc_index)) == NULL) goto fail;
+        NOT_HERE(v != Py_None);
+        Py_CLEAR(v);
+        if (access == g_write) {
+            Py_CLEAR(flag);
+            if ((flag = read_slot(arr, &g_slot[A_READONLY])) == NULL) goto fail;
+            NOT_HERE(flag != Py_False);
+        }
+        if ((ext = leases_slot(arr, &s_arr_extent)) == NULL) goto fail;
+        NOT_HERE(!PyTuple_CheckExact(ext));
+        if (PyTuple_GET_SIZE(ext)) { /* (an empty extent touches nothing: no conflict) */
+            if ((v = leases_slot(alloc, &s_alloc_writers)) == NULL) goto fail;
+            NOT_HERE(!PyDict_CheckExact(v));
+            int in_way = other_stream(v, stream);
+            if (in_way < 0) goto fail;
+            NOT_HERE(in_way);
+            Py_CLEAR(v);
+            if (access == g_write) {
+                if ((v = leases_slot(alloc, &s_alloc_readers)) == NULL) goto fail;
+                NOT_HERE(!PyDict_CheckExact(v));
+                in_way = other_stream(v, stream);
+                if (in_way < 0) goto fail;
+                NOT_HERE(in_way);
+            }
+        }
+    next:
+        Py_XDECREF(flag);
+        Py_XDECREF(alloc);
+        Py_XDECREF(v);
+        Py_XDECREF(ext);
+        if (rc == 0) Py_RETURN_FALSE;
+        continue;
+    fail:
+        Py_XDECREF(flag);
+        Py_XDECREF(alloc);
+        Py_XDECREF(v);
+        Py_XDECREF(ext);
+        return NULL;
+    }
+    /* 2. record them (each allocation once: the plan is simple) */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *entry = PyTuple_GET_ITEM(accesses, i);
+        PyObject *arr = PyTuple_GET_ITEM(entry, 0), *access = PyTuple_GET_ITEM(entry, 1);
+        PyObject *alloc = read_slot(arr, &g_slot[A_ALLOC]);
+        PyObject *ext = alloc ? leases_slot(arr, &s_arr_extent) : NULL;
+        PyObject *active = ext ? leases_slot(alloc, &s_alloc_active) : NULL;
+        PyObject *writers = active ? leases_slot(alloc, &s_alloc_writers) : NULL;
+        PyObject *readers = writers ? leases_slot(alloc, &s_alloc_readers) : NULL;
+        int rc = -1;
+        if (readers != NULL) {
+            PyObject *more = PyNumber_Add(active, g_one);
+            if (more != NULL && store_slot(alloc, &s_alloc_active, more) == 0) {
+                if (access == g_write) {
+                    if (PyDict_GET_SIZE(writers)) PyDict_Clear(writers);
+                    if (PyDict_GET_SIZE(readers)) PyDict_Clear(readers);
+                    rc = PyDict_SetItem(writers, sub, ext);
+                } else {
+                    rc = PyDict_SetItem(readers, sub, ext);
+                }
+            }
+        }
+        Py_XDECREF(alloc);
+        Py_XDECREF(ext);
+        Py_XDECREF(active);
+        Py_XDECREF(writers);
+        Py_XDECREF(readers);
+        if (rc < 0) return NULL; /* (memory exhausted part-way: the caller's error path retires what it has) */
+    }
+    Py_INCREF(allocs);
+    if (store_slot(sub, &s_sub_leases, allocs) < 0) return NULL;
+    Py_RETURN_TRUE;
+}
+
+/* configure_leases(Submission, Allocation): the slots take_whole uses. */
+PyObject *configure_leases(PyObject *module, PyObject *args) {
+    PyObject *sub_type, *alloc_type;
+    if (!PyArg_ParseTuple(args, "O!O!:configure_leases", &PyType_Type, &sub_type, &PyType_Type, &alloc_type))
+        return NULL;
+    if (!g_configured || g_leases_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "configure_leases: once per process, after configure()");
+        return NULL;
+    }
+    struct {
+        PyObject *type;
+        const char *name;
+        SlotRef *ref;
+    } refs[] = {{sub_type, "stream", &s_sub_stream},       {sub_type, "leases", &s_sub_leases},
+                {sub_type, "unknown", &s_sub_unknown},     {sub_type, "error", &s_sub_error},
+                {sub_type, "finishers", &s_sub_finishers}, {sub_type, "waiter", &s_sub_waiter},
+                {sub_type, "owners", &s_sub_owners},       {sub_type, "op", &s_sub_op},
+                {sub_type, "state", &s_sub_state},
+                {(PyObject *)g_array_type, "_extent", &s_arr_extent},
+                {alloc_type, "scope", &s_alloc_scope},     {alloc_type, "index", &s_alloc_index},
+                {alloc_type, "active", &s_alloc_active},   {alloc_type, "writers", &s_alloc_writers},
+                {alloc_type, "readers", &s_alloc_readers}, {alloc_type, "table", &s_alloc_table},
+                {alloc_type, "handles", &s_alloc_handles}};
+    for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
+        if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
+    if ((g_one = PyLong_FromLong(1)) == NULL) return NULL;
+    g_leases_ready = 1;
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ retire */
+
+/* obj's int slot ``ref`` plus ``delta`` (stolen into the slot): 0, or -1. */
+static int bump(PyObject *obj, SlotRef *ref, long delta) {
+    PyObject *v = read_slot(obj, ref);
+    if (v == NULL) return -1;
+    PyObject *d = PyLong_FromLong(delta);
+    PyObject *sum = d ? PyNumber_Add(v, d) : NULL;
+    Py_DECREF(v);
+    Py_XDECREF(d);
+    if (sum == NULL) return -1;
+    return store_slot(obj, ref, sum);
+}
+
+/* 1 if slot ``ref`` of ``obj`` holds None, 0 if not, -1 error. */
+static int is_none(PyObject *obj, SlotRef *ref) {
+    PyObject *v = read_slot(obj, ref);
+    if (v == NULL) return -1;
+    int none = v == Py_None;
+    Py_DECREF(v);
+    return none;
+}
+
+/* Whether retiring frees nothing, for one leased allocation: 1 yes, 0 no
+   (the Python path must run), -1 error. */
+static int release_is_plain(PyObject *alloc, PyObject *memory) {
+    if (Py_TYPE(alloc) != s_alloc_table.type) return 0;
+    PyObject *table = read_slot(alloc, &s_alloc_table);
+    if (table == NULL) return -1;
+    int own = table == memory;
+    Py_DECREF(table);
+    if (!own) return 0;
+    PyObject *active = read_slot(alloc, &s_alloc_active);
+    if (active == NULL) return -1;
+    long n = PyLong_CheckExact(active) ? PyLong_AsLong(active) : 0;
+    Py_DECREF(active);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    if (n > 1) return 1; /* still held after this one */
+    if (n < 1) return 0; /* (a count out of step: the Python path says what happens) */
+    PyObject *handles = read_slot(alloc, &s_alloc_handles);
+    if (handles == NULL) return -1;
+    long h = PyLong_CheckExact(handles) ? PyLong_AsLong(handles) : 0;
+    Py_DECREF(handles);
+    if (h == -1 && PyErr_Occurred()) return -1;
+    if (h > 0) return 1; /* a handle keeps it */
+    PyObject *state = read_slot(alloc, &g_slot[L_STATE]);
+    if (state == NULL) return -1;
+    int live = state == g_live;
+    Py_DECREF(state);
+    return live ? 0 : 1; /* live and unheld: it is freed now, by the Python path */
+}
+
+static int drop_key(PyObject *alloc, SlotRef *ref, PyObject *sub) {
+    PyObject *table = read_slot(alloc, ref);
+    if (table == NULL) return -1;
+    int rc = 0;
+    if (PyDict_CheckExact(table) && PyDict_GET_SIZE(table)) {
+        int has = PyDict_Contains(table, sub);
+        rc = has < 0 ? -1 : has ? PyDict_DelItem(table, sub) : 0;
+    }
+    Py_DECREF(table);
+    return rc;
+}
+
+PyObject *retire_done(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "retire_done(completion, sub)");
+        return NULL;
+    }
+    if (!g_retire_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "retire_done: configure_retire() first");
+        return NULL;
+    }
+    PyObject *completion = args[0], *sub = args[1];
+    if (Py_TYPE(sub) != s_sub_leases.type || Py_TYPE(completion) != s_c_memory.type) Py_RETURN_FALSE;
+    SlotRef *nones[] = {&s_sub_unknown, &s_sub_error, &s_sub_finishers, &s_sub_waiter};
+    for (size_t i = 0; i < sizeof(nones) / sizeof(nones[0]); i++) {
+        int none = is_none(sub, nones[i]);
+        if (none < 0) return NULL;
+        if (!none) Py_RETURN_FALSE;
+    }
+    int untraced = is_none(completion, &s_c_tracer);
+    if (untraced < 0) return NULL;
+    if (!untraced) Py_RETURN_FALSE;
+    PyObject *leases = read_slot(sub, &s_sub_leases);
+    if (leases == NULL) return NULL;
+    PyObject *memory = read_slot(completion, &s_c_memory);
+    PyObject *stream = memory ? read_slot(sub, &s_sub_stream) : NULL;
+    PyObject *result = NULL;
+    if (stream == NULL) goto out;
+    if (!PyTuple_CheckExact(leases)) { /* (the general path's dict: Python) */
+        result = Py_False;
+        goto out;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(leases);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int plain = release_is_plain(PyTuple_GET_ITEM(leases, i), memory);
+        if (plain < 0) goto out;
+        if (!plain) {
+            result = Py_False;
+            goto out;
+        }
+    }
+    /* nothing to free, nothing to run: release the leases, drop the
+       references, settle it (as Completion.retire and settle do) */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *alloc = PyTuple_GET_ITEM(leases, i);
+        if (bump(alloc, &s_alloc_active, -1) < 0 || drop_key(alloc, &s_alloc_writers, sub) < 0 ||
+            drop_key(alloc, &s_alloc_readers, sub) < 0)
+            goto out;
+    }
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    PyObject *empty = PyTuple_New(0);
+    Py_INCREF(g_done);
+    if (empty == NULL || store_slot(sub, &s_sub_owners, Py_None) < 0 ||
+        store_slot(sub, &s_sub_finishers, Py_None) < 0 || store_slot(sub, &s_sub_leases, empty) < 0 ||
+        store_slot(sub, &s_sub_op, Py_None) < 0 || store_slot(sub, &s_sub_state, g_done) < 0 ||
+        bump(completion, &s_c_in_flight, -1) < 0 || bump(completion, &s_c_completed, 1) < 0 ||
+        bump(stream, &s_st_in_flight, -1) < 0 || bump(stream, &s_st_completed, 1) < 0)
+        goto out;
+    result = Py_True;
+out:
+    Py_DECREF(leases);
+    Py_XDECREF(memory);
+    Py_XDECREF(stream);
+    if (result == NULL) return NULL;
+    Py_INCREF(result);
+    return result;
+}
+
+/* configure_retire(Completion, Stream, DONE): after configure_leases(). */
+PyObject *configure_retire(PyObject *module, PyObject *args) {
+    PyObject *completion_type, *stream_type, *done;
+    if (!PyArg_ParseTuple(args, "O!O!O:configure_retire", &PyType_Type, &completion_type, &PyType_Type, &stream_type,
+                          &done))
+        return NULL;
+    if (!g_leases_ready || g_retire_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "configure_retire: once per process, after configure_leases()");
+        return NULL;
+    }
+    struct {
+        PyObject *type;
+        const char *name;
+        SlotRef *ref;
+    } refs[] = {{completion_type, "tracer", &s_c_tracer},       {completion_type, "memory", &s_c_memory},
+                {completion_type, "in_flight", &s_c_in_flight}, {completion_type, "completed", &s_c_completed},
+                {stream_type, "_in_flight", &s_st_in_flight},   {stream_type, "_completed", &s_st_completed}};
+    for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
+        if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
+    Py_INCREF(done);
+    g_done = done;
+    g_retire_ready = 1;
+    Py_RETURN_NONE;
+}
