@@ -280,8 +280,13 @@ def patch_completion_steps(
     monkeypatch: pytest.MonkeyPatch, *, retire: Any, quarantine: Any, host_step: Any
 ) -> None:
     """Replace how every scope retires a submission, quarantines one and runs
-    a host step; each replacement is called with the scope first."""
+    a host step; each replacement is called with the scope first (the
+    compiled common case of retiring is turned off: every retirement goes
+    through the replacement)."""
+    from trio_cuda._core import _completion
     from trio_cuda._core._completion import Completion
+
+    monkeypatch.setattr(_completion, "retire_done", None)
 
     def on_completion(fn: Any) -> Any:
         return lambda completion, *args, **kwargs: fn(completion.scope, *args, **kwargs)

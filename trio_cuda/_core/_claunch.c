@@ -122,6 +122,10 @@ static PyObject *configure(PyObject *module, PyObject *env) {
         PyErr_SetString(PyExc_RuntimeError, "configure: called once per process");
         return NULL;
     }
+#if !PY_LITTLE_ENDIAN
+    PyErr_SetString(PyExc_RuntimeError, "configure: the paths pack little-endian arguments (a big-endian host)");
+    return NULL;
+#endif
     static const char *const prepared_names[8] = {"kernel", "config", "plan", "arena",
                                                   "args", "values", "cache", "ready"};
     static const char *const launch_names[4] = {"prepared", "_accesses", "_lease_plan", "_output"};
@@ -134,7 +138,7 @@ static PyObject *configure(PyObject *module, PyObject *env) {
         const char *name;
     } refs[N_SLOTREFS] = {{A_ALLOC, 0, "_alloc"},   {A_CLOSED, 0, "_closed"}, {A_READONLY, 0, "_readonly"},
                           {A_OFFSET, 0, "_offset"}, {A_DTYPE, 0, "_dtype"},   {A_SHAPE, 0, "_shape"},
-                          {A_WHOLE, 0, "_whole"},
+                          {A_WHOLE, 0, "_whole"},   {A_ORDER, 0, "_order"},  {L_BORROWED, 1, "borrowed"},
                           {L_STATE, 1, "state"},    {L_TABLE, 1, "table"},    {L_PTR, 1, "ptr"},
                           {L_SCOPE, 1, "scope"},    {T_CLOSED, 2, "closed"}};
     PyTypeObject *owners[3] = {g_array_type, alloc_type, table_type};
@@ -166,7 +170,7 @@ static PyMethodDef module_methods[] = {
     {"retire_done", (PyCFunction)(void (*)(void))retire_done, METH_FASTCALL,
      "retire_done(completion, sub) -> bool: a completed submission retired, where nothing but bookkeeping is left."},
     {"typed", make_typed, METH_VARARGS,
-     "typed(kernel, plan, size, entries) -> the kernel's typed-launch fast path, fast(args, config)."},
+     "typed(kernel, plan, size, entries, tile=False) -> a typed launch's fast path, fast(args, config)."},
     {NULL, NULL, 0, NULL},
 };
 

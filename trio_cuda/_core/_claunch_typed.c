@@ -1,6 +1,8 @@
-/* A kernel's typed-launch fast path, compiled (see _claunch.c for the
-   invariants): fast(args, config) -> the launch the checked path would
-   build, or None. */
+/* A typed launch's fast path, compiled (see _claunch.c for the invariants):
+   fast(args, config) -> the launch the checked path would build, or None.
+   One kind of launcher serves a SIMT kernel (the table of
+   _arena._fast_packer: _kernel._compile_fast_py's guards) and a tile
+   kernel's recipe (_tilefast.compile_tile_fast_py's guards: ``tile`` set). */
 
 #include "_claunch.h"
 
@@ -9,8 +11,13 @@ static PyObject *s_closed_attr;
 
 /* ------------------------------------------------------------------ typed launch */
 
-/* The kinds of _arena._fast_packer's table */
-enum { K_INT, K_FLOAT, K_BOOL, K_ARRAY, K_SLICE };
+/* The kinds of _arena._fast_packer's table, then a tile recipe's: an array
+   of a fixed shape, order and address alignment (its shape and strides
+   packed after its pointer), a constant (not packed), and a scalar of
+   exactly one type packed by its struct code */
+enum { K_INT, K_FLOAT, K_BOOL, K_ARRAY, K_SLICE, K_TILE_ARRAY, K_CONSTANT, K_EXACT };
+
+#define IS_ARRAY(kind) ((kind) == K_ARRAY || (kind) == K_SLICE || (kind) == K_TILE_ARRAY)
 
 typedef struct {
     int kind;
@@ -19,6 +26,11 @@ typedef struct {
     char code;             /* struct code: a scalar's, or a slice length's */
     Py_ssize_t offset;     /* of the value, or of an array's pointer */
     Py_ssize_t len_offset; /* of a slice's length */
+    PyObject *shape, *order; /* a tile array's */
+    long align;              /* a tile array's address modulo 16 */
+    PyObject *consts;        /* a tile array's: ((code, offset, int), ...) packed after its pointer */
+    PyObject *value;         /* a constant, or a float constant's repr */
+    int by_repr;
 } Entry;
 
 typedef struct {
@@ -26,6 +38,7 @@ typedef struct {
     vectorcallfunc vectorcall;
     PyObject *kernel, *plan;
     Py_ssize_t size, n;
+    int tile; /* a tile recipe: two arrays of one allocation, one written, go to the checked path */
     Entry *entries;
 } TypedLaunch;
 
@@ -33,8 +46,13 @@ static int typed_traverse(TypedLaunch *self, visitproc visit, void *arg) {
     Py_VISIT(self->kernel);
     Py_VISIT(self->plan);
     for (Py_ssize_t i = 0; i < self->n && self->entries; i++) {
-        Py_VISIT(self->entries[i].dt);
-        Py_VISIT(self->entries[i].access);
+        Entry *e = &self->entries[i];
+        Py_VISIT(e->dt);
+        Py_VISIT(e->access);
+        Py_VISIT(e->shape);
+        Py_VISIT(e->order);
+        Py_VISIT(e->consts);
+        Py_VISIT(e->value);
     }
     Py_VISIT(Py_TYPE(self));
     return 0;
@@ -44,8 +62,13 @@ static int typed_clear(TypedLaunch *self) {
     Py_CLEAR(self->kernel);
     Py_CLEAR(self->plan);
     for (Py_ssize_t i = 0; i < self->n && self->entries; i++) {
-        Py_CLEAR(self->entries[i].dt);
-        Py_CLEAR(self->entries[i].access);
+        Entry *e = &self->entries[i];
+        Py_CLEAR(e->dt);
+        Py_CLEAR(e->access);
+        Py_CLEAR(e->shape);
+        Py_CLEAR(e->order);
+        Py_CLEAR(e->consts);
+        Py_CLEAR(e->value);
     }
     return 0;
 }
@@ -164,6 +187,17 @@ static int typed_array(Entry *e, PyObject *a, unsigned char *arena, PyObject **a
         if (same < 0) rc = -1;
         TYPED_NONE(same <= 0);
     }
+    if (e->kind == K_TILE_ARRAY) { /* the recipe's shape and order */
+        TYPED_CHECK(shape = read_slot(a, &g_slot[A_SHAPE]));
+        int differs = PyObject_RichCompareBool(shape, e->shape, Py_NE);
+        if (differs < 0) rc = -1;
+        TYPED_NONE(differs != 0);
+        TYPED_CHECK(flag = read_slot(a, &g_slot[A_ORDER]));
+        differs = PyObject_RichCompareBool(flag, e->order, Py_NE);
+        if (differs < 0) rc = -1;
+        TYPED_NONE(differs != 0);
+        Py_CLEAR(flag);
+    }
     if (e->access == g_write) {
         TYPED_CHECK(flag = read_slot(a, &g_slot[A_READONLY]));
         t = PyObject_IsTrue(flag);
@@ -175,7 +209,18 @@ static int typed_array(Entry *e, PyObject *a, unsigned char *arena, PyObject **a
     TYPED_CHECK(ptr = read_slot(alloc, &g_slot[L_PTR]));
     TYPED_CHECK(offset = read_slot(a, &g_slot[A_OFFSET]));
     TYPED_NONE(!as_u64(ptr, &base) || !as_u64(offset, &off) || base + off < base);
+    TYPED_NONE(e->kind == K_TILE_ARRAY && (long)((base + off) & 15) != e->align);
     put_le(arena + e->offset, base + off, 8);
+    if (e->kind == K_TILE_ARRAY) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(e->consts); i++) {
+            PyObject *c = PyTuple_GET_ITEM(e->consts, i); /* (code, offset, value): checked when made */
+            const char *code = PyUnicode_AsUTF8(PyTuple_GET_ITEM(c, 0));
+            Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(c, 1));
+            int packed = code ? pack_int(arena + at, PyTuple_GET_ITEM(c, 2), code[0]) : -1;
+            if (packed < 0) rc = -1;
+            TYPED_NONE(packed <= 0);
+        }
+    }
     if (e->kind == K_SLICE) {
         TYPED_CHECK(shape = read_slot(a, &g_slot[A_SHAPE]));
         TYPED_NONE(!PyTuple_CheckExact(shape));
@@ -212,6 +257,35 @@ out:
 static int typed_scalar(Entry *e, PyObject *a, unsigned char *arena) {
     PyObject *t = (PyObject *)Py_TYPE(a);
     unsigned char *p = arena + e->offset;
+    if (e->kind == K_CONSTANT) { /* the recipe's constant: by its repr for a float (-0.0, NaN) */
+        if (e->by_repr) {
+            if (t != (PyObject *)&PyFloat_Type) return 0;
+            PyObject *r = PyObject_Repr(a);
+            if (r == NULL) return -1;
+            int same = PyUnicode_Compare(r, e->value) == 0;
+            Py_DECREF(r);
+            if (PyErr_Occurred()) return -1;
+            return same;
+        }
+        if (t != (PyObject *)Py_TYPE(e->value)) return 0;
+        int differs = PyObject_RichCompareBool(a, e->value, Py_NE);
+        return differs < 0 ? -1 : !differs;
+    }
+    if (e->kind == K_EXACT) { /* exactly this type, packed as struct packs its code */
+        if (t != e->dt) return 0;
+        if (e->code == '?') {
+            int truth = PyObject_IsTrue(a);
+            if (truth < 0) return -1;
+            *p = (unsigned char)truth;
+            return 1;
+        }
+        if (strchr("efd", e->code) != NULL) {
+            double x = PyFloat_AsDouble(a);
+            if (x == -1.0 && PyErr_Occurred()) return -1;
+            return pack_float(p, x, e->code);
+        }
+        return pack_int(p, a, e->code);
+    }
     if (e->kind == K_INT) {
         if (t != (PyObject *)&PyLong_Type && t != e->dt) return 0;
         return pack_int(p, a, e->code);
@@ -246,6 +320,13 @@ static int typed_scalar(Entry *e, PyObject *a, unsigned char *arena) {
     return pack_float(p, x, e->code);
 }
 
+/* The access of the ``k``-th array argument. */
+static PyObject *access_of(TypedLaunch *self, Py_ssize_t k) {
+    for (Py_ssize_t i = 0; i < self->n; i++)
+        if (IS_ARRAY(self->entries[i].kind) && k-- == 0) return self->entries[i].access;
+    return NULL;
+}
+
 static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs != 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
@@ -275,7 +356,7 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
     for (Py_ssize_t i = 0; i < n; i++) {
         Entry *e = &self->entries[i];
         PyObject *a = PyTuple_GET_ITEM(args, i);
-        if (e->kind == K_ARRAY || e->kind == K_SLICE) {
+        if (IS_ARRAY(e->kind)) {
             PyObject *alloc = NULL;
             rc = typed_array(e, a, buf, &alloc);
             if (rc <= 0) goto out;
@@ -290,18 +371,31 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
     TYPED_CHECK(accesses = PyTuple_New(n_arrays));
     for (Py_ssize_t i = 0, j = 0; i < n; i++) {
         Entry *e = &self->entries[i];
-        if (e->kind != K_ARRAY && e->kind != K_SLICE) continue;
+        if (!IS_ARRAY(e->kind)) continue;
         PyObject *pair = PyTuple_Pack(2, acc[j], e->access);
         TYPED_CHECK(pair);
         PyTuple_SET_ITEM(accesses, j++, pair);
     }
     int shared = 0;
-    for (Py_ssize_t i = 0; i < n_arrays && !shared; i++)
+    for (Py_ssize_t i = 0; i < n_arrays; i++)
         for (Py_ssize_t j = i + 1; j < n_arrays; j++)
             if (allocs[i] == allocs[j]) {
                 shared = 1;
-                break;
+                /* a tile kernel's arrays of one allocation, one written: the
+                   checked path compares their byte ranges */
+                TYPED_NONE(self->tile && (access_of(self, i) == g_write || access_of(self, j) == g_write));
             }
+    if (self->tile && n_arrays > 1 && n_out > 0) {
+        /* borrowed memory may be borrowed twice (two records, the same bytes) */
+        for (Py_ssize_t i = 0; i < n_arrays; i++) {
+            PyObject *borrowed = read_slot(allocs[i], &g_slot[L_BORROWED]);
+            TYPED_CHECK(borrowed);
+            int truth = PyObject_IsTrue(borrowed);
+            Py_DECREF(borrowed);
+            if (truth < 0) rc = -1;
+            TYPED_NONE(truth != 0);
+        }
+    }
     if (shared) { /* (its lease plan: made from the merged accesses at its first safe submission) */
         TYPED_CHECK(merged = PyObject_CallOneArg(g_merge, accesses));
         Py_INCREF(Py_None);
@@ -335,7 +429,7 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
         if (n_out > 1) TYPED_CHECK(output = PyTuple_New(n_out));
         for (Py_ssize_t i = 0, j = 0, k = 0; i < n; i++) {
             Entry *e = &self->entries[i];
-            if (e->kind != K_ARRAY && e->kind != K_SLICE) continue;
+            if (!IS_ARRAY(e->kind)) continue;
             PyObject *a = acc[j++];
             if (e->access != g_write) continue;
             Py_INCREF(a);
@@ -395,12 +489,92 @@ static PyType_Spec typed_spec = {
     typed_slots,
 };
 
+/* One entry: (kind, dt, access, code, offset, len_offset, extra), extra
+   being None, (shape, order, align, consts) for a tile array, or (value,
+   by_repr) for a constant. 0, or -1 (an error set, ValueError for a bad
+   entry); what it took is the entry's, released with the launcher. */
+static int parse_entry(Entry *e, PyObject *entry, Py_ssize_t size) {
+    int kind;
+    PyObject *dt, *access, *extra;
+    const char *code;
+    Py_ssize_t offset, len_offset;
+    if (!PyArg_ParseTuple(entry, "iOOsnnO:typed entry", &kind, &dt, &access, &code, &offset, &len_offset, &extra))
+        return -1;
+    int width = code_size(code[0]);
+    int is_array = IS_ARRAY(kind);
+    int bad = kind < K_INT || kind > K_EXACT || strlen(code) != 1 || width == 0 || offset < 0 ||
+              (kind != K_CONSTANT && offset + (is_array ? 8 : width) > size) ||
+              (kind == K_SLICE && (len_offset < 0 || len_offset + width > size)) ||
+              (kind == K_FLOAT && strchr("efd", code[0]) == NULL) || (kind == K_BOOL && code[0] != '?') ||
+              ((kind == K_INT || kind == K_SLICE) && strchr("bBhHiIqQ", code[0]) == NULL) ||
+              ((kind == K_ARRAY || kind == K_TILE_ARRAY) && code[0] != 'Q') || (kind == K_EXACT && !PyType_Check(dt));
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "a bad entry");
+        return -1;
+    }
+    e->kind = kind;
+    Py_INCREF(dt);
+    e->dt = dt;
+    Py_INCREF(access);
+    e->access = access;
+    e->code = code[0];
+    e->offset = offset;
+    e->len_offset = len_offset;
+    if (kind == K_TILE_ARRAY) {
+        PyObject *shape, *order, *consts;
+        long align;
+        if (!PyArg_ParseTuple(extra, "O!UlO!:tile array", &PyTuple_Type, &shape, &order, &align, &PyTuple_Type,
+                              &consts))
+            return -1;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(consts); i++) {
+            PyObject *c = PyTuple_GET_ITEM(consts, i);
+            const char *ccode;
+            Py_ssize_t at;
+            PyObject *value;
+            if (!PyTuple_Check(c) || !PyArg_ParseTuple(c, "snO!:packed constant", &ccode, &at, &PyLong_Type, &value))
+                return -1;
+            if (strlen(ccode) != 1 || strchr("bBhHiIqQ", ccode[0]) == NULL || at < 0 ||
+                at + code_size(ccode[0]) > size) {
+                PyErr_SetString(PyExc_ValueError, "a bad packed constant");
+                return -1;
+            }
+        }
+        if (align < 0 || align > 15) {
+            PyErr_SetString(PyExc_ValueError, "a bad alignment");
+            return -1;
+        }
+        Py_INCREF(shape);
+        e->shape = shape;
+        Py_INCREF(order);
+        e->order = order;
+        e->align = align;
+        Py_INCREF(consts);
+        e->consts = consts;
+    } else if (kind == K_CONSTANT) {
+        PyObject *value;
+        int by_repr;
+        if (!PyArg_ParseTuple(extra, "Op:constant", &value, &by_repr)) return -1;
+        if (by_repr && !PyUnicode_Check(value)) {
+            PyErr_SetString(PyExc_ValueError, "a float constant is given by its repr");
+            return -1;
+        }
+        Py_INCREF(value);
+        e->value = value;
+        e->by_repr = by_repr;
+    } else if (extra != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "extra: expected None");
+        return -1;
+    }
+    return 0;
+}
+
 /* typed(kernel, plan, size, entries): entries, one per parameter, are
    (kind, dt, access, code, offset, len_offset) */
 PyObject *make_typed(PyObject *module, PyObject *args) {
     PyObject *kernel, *plan, *entries;
     Py_ssize_t size;
-    if (!PyArg_ParseTuple(args, "OOnO!:typed", &kernel, &plan, &size, &PyTuple_Type, &entries)) return NULL;
+    int tile = 0;
+    if (!PyArg_ParseTuple(args, "OOnO!|p:typed", &kernel, &plan, &size, &PyTuple_Type, &entries, &tile)) return NULL;
     if (!g_configured) {
         PyErr_SetString(PyExc_RuntimeError, "typed: configure() first");
         return NULL;
@@ -415,6 +589,7 @@ PyObject *make_typed(PyObject *module, PyObject *args) {
     self->vectorcall = (vectorcallfunc)typed_call;
     self->n = 0;
     self->size = size;
+    self->tile = tile;
     self->entries = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Entry));
     Py_INCREF(kernel);
     self->kernel = kernel;
@@ -427,35 +602,14 @@ PyObject *make_typed(PyObject *module, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         Entry *e = &self->entries[i];
-        int kind;
-        PyObject *dt, *access;
-        const char *code;
-        Py_ssize_t offset, len_offset;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(entries, i), "iOOsnn:typed entry", &kind, &dt, &access, &code,
-                              &offset, &len_offset)) {
+        if (parse_entry(e, PyTuple_GET_ITEM(entries, i), size) < 0) {
+            if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_ValueError))
+                PyErr_Format(PyExc_ValueError, "typed: entry %zd does not describe a parameter in %zd bytes", i,
+                             size);
+            self->n = i + 1; /* (what it took is released) */
             Py_DECREF(self);
             return NULL;
         }
-        int width = code_size(code[0]);
-        int is_array = kind == K_ARRAY || kind == K_SLICE;
-        int bad = kind < K_INT || kind > K_SLICE || strlen(code) != 1 || width == 0 || offset < 0 ||
-                  offset + (is_array ? 8 : width) > size ||
-                  (kind == K_SLICE && (len_offset < 0 || len_offset + width > size)) ||
-                  (kind == K_FLOAT && strchr("efd", code[0]) == NULL) || (kind == K_BOOL && code[0] != '?') ||
-                  ((kind == K_INT || kind == K_SLICE) && strchr("bBhHiIqQ", code[0]) == NULL);
-        if (bad) {
-            Py_DECREF(self);
-            PyErr_Format(PyExc_ValueError, "typed: entry %zd does not describe a parameter in %zd bytes", i, size);
-            return NULL;
-        }
-        e->kind = kind;
-        Py_INCREF(dt);
-        e->dt = dt;
-        Py_INCREF(access);
-        e->access = access;
-        e->code = code[0];
-        e->offset = offset;
-        e->len_offset = len_offset;
         self->n = i + 1;
     }
     return (PyObject *)self;

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import os
 from types import ModuleType
 
@@ -28,6 +29,8 @@ from ._memory import MemoryTable
 from ._ops import Access
 
 __all__ = ["ext", "pure_requested"]
+
+log = logging.getLogger("trio_cuda")
 
 
 def pure_requested() -> bool:
@@ -43,6 +46,15 @@ def _load() -> ModuleType | None:
     except ImportError:  # not built: no compiler at install, or TRIO_CUDA_PURE=1 then
         return None
     module: ModuleType = _claunch
+    try:
+        _configure(module)
+    except Exception as exc:  # a build that does not fit this interpreter: the pure-Python paths
+        log.warning("the compiled launch paths are turned off (%s: %s)", type(exc).__name__, exc)
+        return None
+    return module
+
+
+def _configure(module: ModuleType) -> None:
     module.configure(
         {
             "DeviceArray": DeviceArray,
@@ -56,7 +68,6 @@ def _load() -> ModuleType | None:
             "KernelLaunch": KernelLaunch,
         }
     )
-    return module
 
 
 #: the compiled module, configured; None where the pure-Python paths run

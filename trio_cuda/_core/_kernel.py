@@ -531,12 +531,12 @@ def _compile_fast_c(kernel: Kernel) -> FastLauncher | None:
         at = next(slots).offset
         if kind == _K_SLICE:
             assert isinstance(param, Slice)
-            entries.append((kind, dt, access, _code(param.len_dtype), at, next(slots).offset))
+            entries.append((kind, dt, access, _code(param.len_dtype), at, next(slots).offset, None))
         elif kind == _K_ARRAY:
-            entries.append((kind, dt, access, "Q", at, 0))
+            entries.append((kind, dt, access, "Q", at, 0, None))
         else:
             assert isinstance(param, Scalar)
-            entries.append((kind, dt, None, _code(param.dtype), at, 0))
+            entries.append((kind, dt, None, _code(param.dtype), at, 0, None))
     fast: FastLauncher = ext.typed(kernel, kernel._plan, kernel._plan.size, tuple(entries))
     return fast
 

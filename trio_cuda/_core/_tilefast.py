@@ -31,11 +31,11 @@ from typing import Any
 
 import attrs
 
-from . import _fastgen
+from . import _compiled, _fastgen
 from ._launch import KernelLaunch
 from ._ops import Access
 
-__all__ = ["TileArg", "compile_tile_fast"]
+__all__ = ["TileArg", "compile_tile_fast", "compile_tile_fast_c", "compile_tile_fast_py"]
 
 FastTileLauncher = Callable[[tuple[object, ...], Any], "KernelLaunch | None"]
 
@@ -63,7 +63,94 @@ def compile_tile_fast(
     kernel: Any, plan: Any, packer: struct.Struct, args: Sequence[TileArg]
 ) -> FastTileLauncher:
     """The fast path of one recipe of the specialisation kernel ``kernel``
-    (its parameter ``plan`` and the arena's ``packer``)."""
+    (its parameter ``plan`` and the arena's ``packer``): compiled where the
+    compiled paths are used (``_compiled``) and the recipe's packing is one
+    it knows, else generated Python (:func:`compile_tile_fast_py`)."""
+    if _compiled.ext is not None:
+        fast = compile_tile_fast_c(kernel, plan, packer, args)
+        if fast is not None:
+            return fast
+    return compile_tile_fast_py(kernel, plan, packer, args)
+
+
+#: _claunch's kinds of a tile recipe's arguments
+_K_TILE_ARRAY, _K_CONSTANT, _K_EXACT = 5, 6, 7
+_EXACT_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool}
+
+
+def _value_slots(fmt: str) -> list[tuple[str, int]] | None:
+    """Each packed value's struct code and offset in a packer's format
+    (standard sizes, no alignment: ``=`` or ``<`` and ``x`` for padding),
+    or None for another format."""
+    if not fmt or fmt[0] not in "=<":
+        return None
+    out: list[tuple[str, int]] = []
+    offset = 0
+    count = ""
+    for ch in fmt[1:]:
+        if ch.isdigit():
+            count += ch
+            continue
+        n = int(count or 1)
+        count = ""
+        if ch == "x":
+            offset += n
+            continue
+        if ch not in "bBhHiIqQefd?":
+            return None
+        size = struct.calcsize("<" + ch)
+        for _ in range(n):
+            out.append((ch, offset))
+            offset += size
+    return out
+
+
+def compile_tile_fast_c(
+    kernel: Any, plan: Any, packer: struct.Struct, args: Sequence[TileArg]
+) -> FastTileLauncher | None:
+    """The compiled fast path of one recipe (``_claunch.typed`` with ``tile``
+    set): the guards and packing of :func:`compile_tile_fast_py`, from each
+    argument's kind and the offsets of its packed values. None where nothing
+    is compiled, or the packing is not one it knows."""
+    ext = _compiled.ext
+    slots = _value_slots(packer.format)
+    if ext is None or slots is None:
+        return None
+    values = iter(slots)
+    entries: list[tuple[object, ...]] = []
+    try:
+        for arg in args:
+            if arg.kind == "array":
+                code, at = next(values)
+                if code != "Q":
+                    return None
+                consts = tuple((*next(values), int(v)) for v in arg.packed)
+                if any(c[0] not in "bBhHiIqQ" for c in consts):
+                    return None
+                extra = (tuple(arg.shape), arg.order, int(arg.align), consts)
+                entries.append((_K_TILE_ARRAY, arg.dtype, arg.access, "Q", at, 0, extra))
+            elif arg.kind == "constant":
+                value = arg.value
+                by_repr = isinstance(value, float)
+                entries.append(
+                    (_K_CONSTANT, None, None, "Q", 0, 0, (repr(value) if by_repr else value, by_repr))
+                )
+            else:
+                code, at = next(values)
+                exact = arg.type_ if arg.kind == "np" else _EXACT_TYPES[arg.kind]
+                entries.append((_K_EXACT, exact, None, code, at, 0, None))
+    except StopIteration:
+        return None
+    if next(values, None) is not None:
+        return None
+    fast: FastTileLauncher = ext.typed(kernel, plan, packer.size, tuple(entries), True)
+    return fast
+
+
+def compile_tile_fast_py(
+    kernel: Any, plan: Any, packer: struct.Struct, args: Sequence[TileArg]
+) -> FastTileLauncher:
+    """The fast path of one recipe, generated Python: the reference."""
     ns = _fastgen.namespace(kernel, plan, packer)
     names = [f"a{i}" for i in range(len(args))]
     body = [_fastgen.unpack(names)]
