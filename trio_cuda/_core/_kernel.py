@@ -128,14 +128,6 @@ class TileCode(Protocol):
     @property
     def kind(self) -> Literal["kernel", "specialisation"]: ...
 
-    @property
-    def per_launch_check(self) -> bool:
-        """Whether the backend checks each launch of it anew (its check
-        prepares per-launch state: a specialisation's list arguments); else
-        a launch's check holds for every launch of its configuration and
-        parameter plan, as a SIMT kernel's does."""
-        ...
-
     def ready(self, backend: str, cc: tuple[int, int]) -> bool:
         """Whether :meth:`prepare` has nothing left to do (no compile needed)."""
         ...

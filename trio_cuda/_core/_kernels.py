@@ -162,11 +162,9 @@ class KernelTable:
         config = prepared.config
         plan = prepared.plan
         # What the checks read is the kernel, the config and the parameter
-        # plan (configs are interned, compared by identity); a tile launch
-        # with list arguments has them prepared by its check, so it runs per
-        # launch.
-        tile = kernel.tile
-        if tile is None or not tile.per_launch_check:
+        # plan (configs are interned, compared by identity); a tile launch's
+        # check also prepares its list arguments, so it runs per launch.
+        if kernel.tile is None:
             last = self.last_checked.get(kernel)
             if last is not None and last[0] is config and last[1] is plan:
                 return

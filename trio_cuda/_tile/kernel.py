@@ -192,8 +192,6 @@ class TileKernel:
     specialisations by signature."""
 
     kind: Final = "kernel"
-    #: (never launched itself: its specialisations are)
-    per_launch_check: Final = True
 
     def __init__(
         self,
@@ -384,11 +382,6 @@ class TileSpecialisation:
     parameter layout and packer, and its compiled images by arch."""
 
     kind: Final = "specialisation"
-
-    @property
-    def per_launch_check(self) -> bool:
-        """Whether each launch is checked anew: its list arguments are prepared there."""
-        return self.has_list
 
     def __init__(self, owner: TileKernel, params: tuple[ParamSpec, ...]) -> None:
         self.owner = owner
