@@ -174,3 +174,20 @@ def test_the_property_above_saw_both_outcomes() -> None:
     assert STATS["made"] > 100, STATS
     assert STATS["declined"] > 100, STATS
     assert len(PAIRS) > 4
+
+
+async def test_an_int_s_recipe_depends_on_whether_it_fits_int32() -> None:
+    """Found by the property above: after a launch with an int beyond int32
+    (a recipe whose int parameter is 64-bit), a launch with a small int must
+    not take that recipe's fast path: the checked path gives it the int32
+    recipe. (Either fast path, compiled or generated.)"""
+    k = trio_cuda.Kernel.from_tile(affine, cache=None)
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x, out = gpu.zeros(256, np.float32), gpu.zeros(256, np.float32)
+        small = k.launch(x, out, 1, 3, grid=16)
+        big = k.launch(x, out, 2**40, 3, grid=16)
+        assert big.kernel is not small.kernel  # two recipes
+        again = k.launch(x, out, 1, 3, grid=16)  # (the big recipe's fast path is the most recent)
+        assert again.kernel is small.kernel
+        assert again.prepared.plan is small.prepared.plan
+        assert k.launch(x, out, 2**41, 3, grid=16).kernel is big.kernel

@@ -31,6 +31,7 @@ typedef struct {
     PyObject *consts;        /* a tile array's: ((code, offset, int), ...) packed after its pointer */
     PyObject *value;         /* a constant, or a float constant's repr */
     int by_repr;
+    int fits32;              /* an int of a tile recipe: 1 it must fit int32, 2 it must not, 0 either */
 } Entry;
 
 typedef struct {
@@ -273,6 +274,13 @@ static int typed_scalar(Entry *e, PyObject *a, unsigned char *arena) {
     }
     if (e->kind == K_EXACT) { /* exactly this type, packed as struct packs its code */
         if (t != e->dt) return 0;
+        if (e->fits32) { /* the recipe of an int depends on whether it fits int32 */
+            int overflow = 0;
+            long long v = PyLong_AsLongLongAndOverflow(a, &overflow);
+            if (v == -1 && PyErr_Occurred()) return -1;
+            int fits = !overflow && v >= -(1LL << 31) && v < (1LL << 31);
+            if (fits != (e->fits32 == 1)) return 0;
+        }
         if (e->code == '?') {
             int truth = PyObject_IsTrue(a);
             if (truth < 0) return -1;
@@ -561,6 +569,13 @@ static int parse_entry(Entry *e, PyObject *entry, Py_ssize_t size) {
         Py_INCREF(value);
         e->value = value;
         e->by_repr = by_repr;
+    } else if (kind == K_EXACT && extra != Py_None) {
+        int fits;
+        if (dt != (PyObject *)&PyLong_Type || !PyArg_ParseTuple(extra, "p:int range", &fits)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "an int range is for ints");
+            return -1;
+        }
+        e->fits32 = fits ? 1 : 2;
     } else if (extra != Py_None) {
         PyErr_SetString(PyExc_ValueError, "extra: expected None");
         return -1;

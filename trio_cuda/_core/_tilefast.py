@@ -44,9 +44,10 @@ FastTileLauncher = Callable[[tuple[object, ...], Any], "KernelLaunch | None"]
 class TileArg:
     """One argument of a recipe. ``kind`` is ``"array"`` (``dtype``,
     ``shape``, ``order``, ``align`` = address modulo 16, ``access``, and
-    ``packed`` = the shape and strides packed after its pointer), ``"int"``,
-    ``"float"``, ``"bool"`` or ``"np"`` (a NumPy scalar of type ``type_``),
-    or ``"constant"`` (``value``, not packed)."""
+    ``packed`` = the shape and strides packed after its pointer), ``"int"``
+    (``fits32``: whether the recipe's int fits int32, which its recipe
+    depends on), ``"float"``, ``"bool"`` or ``"np"`` (a NumPy scalar of type
+    ``type_``), or ``"constant"`` (``value``, not packed)."""
 
     kind: str
     dtype: Any = None
@@ -57,6 +58,7 @@ class TileArg:
     packed: tuple[int, ...] = ()
     type_: Any = None
     value: Any = None
+    fits32: bool = False
 
 
 def compile_tile_fast(
@@ -138,7 +140,8 @@ def compile_tile_fast_c(
             else:
                 code, at = next(values)
                 exact = arg.type_ if arg.kind == "np" else _EXACT_TYPES[arg.kind]
-                entries.append((_K_EXACT, exact, None, code, at, 0, None))
+                fits = (bool(arg.fits32),) if arg.kind == "int" else None
+                entries.append((_K_EXACT, exact, None, code, at, 0, fits))
     except StopIteration:
         return None
     if next(values, None) is not None:
@@ -188,7 +191,10 @@ def compile_tile_fast_py(
             else:
                 body.append(f"    if type({a}) is not ct{i} or {a} != c{i}:\n        return None")
         elif arg.kind == "int":
-            body.append(f"    if type({a}) is not int:\n        return None")
+            body.append(
+                f"    if type({a}) is not int or ({-(2**31)} <= {a} < {2**31}) != {bool(arg.fits32)}:\n"
+                "        return None"
+            )
             packed.append(a)
         elif arg.kind == "float":
             body.append(f"    if type({a}) is not float:\n        return None")

@@ -300,7 +300,9 @@ def _recipe_args(
             )
         elif isinstance(spec, ScalarSpec):
             t = type(value)
-            if t is int or t is float or t is bool:
+            if t is int:  # (an int's recipe depends on whether it fits int32: ``_quick_key``)
+                out.append(TileArg("int", fits32=-(2**31) <= value < 2**31))  # type: ignore[operator]
+            elif t is float or t is bool:
                 out.append(TileArg(t.__name__))
             elif isinstance(value, np.generic):
                 out.append(TileArg("np", type_=t))
