@@ -59,6 +59,24 @@ static inline int as_u64(PyObject *obj, unsigned long long *out) {
 }
 
 int make_slot_ref(PyObject *type, const char *name, SlotRef *out);
+/* In a function with an ``int rc`` and a ``done:`` label: decline (rc 0:
+   nothing was changed, the Python path decides) or fail (rc -1: an error
+   is set). */
+#define DECLINE_IF(cond) \
+    do {                 \
+        if (cond) {      \
+            rc = 0;      \
+            goto done;   \
+        }                \
+    } while (0)
+#define FAIL_IF_NULL(x)    \
+    do {                   \
+        if ((x) == NULL) { \
+            rc = -1;       \
+            goto done;     \
+        }                  \
+    } while (0)
+
 PyObject *new_instance(PyTypeObject *tp, const Py_ssize_t *offsets, PyObject *const *values, int n);
 int take(PyObject *env, const char *name, PyObject **out);
 

@@ -166,20 +166,6 @@ static int arena_append(PyObject *arena, Py_ssize_t lead, const void *data, Py_s
     return 0;
 }
 
-#define SLOW_IF(cond) \
-    do {              \
-        if (cond) {   \
-            rc = 0;   \
-            goto done; \
-        }             \
-    } while (0)
-#define FAIL_IF_NULL(x) \
-    do {                \
-        if ((x) == NULL) { \
-            rc = -1;    \
-            goto done;  \
-        }               \
-    } while (0)
 
 /* arg(array) with the access the kernel declares: 1 done, 0 take the
    reference path (nothing changed), -1 error. */
@@ -191,17 +177,17 @@ static int arg_array(Builder *self, PyObject *value) {
     Py_ssize_t index = PyList_GET_SIZE(self->values);
     FAIL_IF_NULL(alloc = read_slot(value, &g_slot[A_ALLOC]));
     FAIL_IF_NULL(flag = read_slot(value, &g_slot[A_CLOSED]));
-    SLOW_IF(flag != Py_False);
+    DECLINE_IF(flag != Py_False);
     Py_CLEAR(flag);
     FAIL_IF_NULL(flag = read_slot(alloc, &g_slot[L_STATE]));
-    SLOW_IF(flag == g_freed);
+    DECLINE_IF(flag == g_freed);
     Py_CLEAR(flag);
     FAIL_IF_NULL(table = read_slot(alloc, &g_slot[L_TABLE]));
     FAIL_IF_NULL(flag = read_slot(table, &g_slot[T_CLOSED]));
-    SLOW_IF(flag != Py_False);
+    DECLINE_IF(flag != Py_False);
     Py_CLEAR(flag);
     FAIL_IF_NULL(params = PyObject_GetAttr(self->kernel, s_params));
-    SLOW_IF(!PyTuple_CheckExact(params) && !PyList_CheckExact(params));
+    DECLINE_IF(!PyTuple_CheckExact(params) && !PyList_CheckExact(params));
     mode = g_write;
     if (index < PySequence_Fast_GET_SIZE(params)) {
         FAIL_IF_NULL(declared = PyObject_GetAttr(PySequence_Fast_GET_ITEM(params, index), s_access));
@@ -209,13 +195,13 @@ static int arg_array(Builder *self, PyObject *value) {
     }
     if (mode == g_write) {
         FAIL_IF_NULL(flag = read_slot(value, &g_slot[A_READONLY]));
-        SLOW_IF(flag != Py_False);
+        DECLINE_IF(flag != Py_False);
         Py_CLEAR(flag);
     }
     unsigned long long base, off;
     FAIL_IF_NULL(ptr = read_slot(alloc, &g_slot[L_PTR]));
     FAIL_IF_NULL(offset = read_slot(value, &g_slot[A_OFFSET]));
-    SLOW_IF(!as_u64(ptr, &base) || !as_u64(offset, &off) || base + off < base);
+    DECLINE_IF(!as_u64(ptr, &base) || !as_u64(offset, &off) || base + off < base);
     uint64_t address = (uint64_t)(base + off);
     FAIL_IF_NULL(entry = PyTuple_Pack(2, value, mode));
     Py_ssize_t at = PyByteArray_GET_SIZE(self->arena);

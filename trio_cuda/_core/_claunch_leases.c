@@ -35,8 +35,6 @@ static int g_retire_ready;
 static int g_leases_ready;
 static PyObject *g_one;
 
-#define leases_slot read_slot
-
 /* Store ``value`` (a new reference, stolen) in slot ``ref`` of ``obj`` of
    the slot's exact type; -1 (error set) otherwise. */
 static int store_slot(PyObject *obj, SlotRef *ref, PyObject *value) {
@@ -58,7 +56,7 @@ static int other_stream(PyObject *table, PyObject *stream) {
     Py_ssize_t pos = 0;
     PyObject *key, *value;
     while (PyDict_Next(table, &pos, &key, &value)) {
-        PyObject *s = leases_slot(key, &s_sub_stream);
+        PyObject *s = read_slot(key, &s_sub_stream);
         if (s == NULL) return -1;
         int other = s != stream;
         Py_DECREF(s);
@@ -67,13 +65,6 @@ static int other_stream(PyObject *table, PyObject *stream) {
     return 0;
 }
 
-#define NOT_HERE(cond) \
-    do {               \
-        if (cond) {    \
-            rc = 0;    \
-            goto next; \
-        }              \
-    } while (0)
 
 PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
@@ -94,43 +85,43 @@ PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
         PyObject *arr = PyTuple_GET_ITEM(entry, 0), *access = PyTuple_GET_ITEM(entry, 1);
         int rc = 1;
         PyObject *flag = NULL, *alloc = NULL, *v = NULL, *ext = NULL;
-        NOT_HERE(Py_TYPE(arr) != g_array_type);
+        DECLINE_IF(Py_TYPE(arr) != g_array_type);
         if ((flag = read_slot(arr, &g_slot[A_CLOSED])) == NULL) goto fail;
-        NOT_HERE(flag != Py_False);
+        DECLINE_IF(flag != Py_False);
         if ((alloc = read_slot(arr, &g_slot[A_ALLOC])) == NULL) goto fail;
-        NOT_HERE(Py_TYPE(alloc) != s_alloc_scope.type);
+        DECLINE_IF(Py_TYPE(alloc) != s_alloc_scope.type);
         if ((v = read_slot(alloc, &g_slot[L_STATE])) == NULL) goto fail;
-        NOT_HERE(v != g_live);
+        DECLINE_IF(v != g_live);
         Py_CLEAR(v);
-        if ((v = leases_slot(alloc, &s_alloc_scope)) == NULL) goto fail;
-        NOT_HERE(v != scope);
+        if ((v = read_slot(alloc, &s_alloc_scope)) == NULL) goto fail;
+        DECLINE_IF(v != scope);
         Py_CLEAR(v);
-        if ((v = leases_slot(alloc, &s_alloc_index)) == NULL) goto fail;
-        NOT_HERE(v != Py_None);
+        if ((v = read_slot(alloc, &s_alloc_index)) == NULL) goto fail;
+        DECLINE_IF(v != Py_None);
         Py_CLEAR(v);
         if (access == g_write) {
             Py_CLEAR(flag);
             if ((flag = read_slot(arr, &g_slot[A_READONLY])) == NULL) goto fail;
-            NOT_HERE(flag != Py_False);
+            DECLINE_IF(flag != Py_False);
         }
-        if ((ext = leases_slot(arr, &s_arr_extent)) == NULL) goto fail;
-        NOT_HERE(!PyTuple_CheckExact(ext));
+        if ((ext = read_slot(arr, &s_arr_extent)) == NULL) goto fail;
+        DECLINE_IF(!PyTuple_CheckExact(ext));
         if (PyTuple_GET_SIZE(ext)) { /* (an empty extent touches nothing: no conflict) */
-            if ((v = leases_slot(alloc, &s_alloc_writers)) == NULL) goto fail;
-            NOT_HERE(!PyDict_CheckExact(v));
+            if ((v = read_slot(alloc, &s_alloc_writers)) == NULL) goto fail;
+            DECLINE_IF(!PyDict_CheckExact(v));
             int in_way = other_stream(v, stream);
             if (in_way < 0) goto fail;
-            NOT_HERE(in_way);
+            DECLINE_IF(in_way);
             Py_CLEAR(v);
             if (access == g_write) {
-                if ((v = leases_slot(alloc, &s_alloc_readers)) == NULL) goto fail;
-                NOT_HERE(!PyDict_CheckExact(v));
+                if ((v = read_slot(alloc, &s_alloc_readers)) == NULL) goto fail;
+                DECLINE_IF(!PyDict_CheckExact(v));
                 in_way = other_stream(v, stream);
                 if (in_way < 0) goto fail;
-                NOT_HERE(in_way);
+                DECLINE_IF(in_way);
             }
         }
-    next:
+    done:
         Py_XDECREF(flag);
         Py_XDECREF(alloc);
         Py_XDECREF(v);
@@ -149,10 +140,10 @@ PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
         PyObject *entry = PyTuple_GET_ITEM(accesses, i);
         PyObject *arr = PyTuple_GET_ITEM(entry, 0), *access = PyTuple_GET_ITEM(entry, 1);
         PyObject *alloc = read_slot(arr, &g_slot[A_ALLOC]);
-        PyObject *ext = alloc ? leases_slot(arr, &s_arr_extent) : NULL;
-        PyObject *active = ext ? leases_slot(alloc, &s_alloc_active) : NULL;
-        PyObject *writers = active ? leases_slot(alloc, &s_alloc_writers) : NULL;
-        PyObject *readers = writers ? leases_slot(alloc, &s_alloc_readers) : NULL;
+        PyObject *ext = alloc ? read_slot(arr, &s_arr_extent) : NULL;
+        PyObject *active = ext ? read_slot(alloc, &s_alloc_active) : NULL;
+        PyObject *writers = active ? read_slot(alloc, &s_alloc_writers) : NULL;
+        PyObject *readers = writers ? read_slot(alloc, &s_alloc_readers) : NULL;
         int rc = -1;
         if (readers != NULL) {
             PyObject *more = PyNumber_Add(active, g_one);

@@ -146,20 +146,6 @@ static int pack_float(unsigned char *p, double x, char code) {
     return 1;
 }
 
-#define TYPED_NONE(cond) \
-    do {                 \
-        if (cond) {      \
-            rc = 0;      \
-            goto out;    \
-        }                \
-    } while (0)
-#define TYPED_CHECK(x) \
-    do {               \
-        if ((x) == NULL) { \
-            rc = -1;   \
-            goto out;  \
-        }              \
-    } while (0)
 
 /* One array argument: its pointer (and a slice's length) packed, its
    allocation in *alloc_out: 1, 0 (None), -1 error. */
@@ -167,50 +153,50 @@ static int typed_array(Entry *e, PyObject *a, unsigned char *arena, PyObject **a
     int rc = 0;
     PyObject *flag = NULL, *alloc = NULL, *scope = NULL, *dtype = NULL, *ptr = NULL, *offset = NULL, *shape = NULL;
     if (Py_TYPE(a) != g_array_type) return 0;
-    TYPED_CHECK(flag = read_slot(a, &g_slot[A_CLOSED]));
+    FAIL_IF_NULL(flag = read_slot(a, &g_slot[A_CLOSED]));
     int t = PyObject_IsTrue(flag);
     if (t < 0) rc = -1;
-    TYPED_NONE(t != 0);
+    DECLINE_IF(t != 0);
     Py_CLEAR(flag);
-    TYPED_CHECK(alloc = read_slot(a, &g_slot[A_ALLOC]));
-    TYPED_CHECK(flag = read_slot(alloc, &g_slot[L_STATE]));
-    TYPED_NONE(flag != g_live);
+    FAIL_IF_NULL(alloc = read_slot(a, &g_slot[A_ALLOC]));
+    FAIL_IF_NULL(flag = read_slot(alloc, &g_slot[L_STATE]));
+    DECLINE_IF(flag != g_live);
     Py_CLEAR(flag);
-    TYPED_CHECK(scope = read_slot(alloc, &g_slot[L_SCOPE]));
-    TYPED_CHECK(flag = PyObject_GetAttr(scope, s_closed_attr));
+    FAIL_IF_NULL(scope = read_slot(alloc, &g_slot[L_SCOPE]));
+    FAIL_IF_NULL(flag = PyObject_GetAttr(scope, s_closed_attr));
     t = PyObject_IsTrue(flag);
     if (t < 0) rc = -1;
-    TYPED_NONE(t != 0);
+    DECLINE_IF(t != 0);
     Py_CLEAR(flag);
-    TYPED_CHECK(dtype = read_slot(a, &g_slot[A_DTYPE]));
+    FAIL_IF_NULL(dtype = read_slot(a, &g_slot[A_DTYPE]));
     if (dtype != e->dt) {
         int same = PyObject_RichCompareBool(dtype, e->dt, Py_EQ);
         if (same < 0) rc = -1;
-        TYPED_NONE(same <= 0);
+        DECLINE_IF(same <= 0);
     }
     if (e->kind == K_TILE_ARRAY) { /* the recipe's shape and order */
-        TYPED_CHECK(shape = read_slot(a, &g_slot[A_SHAPE]));
+        FAIL_IF_NULL(shape = read_slot(a, &g_slot[A_SHAPE]));
         int differs = PyObject_RichCompareBool(shape, e->shape, Py_NE);
         if (differs < 0) rc = -1;
-        TYPED_NONE(differs != 0);
-        TYPED_CHECK(flag = read_slot(a, &g_slot[A_ORDER]));
+        DECLINE_IF(differs != 0);
+        FAIL_IF_NULL(flag = read_slot(a, &g_slot[A_ORDER]));
         differs = PyObject_RichCompareBool(flag, e->order, Py_NE);
         if (differs < 0) rc = -1;
-        TYPED_NONE(differs != 0);
+        DECLINE_IF(differs != 0);
         Py_CLEAR(flag);
     }
     if (e->access == g_write) {
-        TYPED_CHECK(flag = read_slot(a, &g_slot[A_READONLY]));
+        FAIL_IF_NULL(flag = read_slot(a, &g_slot[A_READONLY]));
         t = PyObject_IsTrue(flag);
         if (t < 0) rc = -1;
-        TYPED_NONE(t != 0);
+        DECLINE_IF(t != 0);
         Py_CLEAR(flag);
     }
     unsigned long long base, off;
-    TYPED_CHECK(ptr = read_slot(alloc, &g_slot[L_PTR]));
-    TYPED_CHECK(offset = read_slot(a, &g_slot[A_OFFSET]));
-    TYPED_NONE(!as_u64(ptr, &base) || !as_u64(offset, &off) || base + off < base);
-    TYPED_NONE(e->kind == K_TILE_ARRAY && (long)((base + off) & 15) != e->align);
+    FAIL_IF_NULL(ptr = read_slot(alloc, &g_slot[L_PTR]));
+    FAIL_IF_NULL(offset = read_slot(a, &g_slot[A_OFFSET]));
+    DECLINE_IF(!as_u64(ptr, &base) || !as_u64(offset, &off) || base + off < base);
+    DECLINE_IF(e->kind == K_TILE_ARRAY && (long)((base + off) & 15) != e->align);
     put_le(arena + e->offset, base + off, 8);
     if (e->kind == K_TILE_ARRAY) {
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(e->consts); i++) {
@@ -219,31 +205,31 @@ static int typed_array(Entry *e, PyObject *a, unsigned char *arena, PyObject **a
             Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(c, 1));
             int packed = code ? pack_int(arena + at, PyTuple_GET_ITEM(c, 2), code[0]) : -1;
             if (packed < 0) rc = -1;
-            TYPED_NONE(packed <= 0);
+            DECLINE_IF(packed <= 0);
         }
     }
     if (e->kind == K_SLICE) {
-        TYPED_CHECK(shape = read_slot(a, &g_slot[A_SHAPE]));
-        TYPED_NONE(!PyTuple_CheckExact(shape));
+        FAIL_IF_NULL(shape = read_slot(a, &g_slot[A_SHAPE]));
+        DECLINE_IF(!PyTuple_CheckExact(shape));
         /* math.prod of the shape (ints), then packed as the length's code */
         PyObject *n = PyLong_FromLong(1);
-        TYPED_CHECK(n);
+        FAIL_IF_NULL(n);
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); i++) {
             PyObject *next = PyNumber_Multiply(n, PyTuple_GET_ITEM(shape, i));
             Py_DECREF(n);
             n = next;
             if (n == NULL) break;
         }
-        TYPED_CHECK(n);
+        FAIL_IF_NULL(n);
         int packed = PyLong_CheckExact(n) ? pack_int(arena + e->len_offset, n, e->code) : 0;
         Py_DECREF(n);
         if (packed < 0) rc = -1;
-        TYPED_NONE(packed <= 0);
+        DECLINE_IF(packed <= 0);
     }
     *alloc_out = alloc;
     alloc = NULL;
     rc = 1;
-out:
+done:
     Py_XDECREF(flag);
     Py_XDECREF(alloc);
     Py_XDECREF(scope);
@@ -355,10 +341,10 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
         if (allocs == NULL || acc == NULL) {
             PyErr_NoMemory();
             rc = -1;
-            goto out;
+            goto done;
         }
     }
-    TYPED_CHECK(arena = PyBytes_FromStringAndSize(NULL, self->size));
+    FAIL_IF_NULL(arena = PyBytes_FromStringAndSize(NULL, self->size));
     unsigned char *buf = (unsigned char *)PyBytes_AS_STRING(arena);
     memset(buf, 0, (size_t)self->size);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -367,21 +353,21 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
         if (IS_ARRAY(e->kind)) {
             PyObject *alloc = NULL;
             rc = typed_array(e, a, buf, &alloc);
-            if (rc <= 0) goto out;
+            if (rc <= 0) goto done;
             allocs[n_arrays] = alloc;
             acc[n_arrays++] = a;
             if (e->access == g_write) n_out++;
         } else {
             rc = typed_scalar(e, a, buf);
-            if (rc <= 0) goto out;
+            if (rc <= 0) goto done;
         }
     }
-    TYPED_CHECK(accesses = PyTuple_New(n_arrays));
+    FAIL_IF_NULL(accesses = PyTuple_New(n_arrays));
     for (Py_ssize_t i = 0, j = 0; i < n; i++) {
         Entry *e = &self->entries[i];
         if (!IS_ARRAY(e->kind)) continue;
         PyObject *pair = PyTuple_Pack(2, acc[j], e->access);
-        TYPED_CHECK(pair);
+        FAIL_IF_NULL(pair);
         PyTuple_SET_ITEM(accesses, j++, pair);
     }
     int shared = 0;
@@ -391,21 +377,21 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
                 shared = 1;
                 /* a tile kernel's arrays of one allocation, one written: the
                    checked path compares their byte ranges */
-                TYPED_NONE(self->tile && (access_of(self, i) == g_write || access_of(self, j) == g_write));
+                DECLINE_IF(self->tile && (access_of(self, i) == g_write || access_of(self, j) == g_write));
             }
     if (self->tile && n_arrays > 1 && n_out > 0) {
         /* borrowed memory may be borrowed twice (two records, the same bytes) */
         for (Py_ssize_t i = 0; i < n_arrays; i++) {
             PyObject *borrowed = read_slot(allocs[i], &g_slot[L_BORROWED]);
-            TYPED_CHECK(borrowed);
+            FAIL_IF_NULL(borrowed);
             int truth = PyObject_IsTrue(borrowed);
             Py_DECREF(borrowed);
             if (truth < 0) rc = -1;
-            TYPED_NONE(truth != 0);
+            DECLINE_IF(truth != 0);
         }
     }
     if (shared) { /* (its lease plan: made from the merged accesses at its first safe submission) */
-        TYPED_CHECK(merged = PyObject_CallOneArg(g_merge, accesses));
+        FAIL_IF_NULL(merged = PyObject_CallOneArg(g_merge, accesses));
         Py_INCREF(Py_None);
         lease_plan = Py_None;
     } else {
@@ -416,25 +402,25 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
         int simple = 1;
         for (Py_ssize_t i = 0; i < n_arrays && simple; i++) {
             PyObject *whole = read_slot(acc[i], &g_slot[A_WHOLE]);
-            TYPED_CHECK(whole);
+            FAIL_IF_NULL(whole);
             simple = whole == Py_True;
             Py_DECREF(whole);
         }
         PyObject *plan_allocs = PyTuple_New(n_arrays);
-        TYPED_CHECK(plan_allocs);
+        FAIL_IF_NULL(plan_allocs);
         for (Py_ssize_t i = 0; i < n_arrays; i++) {
             Py_INCREF(allocs[i]);
             PyTuple_SET_ITEM(plan_allocs, i, allocs[i]);
         }
         lease_plan = PyTuple_Pack(2, plan_allocs, simple ? Py_True : Py_False);
         Py_DECREF(plan_allocs);
-        TYPED_CHECK(lease_plan);
+        FAIL_IF_NULL(lease_plan);
     }
     if (n_out == 0) {
         output = Py_None;
         Py_INCREF(output);
     } else {
-        if (n_out > 1) TYPED_CHECK(output = PyTuple_New(n_out));
+        if (n_out > 1) FAIL_IF_NULL(output = PyTuple_New(n_out));
         for (Py_ssize_t i = 0, j = 0, k = 0; i < n; i++) {
             Entry *e = &self->entries[i];
             if (!IS_ARRAY(e->kind)) continue;
@@ -447,16 +433,16 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
                 PyTuple_SET_ITEM(output, k++, a);
         }
     }
-    TYPED_CHECK(cache = PyDict_New());
+    FAIL_IF_NULL(cache = PyDict_New());
     {
         PyObject *fields[8] = {self->kernel, config, self->plan, arena, Py_None, args, cache, Py_None};
-        TYPED_CHECK(prepared = new_instance(g_prepared_type, g_prepared_off, fields, 8));
+        FAIL_IF_NULL(prepared = new_instance(g_prepared_type, g_prepared_off, fields, 8));
     }
     {
         PyObject *fields[4] = {prepared, merged, lease_plan, output};
-        TYPED_CHECK(result = new_instance(g_launch_type, g_launch_off, fields, 4));
+        FAIL_IF_NULL(result = new_instance(g_launch_type, g_launch_off, fields, 4));
     }
-out:
+done:
     for (Py_ssize_t i = 0; i < n_arrays; i++) Py_DECREF(allocs[i]);
     if (allocs != small_allocs) PyMem_Free(allocs);
     if (acc != small_acc) PyMem_Free(acc);
