@@ -33,6 +33,7 @@ setup(
                 "trio_cuda/_core/_claunch_builder.c",
                 "trio_cuda/_core/_claunch_typed.c",
                 "trio_cuda/_core/_claunch_leases.c",
+                "trio_cuda/_core/_claunch_submit.c",
             ],
             depends=["trio_cuda/_core/_claunch.h"],
             optional=True,

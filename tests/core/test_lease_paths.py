@@ -314,6 +314,7 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str], *, compiled:
     real = _scope.take_launch_leases
     saved_whole = _submit.take_whole
     saved_retire = _completion.retire_done
+    saved_submit = _scope.submit_launch
 
     def whole(*args: Any) -> bool:
         assert saved_whole is not None
@@ -326,6 +327,12 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str], *, compiled:
         took: bool = saved_retire(*args)
         counts["compiled retire"] += took
         return took
+
+    def submit(*args: Any) -> Any:
+        assert saved_submit is not None
+        made = saved_submit(*args)
+        counts["compiled submit"] += made is not None
+        return made
 
     def counting(scope: Any, stream: Any, sub: Any, op: Any) -> None:
         why = _why_general(scope, stream, op)
@@ -345,6 +352,7 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str], *, compiled:
         _scope.take_launch_leases = counting
     _submit.take_whole = whole if compiled and saved_whole is not None else None
     _completion.retire_done = retire if compiled and saved_retire is not None else None
+    _scope.submit_launch = submit if compiled and saved_submit is not None else None
     try:
         run_bounded(run.main, limit=20.0)
     finally:
@@ -352,6 +360,7 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str], *, compiled:
         _scope.take_launch_leases = real
         _submit.take_whole = saved_whole
         _completion.retire_done = saved_retire
+        _scope.submit_launch = saved_submit
     return run
 
 
@@ -367,7 +376,8 @@ def test_fast_and_general_lease_paths_agree() -> None:
     @given(programs, st.booleans())
     def check(program: dict[str, Any], compiled: bool) -> None:
         # the fast path with the compiled common cases (where built: taking a
-        # launch's leases, retiring) or all in Python, against all in Python
+        # launch's leases, submitting it, retiring) or all in Python, against
+        # all in Python
         fast = _run(program, True, counts, compiled=compiled)
         general = _run(program, False, Counter(), compiled=False)
         assert fast.sim.violations == []
@@ -396,6 +406,7 @@ def test_fast_and_general_lease_paths_agree() -> None:
     if _submit.take_whole is not None:
         assert counts["compiled common case"] > 0, counts
         assert counts["compiled retire"] > 0, counts
+        assert counts["compiled submit"] > 0, counts
 
 
 def test_zeros_and_full_do_not_conflict_with_their_own_allocation() -> None:

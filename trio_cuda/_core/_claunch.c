@@ -2,7 +2,7 @@
    install: making it (the launch builder's methods, the base class of
    trio_cuda.LaunchBuilder: _claunch_builder.c; a kernel's typed-launch fast
    path: _claunch_typed.c), and the common cases of taking its leases and of
-   retiring it (_claunch_leases.c).
+   retiring it (_claunch_leases.c); submitting it (_claunch_submit.c).
 
    Invariants:
    - The pure-Python code is the reference, and every path here does what it
@@ -18,7 +18,10 @@
        returns the launch the checked path would build, or None, and then
        the checked path runs (and raises the precise error);
      - ``take_whole`` and ``retire_done`` return False where the Python
-       path must decide (see _claunch_leases.c).
+       path must decide (see _claunch_leases.c);
+     - ``submit_launch`` makes the steps of ``_submit_launch``, calling the
+       Python code that one calls wherever a step is not the common case
+       (see _claunch_submit.c).
    - What is made is what the reference makes: the same bytes, layout,
      accesses, outputs, configuration, plan and objects (a PreparedLaunch
      and a KernelLaunch, their slots stored where their descriptors keep
@@ -27,13 +30,14 @@
      for objects of the exact classes configured; anything else goes through
      getattr or to the reference.
    - No path calls back into Python code except the reference's own
-     functions (and a scalar's packer); the lease paths call none, so they
-     are atomic with respect to other threads and KeyboardInterrupt. Their
-     callers are KI-protected Python functions.
+     functions (and a scalar's packer; ``submit_launch``: the policy, the
+     driver and the Python steps of the reference); the lease paths call
+     none, so they are atomic with respect to other threads and
+     KeyboardInterrupt. Their callers are KI-protected Python functions.
    - configure() is called once, by _compiled.py, with the types and
      constants the paths read; make_base() once, by _builder.py;
      configure_leases() and configure_retire() once, by _submit.py and
-     _completion.py. What they are given is held for the life of the
+     _completion.py; configure_submit() once, by _scope.py. What they are given is held for the life of the
      process.
    - Nothing here imports CUDA; this module belongs to the CUDA-free core. */
 
@@ -169,6 +173,10 @@ static PyMethodDef module_methods[] = {
      "configure_retire(Completion, Stream, DONE): the slots retire_done reads (once per process)."},
     {"retire_done", (PyCFunction)(void (*)(void))retire_done, METH_FASTCALL,
      "retire_done(completion, sub) -> bool: a completed submission retired, where nothing but bookkeeping is left."},
+    {"configure_submit", configure_submit, METH_O,
+     "configure_submit(env): the types, slots and modules submit_launch reads (once per process)."},
+    {"submit_launch", (PyCFunction)(void (*)(void))submit_launch, METH_FASTCALL,
+     "submit_launch(scope, op, stream) -> Submission, or None for a traced scope: ResourceScope._submit_launch."},
     {"typed", make_typed, METH_VARARGS,
      "typed(kernel, plan, size, entries, tile=False) -> a typed launch's fast path, fast(args, config)."},
     {NULL, NULL, 0, NULL},

@@ -1,7 +1,7 @@
 /* Shared by the parts of trio_cuda._core._claunch: the module and its
    configuration (_claunch.c), the launch builder (_claunch_builder.c), the
-   typed-launch fast path (_claunch_typed.c) and a launch's leases
-   (_claunch_leases.c). */
+   typed-launch fast path (_claunch_typed.c), a launch's leases
+   (_claunch_leases.c) and its submission (_claunch_submit.c). */
 
 #ifndef TRIO_CUDA_CLAUNCH_H
 #define TRIO_CUDA_CLAUNCH_H
@@ -44,6 +44,33 @@ static inline PyObject *read_slot(PyObject *obj, SlotRef *ref) {
         }
     }
     return PyObject_GetAttr(obj, ref->name);
+}
+
+/* Store ``value`` (a new reference, stolen) in slot ``ref`` of ``obj`` of
+   the slot's exact type; -1 (error set) otherwise. */
+static inline int store_slot(PyObject *obj, SlotRef *ref, PyObject *value) {
+    if (Py_TYPE(obj) != ref->type) {
+        int rc = PyObject_SetAttr(obj, ref->name, value);
+        Py_DECREF(value);
+        return rc;
+    }
+    PyObject **at = (PyObject **)((char *)obj + ref->offset);
+    PyObject *old = *at;
+    *at = value;
+    Py_XDECREF(old);
+    return 0;
+}
+
+/* obj's int slot ``ref`` plus ``delta`` (stolen into the slot): 0, or -1. */
+static inline int bump(PyObject *obj, SlotRef *ref, long delta) {
+    PyObject *v = read_slot(obj, ref);
+    if (v == NULL) return -1;
+    PyObject *d = PyLong_FromLong(delta);
+    PyObject *sum = d ? PyNumber_Add(v, d) : NULL;
+    Py_DECREF(v);
+    Py_XDECREF(d);
+    if (sum == NULL) return -1;
+    return store_slot(obj, ref, sum);
 }
 
 /* An exact int from 0 to 2**64-1 into *out; 0 (no error set) if it is not one. */
@@ -89,6 +116,10 @@ PyObject *configure_leases(PyObject *module, PyObject *args);
 PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *configure_retire(PyObject *module, PyObject *args);
 PyObject *retire_done(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+
+/* _claunch_submit.c */
+PyObject *configure_submit(PyObject *module, PyObject *env);
+PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* _claunch_typed.c */
 int typed_init(void);

@@ -35,21 +35,6 @@ static int g_retire_ready;
 static int g_leases_ready;
 static PyObject *g_one;
 
-/* Store ``value`` (a new reference, stolen) in slot ``ref`` of ``obj`` of
-   the slot's exact type; -1 (error set) otherwise. */
-static int store_slot(PyObject *obj, SlotRef *ref, PyObject *value) {
-    if (Py_TYPE(obj) != ref->type) {
-        int rc = PyObject_SetAttr(obj, ref->name, value);
-        Py_DECREF(value);
-        return rc;
-    }
-    PyObject **at = (PyObject **)((char *)obj + ref->offset);
-    PyObject *old = *at;
-    *at = value;
-    Py_XDECREF(old);
-    return 0;
-}
-
 /* 1 if a key of the dict ``table`` (submissions) is on another stream
    than ``stream``, 0 if none, -1 error. */
 static int other_stream(PyObject *table, PyObject *stream) {
@@ -200,18 +185,6 @@ PyObject *configure_leases(PyObject *module, PyObject *args) {
 }
 
 /* ------------------------------------------------------------------ retire */
-
-/* obj's int slot ``ref`` plus ``delta`` (stolen into the slot): 0, or -1. */
-static int bump(PyObject *obj, SlotRef *ref, long delta) {
-    PyObject *v = read_slot(obj, ref);
-    if (v == NULL) return -1;
-    PyObject *d = PyLong_FromLong(delta);
-    PyObject *sum = d ? PyNumber_Add(v, d) : NULL;
-    Py_DECREF(v);
-    Py_XDECREF(d);
-    if (sum == NULL) return -1;
-    return store_slot(obj, ref, sum);
-}
 
 /* 1 if slot ``ref`` of ``obj`` holds None, 0 if not, -1 error. */
 static int is_none(PyObject *obj, SlotRef *ref) {

@@ -26,13 +26,16 @@ from __future__ import annotations
 import contextvars
 import logging
 import math
+import sys
 from _thread import get_ident
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import numpy as np
 import trio
 from trio.lowlevel import enable_ki_protection
 
+from . import _compiled, _submit
 from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_order, normalize_shape
 from ._completion import Completion
 from ._dlpack import UNCONSUMED, sweep_dropped
@@ -49,7 +52,15 @@ from ._ops import COMPOSITE, Access, DeviceOp, HostResult, _Copy, _Fill, _ZeroBy
 from ._policy import SchedulingPolicy
 from ._statistics import ScopeStatistics
 from ._stream import Stream
-from ._submit import EnqueueContext, Submission, UnsafeEnqueue, preflight, take_launch_leases, take_leases
+from ._submit import (
+    EnqueueContext,
+    Submission,
+    SubState,
+    UnsafeEnqueue,
+    preflight,
+    take_launch_leases,
+    take_leases,
+)
 from ._trace import Tracer, alloc_args, lease_args, op_name, trace_error, trace_submit
 
 if TYPE_CHECKING:
@@ -286,23 +297,26 @@ class ResourceScope(metaclass=NoPublicConstructor):
 
     def _pick(self, op: DeviceOp[Any], stream: Stream | None) -> Stream:
         if stream is None:
-            chosen = self._policy.choose(self._streams, op)
-            if type(chosen) is Stream and chosen._scope is self:
-                return chosen
-            if not isinstance(chosen, Stream):
-                raise TypeError(
-                    f"policy: expected {self._policy!r}.choose() to return one of the scope's streams, "
-                    f"got {chosen!r}"
-                )
-            raise ValueError(
-                f"policy: expected {self._policy!r}.choose() to return one of the scope's streams, "
-                f"got {chosen!r} of another scope"
-            )
+            return self._check_choice(self._policy.choose(self._streams, op))
         if not isinstance(stream, Stream):
             raise TypeError(f"stream: expected a Stream of this scope, got {type(stream).__name__}")
         if stream._scope is not self:
             raise ValueError(f"stream: expected a stream of this scope, got {stream!r} of another scope")
         return stream
+
+    def _check_choice(self, chosen: object) -> Stream:
+        """``chosen``, the policy's choice, if it is one of this scope's streams."""
+        if type(chosen) is Stream and chosen._scope is self:
+            return chosen
+        if not isinstance(chosen, Stream):
+            raise TypeError(
+                f"policy: expected {self._policy!r}.choose() to return one of the scope's streams, "
+                f"got {chosen!r}"
+            )
+        raise ValueError(
+            f"policy: expected {self._policy!r}.choose() to return one of the scope's streams, "
+            f"got {chosen!r} of another scope"
+        )
 
     @enable_ki_protection
     def empty(
@@ -579,7 +593,13 @@ class ResourceScope(metaclass=NoPublicConstructor):
     def _submit_launch(self, op: KernelLaunch, stream: Stream | None) -> Submission:
         """``_submit`` for a single kernel launch, the hot path: the same steps
         as ``EnqueueContext.launch`` without the generic op machinery, and
-        leases from the launch's access plan (``take_launch_leases``)."""
+        leases from the launch's access plan (``take_launch_leases``). Where
+        it was built, the compiled ``submit_launch`` makes these steps for an
+        untraced scope."""
+        if submit_launch is not None:
+            made = submit_launch(self, op, stream)
+            if made is not None:
+                return made
         s = stream if type(stream) is Stream and stream._scope is self else self._pick(op, stream)
         prepared = op.prepared
         ready = prepared.ready  # ``KernelTable.function_for``, inline when it hits
@@ -840,6 +860,26 @@ def enqueue_unsafe(op: DeviceOp[T], stream: Stream) -> T:
     scope._kernels.load_static(op)
     out: Any = op._enqueue(UnsafeEnqueue(scope, stream))
     return out  # type: ignore[no-any-return]
+
+
+#: the compiled ``_submit_launch`` of an untraced scope (``_claunch.submit_launch``);
+#: None where the pure-Python path runs (tests turn it off)
+submit_launch: Callable[[ResourceScope, KernelLaunch, Stream | None], Submission | None] | None = None
+if _compiled.ext is not None:
+    _compiled.ext.configure_submit(
+        {
+            "ResourceScope": ResourceScope,
+            "Stream": Stream,
+            "Submission": Submission,
+            "Completion": Completion,
+            "ENQUEUING": SubState.ENQUEUING,
+            "IN_FLIGHT": SubState.IN_FLIGHT,
+            "take_launch_leases": take_launch_leases,
+            "scope_module": sys.modules[__name__],
+            "submit_module": _submit,
+        }
+    )
+    submit_launch = _compiled.ext.submit_launch
 
 
 class _Alloc(DeviceOp[Any]):

@@ -1,0 +1,232 @@
+"""The compiled submission of a lone kernel launch (``_claunch.submit_launch``).
+
+It makes the steps of ``ResourceScope._submit_launch`` for an untraced
+scope. Random programs compare it with the Python path in
+``test_lease_paths.py``; here: each way a submission can go wrong gives the
+same error and leaves the same state on both paths, the driver runs under
+KI protection on both, a traced scope takes the Python path, and nothing
+leaks."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import trio_cuda
+from tests.helpers import internals
+from tests.helpers.guard import run_bounded
+from tests.helpers.kernels import stub_source
+from trio_cuda import In, InOut, Scalar
+from trio_cuda._core import _compiled, _scope
+from trio_cuda.testing import SimDevice
+
+compiled_only = pytest.mark.skipif(
+    _compiled.ext is None,
+    reason="the compiled paths are not in use (not built at install, or TRIO_CUDA_PURE set)",
+)
+
+
+def _ref(x: Any, y: Any, v: Any) -> None:
+    y[:] = x + v
+
+
+K = trio_cuda.Kernel.from_source(
+    stub_source("k"), "k", params=[In("f4"), InOut("f4"), Scalar("f4")], reference=_ref
+)
+
+
+class Garbage:
+    """A policy that returns what it is told to."""
+
+    def __init__(self, give: Callable[[Any], Any]) -> None:
+        self.give = give
+
+    def choose(self, streams: Any, op: Any) -> Any:
+        return self.give(streams)
+
+    def __repr__(self) -> str:
+        return "Garbage()"
+
+
+def _record(gpu: Any, sim: SimDevice, what: Any) -> tuple[Any, ...]:
+    return (
+        what,
+        gpu.statistics(),
+        internals.submissions_numbered(gpu),
+        [s.statistics() for s in gpu.streams],
+        sim.statistics(),
+    )
+
+
+def _scenario(compiled: bool) -> list[tuple[Any, ...]]:
+    """Each way a lone launch's submission can go: its record on one path."""
+    records: list[tuple[Any, ...]] = []
+    saved = _scope.submit_launch
+    _scope.submit_launch = saved if compiled else None
+
+    async def main() -> None:
+        sim = SimDevice()
+        give: list[Callable[[Any], Any]] = [lambda streams: streams[1]]
+        policy = Garbage(lambda streams: give[0](streams))
+        async with (
+            trio_cuda.open_scope(device=sim, streams=2, policy=policy) as gpu,
+            trio_cuda.open_scope(device=SimDevice()) as other,
+        ):
+            x, y = gpu.zeros(4, "f4"), gpu.zeros(4, "f4")
+            op = K.launch(x, y, np.float32(1), grid=1, block=4)
+            await gpu.load(K)
+            await trio.testing.wait_all_tasks_blocked()
+
+            def attempt(label: str, fn: Callable[[], Any]) -> None:
+                try:
+                    fn()
+                    what: Any = "ok"
+                except BaseException as exc:  # KeyboardInterrupt too: both paths raise it alike
+                    what = (type(exc).__name__, str(exc), type(exc.__context__).__name__)
+                records.append(_record(gpu, sim, (label, what)))
+
+            attempt("policy", lambda: gpu.submit(op))
+            attempt("pinned", lambda: gpu.submit(op, stream=gpu.streams[0]))
+            attempt("fresh", lambda: gpu.submit(K.launch(y, x, np.float32(2), grid=1, block=4)))
+            for label, bad in [
+                ("policy gives an int", lambda streams: 3),
+                ("policy gives another scope's stream", lambda streams: other.streams[0]),
+                ("policy raises", lambda streams: 1 / 0),
+            ]:
+                give[0] = bad
+                attempt(label, lambda: gpu.submit(op))
+            give[0] = lambda streams: streams[0]
+            attempt("stream of another scope", lambda: gpu.submit(op, stream=other.streams[0]))
+            attempt("stream not a stream", lambda: gpu.submit(op, stream="s"))  # type: ignore[arg-type]
+            sim.inject_fault("launch_error")
+            attempt("launch error", lambda: gpu.submit(op))
+            cls = type(internals.driver_of(gpu))
+            real = cls.launch
+
+            def interrupted(*args: Any) -> None:
+                raise KeyboardInterrupt
+
+            cls.launch = interrupted
+            try:
+                attempt("interrupted launch", lambda: gpu.submit(op))
+            finally:
+                cls.launch = real
+            await trio.testing.wait_all_tasks_blocked()
+            records.append(_record(gpu, sim, "settled"))
+            await gpu.run(op)
+            records.append(("values", (await gpu.to_host(x)).tolist(), (await gpu.to_host(y)).tolist()))
+        records.append(("exit", sim.violations, sim.live_allocations))
+
+    try:
+        try:
+            run_bounded(main, limit=20.0)
+        except BaseException as exc:  # the exit reports the launch errors nobody awaited
+            records.append(("raised", type(exc).__name__, repr(exc)[:300]))
+    finally:
+        _scope.submit_launch = saved
+    return records
+
+
+@compiled_only
+def test_compiled_and_python_submissions_agree_on_every_outcome() -> None:
+    compiled = _scenario(True)
+    python = _scenario(False)
+    assert [r[0] for r in compiled] == [r[0] for r in python]
+    for a, b in zip(compiled, python, strict=True):
+        assert a == b
+    outcomes = dict(r[0] for r in compiled if isinstance(r[0], tuple))
+    assert outcomes["policy"] == outcomes["pinned"] == outcomes["fresh"] == "ok"
+    assert outcomes["policy gives an int"][0] == "TypeError"
+    assert outcomes["policy gives another scope's stream"][0] == "ValueError"
+    assert outcomes["policy raises"][0] == "ZeroDivisionError"
+    assert outcomes["stream of another scope"][0] == "ValueError"
+    assert outcomes["stream not a stream"][0] == "TypeError"
+    assert outcomes["launch error"][0] == "LaunchError"
+    assert outcomes["interrupted launch"][0] == "KeyboardInterrupt"
+    assert compiled[-2] == ("values", [3.0] * 4, [4.0] * 4)
+    assert compiled[-1] == ("exit", [], [])
+
+
+@compiled_only
+async def test_the_driver_runs_under_ki_protection_and_a_traced_scope_takes_the_python_path() -> None:
+    seen: list[bool] = []
+    made: list[object] = []
+    real = _scope.submit_launch
+    assert real is not None
+
+    def counting(*args: Any) -> Any:
+        assert real is not None
+        sub = real(*args)
+        made.append(sub)
+        return sub
+
+    trace = trio_cuda.trace.Trace()
+    _scope.submit_launch = counting
+    try:
+        for traced in (False, True):
+            sim = SimDevice()
+            async with trio_cuda.open_scope(device=sim, trace=trace if traced else None) as gpu:
+                x, y = gpu.zeros(4, "f4"), gpu.zeros(4, "f4")
+                cls = type(internals.driver_of(gpu))
+                launch = cls.launch
+
+                def watched(*args: Any, launch: Any = launch) -> Any:
+                    seen.append(trio.lowlevel.currently_ki_protected())
+                    return launch(*args)
+
+                cls.launch = watched
+                try:
+                    await gpu.run(K.launch(x, y, np.float32(1), grid=1, block=4))
+                finally:
+                    cls.launch = launch
+            assert sim.violations == []
+    finally:
+        _scope.submit_launch = real
+    assert seen == [True, True]
+    assert len(made) == 2
+    assert type(made[0]).__name__ == "Submission"
+    assert made[1] is None  # traced: the Python path submitted it
+    assert any(e.cat == "submit" for e in trace.events)
+
+
+@compiled_only
+async def test_compiled_submission_leaks_nothing() -> None:
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
+        x, y = gpu.zeros(4, "f4"), gpu.zeros(4, "f4")
+        op = K.launch(x, y, np.float32(1), grid=1, block=4)
+        await gpu.run(op)
+        s = gpu.streams[1]
+        driver = internals.driver_of(gpu)
+        function = internals.loaded_function(gpu, K)
+
+        def counts() -> list[int]:
+            gc.collect()
+            held = (gpu, s, op, op.prepared, function, driver, x, y, x._alloc, y._alloc)
+            return [sys.getrefcount(o) for o in held]
+
+        before = counts()
+        for _ in range(100):
+            await gpu.run(op)
+            await gpu.run(op, stream=s)
+        futures = [gpu.submit(op) for _ in range(20)]
+        for f in futures:
+            await f.wait()
+        del futures, f
+        for _ in range(3):
+            sim.inject_fault("launch_error")
+            with pytest.raises(trio_cuda.LaunchError):
+                await gpu.run(op, stream=s)
+        with pytest.raises(TypeError):
+            gpu.submit(op, stream=3)  # type: ignore[arg-type]
+        await trio.testing.wait_all_tasks_blocked()
+        assert counts() == before
+        assert gpu.statistics().in_flight == 0
+    assert sim.violations == []

@@ -1,0 +1,362 @@
+/* A lone kernel launch submitted (part of trio_cuda._core._claunch).
+
+   submit_launch(scope, op, stream) does what ResourceScope._submit_launch
+   (trio_cuda/_core/_scope.py) does for an untraced scope, step for step and
+   in its order:
+   1. the stream: ``stream`` itself when it is one of the scope's, else the
+      policy's choice (``policy.choose``), else ``scope._pick`` (which raises
+      the reference's errors);
+   2. the loaded function: the launch's ``ready`` pair when it is this
+      scope's, else ``scope._kernels.function_for``;
+   3. the next id, and the Submission, made as its __init__ makes it;
+   4. the leases: ``take_whole`` (the _submit module's, where its fast path
+      is on), else the _scope module's ``take_launch_leases`` (so a patched
+      one is what runs);
+   5. ``driver.launch``; if it raises, the submission keeps the error,
+      counts as observed and is finished behind a marker
+      (``completion.finish(sub, None)``), and the error is raised;
+   6. what ``Completion.launched`` does: the submission in flight, the
+      counters, the unmarked list, a marker where markers are not batched
+      (``completion.flush``), and ``driver.notify_submitted()``.
+   A traced scope returns None at once: ``_submit_launch`` then runs the
+   Python path. The Python code called here (the policy, the function table,
+   the general lease path, the driver) runs under the caller's KI
+   protection. */
+
+#include "_claunch.h"
+
+static int g_submit_ready;
+static PyTypeObject *t_scope, *t_stream, *t_sub;
+static SlotRef r_sc_functions, r_sc_kernels, r_sc_next_id, r_sc_driver, r_sc_completion, r_sc_policy,
+    r_sc_streams, r_sc_tracer;
+static SlotRef r_st_scope, r_st_handle, r_st_in_flight, r_st_unmarked;
+static SlotRef r_c_in_flight, r_c_unflushed, r_c_batch, r_c_driver;
+static SlotRef r_sub_error, r_sub_observed, r_sub_dirty, r_sub_output, r_sub_state;
+enum { N_SUB = 15 };
+static const char *const sub_names[N_SUB] = {"scope",  "stream", "id",       "op",       "state",
+                                             "marker", "owners", "finishers", "leases",  "error",
+                                             "observed", "output", "waiter",  "dirty",   "unknown"};
+static Py_ssize_t sub_off[N_SUB];
+static PyObject *g_enqueuing, *g_in_flight, *g_empty, *g_tll, *g_scope_globals, *g_submit_globals;
+static PyObject *n_tll, *n_fast, *n_take_whole, *n_pick, *n_check_choice, *n_choose, *n_function_for, *n_launch,
+    *n_finish, *n_flush, *n_notify;
+
+/* The stream ``op`` goes to (a new reference), as ``_pick`` chooses it. */
+static PyObject *pick(PyObject *scope, PyObject *op, PyObject *stream) {
+    if (Py_TYPE(stream) == t_stream) {
+        PyObject *owner = read_slot(stream, &r_st_scope);
+        if (owner == NULL) return NULL;
+        Py_DECREF(owner);
+        if (owner == scope) {
+            Py_INCREF(stream);
+            return stream;
+        }
+    }
+    if (stream != Py_None) return PyObject_CallMethodObjArgs(scope, n_pick, op, stream, NULL);
+    PyObject *policy = read_slot(scope, &r_sc_policy);
+    PyObject *streams = policy ? read_slot(scope, &r_sc_streams) : NULL;
+    PyObject *chosen = streams ? PyObject_CallMethodObjArgs(policy, n_choose, streams, op, NULL) : NULL;
+    Py_XDECREF(policy);
+    Py_XDECREF(streams);
+    if (chosen == NULL) return NULL;
+    if (Py_TYPE(chosen) == t_stream) {
+        PyObject *owner = read_slot(chosen, &r_st_scope);
+        if (owner == NULL) {
+            Py_DECREF(chosen);
+            return NULL;
+        }
+        Py_DECREF(owner);
+        if (owner == scope) return chosen;
+    }
+    PyObject *checked = PyObject_CallMethodOneArg(scope, n_check_choice, chosen); /* (raises the reason) */
+    Py_DECREF(chosen);
+    return checked;
+}
+
+/* The loaded function ``prepared`` launches (a new reference). */
+static PyObject *function_for(PyObject *scope, PyObject *prepared) {
+    if (Py_TYPE(prepared) == g_prepared_type) {
+        PyObject *ready = *(PyObject **)((char *)prepared + g_prepared_off[7]);
+        if (ready != NULL && PyTuple_CheckExact(ready) && PyTuple_GET_SIZE(ready) == 2) {
+            PyObject *functions = read_slot(scope, &r_sc_functions);
+            if (functions == NULL) return NULL;
+            Py_DECREF(functions);
+            if (PyTuple_GET_ITEM(ready, 0) == functions) {
+                PyObject *fn = PyTuple_GET_ITEM(ready, 1);
+                Py_INCREF(fn);
+                return fn;
+            }
+        }
+    }
+    PyObject *kernels = read_slot(scope, &r_sc_kernels);
+    if (kernels == NULL) return NULL;
+    PyObject *fn = PyObject_CallMethodOneArg(kernels, n_function_for, prepared);
+    Py_DECREF(kernels);
+    return fn;
+}
+
+/* Step 4: 0, or -1 (error set). */
+static int take_leases(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op) {
+    PyObject *tll = PyDict_GetItemWithError(g_scope_globals, n_tll); /* (borrowed) */
+    if (tll == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "submit_launch: take_launch_leases is gone");
+        return -1;
+    }
+    Py_INCREF(tll);
+    int rc = -1;
+    PyObject *plan = NULL, *accesses = NULL;
+    if (tll == g_tll) {
+        PyObject *fast = PyDict_GetItemWithError(g_submit_globals, n_fast);
+        PyObject *tw = fast == Py_True ? PyDict_GetItemWithError(g_submit_globals, n_take_whole) : NULL;
+        if (PyErr_Occurred()) goto done;
+        if (tw != NULL && tw != Py_None) {
+            plan = *(PyObject **)((char *)op + g_launch_off[2]); /* (op is of the exact type) */
+            Py_XINCREF(plan);
+            if (plan != NULL && PyTuple_CheckExact(plan) && PyTuple_GET_SIZE(plan) == 2 && PyTuple_GET_ITEM(plan, 1) == Py_True) {
+                accesses = *(PyObject **)((char *)op + g_launch_off[1]);
+                if (accesses == NULL) {
+                    PyErr_SetString(PyExc_AttributeError, "_accesses");
+                    goto done;
+                }
+                Py_INCREF(tw);
+                PyObject *argv[5] = {scope, s, sub, accesses, PyTuple_GET_ITEM(plan, 0)};
+                PyObject *took = PyObject_Vectorcall(tw, argv, 5, NULL);
+                Py_DECREF(tw);
+                int yes = took ? PyObject_IsTrue(took) : -1;
+                Py_XDECREF(took);
+                if (yes < 0) goto done;
+                if (yes) {
+                    rc = 0;
+                    goto done;
+                }
+            }
+        }
+    }
+    PyObject *argv[4] = {scope, s, sub, op};
+    PyObject *r = PyObject_Vectorcall(tll, argv, 4, NULL);
+    if (r != NULL) {
+        Py_DECREF(r);
+        rc = 0;
+    }
+done:
+    Py_DECREF(tll);
+    Py_XDECREF(plan);
+    return rc;
+}
+
+/* Step 5's error path: keep the driver's error on the submission, finish it
+   behind a marker, and raise the error (or what finishing raised, with the
+   error as its context). */
+static void launch_failed(PyObject *scope, PyObject *sub) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL) PyException_SetTraceback(value, tb);
+    Py_INCREF(value);
+    Py_INCREF(Py_True);
+    PyObject *completion = read_slot(scope, &r_sc_completion);
+    PyObject *r = NULL;
+    if (store_slot(sub, &r_sub_error, value) == 0 && store_slot(sub, &r_sub_observed, Py_True) == 0 &&
+        completion != NULL)
+        r = PyObject_CallMethodObjArgs(completion, n_finish, sub, Py_None, NULL);
+    Py_XDECREF(completion);
+    if (r != NULL) {
+        Py_DECREF(r);
+        PyErr_Restore(type, value, tb);
+        return;
+    }
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (tb2 != NULL) PyException_SetTraceback(v2, tb2);
+    PyException_SetContext(v2, value); /* (steals value) */
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    PyErr_Restore(t2, v2, tb2);
+}
+
+/* Step 6: 0, or -1 (error set). */
+static int launched(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op) {
+    PyObject *output = *(PyObject **)((char *)op + g_launch_off[3]);
+    if (output == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "_output");
+        return -1;
+    }
+    Py_INCREF(Py_True);
+    Py_INCREF(output);
+    Py_INCREF(g_in_flight);
+    if (store_slot(sub, &r_sub_dirty, Py_True) < 0 || store_slot(sub, &r_sub_output, output) < 0 ||
+        store_slot(sub, &r_sub_state, g_in_flight) < 0)
+        return -1;
+    PyObject *completion = read_slot(scope, &r_sc_completion);
+    if (completion == NULL) return -1;
+    int rc = -1;
+    PyObject *unmarked = NULL, *unflushed = NULL, *batch = NULL, *driver = NULL, *r = NULL;
+    if (bump(s, &r_st_in_flight, 1) < 0 || bump(completion, &r_c_in_flight, 1) < 0) goto done;
+    if ((unmarked = read_slot(s, &r_st_unmarked)) == NULL) goto done;
+    if (!PyList_Check(unmarked)) {
+        PyErr_Format(PyExc_TypeError, "stream._unmarked: expected a list, got %.100s", Py_TYPE(unmarked)->tp_name);
+        goto done;
+    }
+    if (PyList_GET_SIZE(unmarked) == 0) {
+        if ((unflushed = read_slot(completion, &r_c_unflushed)) == NULL) goto done;
+        if (!PyList_Check(unflushed)) {
+            PyErr_SetString(PyExc_TypeError, "completion.unflushed: expected a list");
+            goto done;
+        }
+        if (PyList_Append(unflushed, s) < 0) goto done;
+    }
+    if (PyList_Append(unmarked, sub) < 0) goto done;
+    if ((batch = read_slot(completion, &r_c_batch)) == NULL) goto done;
+    int batched = PyObject_IsTrue(batch);
+    if (batched < 0) goto done;
+    if (!batched) {
+        if ((r = PyObject_CallMethodOneArg(completion, n_flush, s)) == NULL) goto done;
+        Py_CLEAR(r);
+    }
+    if ((driver = read_slot(completion, &r_c_driver)) == NULL) goto done;
+    if ((r = PyObject_CallMethodNoArgs(driver, n_notify)) == NULL) goto done;
+    rc = 0;
+done:
+    Py_DECREF(completion);
+    Py_XDECREF(unmarked);
+    Py_XDECREF(unflushed);
+    Py_XDECREF(batch);
+    Py_XDECREF(driver);
+    Py_XDECREF(r);
+    return rc;
+}
+
+PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "submit_launch(scope, op, stream)");
+        return NULL;
+    }
+    if (!g_submit_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "submit_launch: configure_submit() first");
+        return NULL;
+    }
+    PyObject *scope = args[0], *op = args[1], *stream = args[2];
+    if (Py_TYPE(scope) != t_scope || Py_TYPE(op) != g_launch_type) {
+        PyErr_Format(PyExc_TypeError, "submit_launch: expected a ResourceScope and a KernelLaunch, got %.100s and %.100s",
+                     Py_TYPE(scope)->tp_name, Py_TYPE(op)->tp_name);
+        return NULL;
+    }
+    PyObject *tracer = read_slot(scope, &r_sc_tracer);
+    if (tracer == NULL) return NULL;
+    Py_DECREF(tracer);
+    if (tracer != Py_None) Py_RETURN_NONE; /* traced: the Python path records it */
+    PyObject *prepared = NULL, *function = NULL, *sub = NULL, *id = NULL, *driver = NULL, *handle = NULL,
+             *r = NULL, *result = NULL;
+    PyObject *s = pick(scope, op, stream);
+    if (s == NULL) return NULL;
+    prepared = *(PyObject **)((char *)op + g_launch_off[0]);
+    if (prepared == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "prepared");
+        goto out;
+    }
+    Py_INCREF(prepared);
+    if ((function = function_for(scope, prepared)) == NULL) goto out;
+    if (bump(scope, &r_sc_next_id, 1) < 0 || (id = read_slot(scope, &r_sc_next_id)) == NULL) goto out;
+    PyObject *values[N_SUB] = {scope,   s,       id,      op,      g_enqueuing, Py_None,  Py_None, Py_None,
+                               g_empty, Py_None, Py_False, Py_None, Py_None,     Py_False, Py_None};
+    if ((sub = new_instance(t_sub, sub_off, values, N_SUB)) == NULL) goto out;
+    if (take_leases(scope, s, sub, op) < 0) goto out;
+    if ((driver = read_slot(scope, &r_sc_driver)) == NULL || (handle = read_slot(s, &r_st_handle)) == NULL) goto out;
+    PyObject *argv[4] = {driver, handle, function, prepared};
+    r = PyObject_VectorcallMethod(n_launch, argv, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (r == NULL) {
+        launch_failed(scope, sub);
+        goto out;
+    }
+    if (launched(scope, s, sub, op) < 0) goto out;
+    result = sub;
+    Py_INCREF(result);
+out:
+    Py_DECREF(s);
+    Py_XDECREF(prepared);
+    Py_XDECREF(function);
+    Py_XDECREF(sub);
+    Py_XDECREF(id);
+    Py_XDECREF(driver);
+    Py_XDECREF(handle);
+    Py_XDECREF(r);
+    return result;
+}
+
+static int intern(PyObject **out, const char *name) { return (*out = PyUnicode_InternFromString(name)) ? 0 : -1; }
+
+/* configure_submit(env): after configure_leases() and configure_retire(). */
+PyObject *configure_submit(PyObject *module, PyObject *env) {
+    if (!PyDict_Check(env)) {
+        PyErr_SetString(PyExc_TypeError, "configure_submit: expected a dict");
+        return NULL;
+    }
+    if (!g_configured || g_submit_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "configure_submit: once per process, after configure()");
+        return NULL;
+    }
+    PyObject *scope_mod = NULL, *submit_mod = NULL;
+    if (take(env, "ResourceScope", (PyObject **)&t_scope) < 0 || take(env, "Stream", (PyObject **)&t_stream) < 0 ||
+        take(env, "Submission", (PyObject **)&t_sub) < 0 || take(env, "ENQUEUING", &g_enqueuing) < 0 ||
+        take(env, "IN_FLIGHT", &g_in_flight) < 0 || take(env, "take_launch_leases", &g_tll) < 0 ||
+        take(env, "scope_module", &scope_mod) < 0 || take(env, "submit_module", &submit_mod) < 0)
+        return NULL;
+    if (!PyType_Check(t_scope) || !PyType_Check(t_stream) || !PyType_Check(t_sub)) {
+        PyErr_SetString(PyExc_TypeError, "configure_submit: ResourceScope, Stream and Submission must be types");
+        return NULL;
+    }
+    g_scope_globals = PyModule_GetDict(scope_mod);
+    g_submit_globals = PyModule_GetDict(submit_mod);
+    if (g_scope_globals == NULL || g_submit_globals == NULL) return NULL;
+    Py_INCREF(g_scope_globals);
+    Py_INCREF(g_submit_globals);
+    PyObject *tp_scope = (PyObject *)t_scope, *tp_stream = (PyObject *)t_stream, *tp_sub = (PyObject *)t_sub;
+    PyObject *tp_c = PyDict_GetItemString(env, "Completion");
+    if (tp_c == NULL || !PyType_Check(tp_c)) {
+        PyErr_SetString(PyExc_TypeError, "configure_submit: Completion must be a type");
+        return NULL;
+    }
+    struct {
+        PyObject *type;
+        const char *name;
+        SlotRef *ref;
+    } refs[] = {{tp_scope, "_functions", &r_sc_functions}, {tp_scope, "_kernels", &r_sc_kernels},
+                {tp_scope, "_next_id", &r_sc_next_id},     {tp_scope, "_driver", &r_sc_driver},
+                {tp_scope, "_completion", &r_sc_completion}, {tp_scope, "_policy", &r_sc_policy},
+                {tp_scope, "_streams", &r_sc_streams},     {tp_scope, "_tracer", &r_sc_tracer},
+                {tp_stream, "_scope", &r_st_scope},        {tp_stream, "handle", &r_st_handle},
+                {tp_stream, "_in_flight", &r_st_in_flight}, {tp_stream, "_unmarked", &r_st_unmarked},
+                {tp_c, "in_flight", &r_c_in_flight},       {tp_c, "unflushed", &r_c_unflushed},
+                {tp_c, "batch", &r_c_batch},               {tp_c, "driver", &r_c_driver},
+                {tp_sub, "error", &r_sub_error},           {tp_sub, "observed", &r_sub_observed},
+                {tp_sub, "dirty", &r_sub_dirty},           {tp_sub, "output", &r_sub_output},
+                {tp_sub, "state", &r_sub_state}};
+    for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
+        if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
+    for (int i = 0; i < N_SUB; i++) {
+        SlotRef ref;
+        if (make_slot_ref(tp_sub, sub_names[i], &ref) < 0) return NULL;
+        sub_off[i] = ref.offset;
+    }
+    /* every slot but __weakref__ is set by new_instance, as __init__ sets them */
+    PyObject *slots = PyObject_GetAttrString(tp_sub, "__slots__");
+    if (slots == NULL) return NULL;
+    Py_ssize_t n = PySequence_Size(slots);
+    Py_DECREF(slots);
+    if (n != N_SUB + 1) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "configure_submit: Submission has %zd slots, expected %d", n, N_SUB + 1);
+        return NULL;
+    }
+    if ((g_empty = PyTuple_New(0)) == NULL) return NULL;
+    if (intern(&n_tll, "take_launch_leases") < 0 || intern(&n_fast, "FAST_LEASES") < 0 ||
+        intern(&n_take_whole, "take_whole") < 0 || intern(&n_pick, "_pick") < 0 ||
+        intern(&n_check_choice, "_check_choice") < 0 || intern(&n_choose, "choose") < 0 ||
+        intern(&n_function_for, "function_for") < 0 || intern(&n_launch, "launch") < 0 ||
+        intern(&n_finish, "finish") < 0 || intern(&n_flush, "flush") < 0 ||
+        intern(&n_notify, "notify_submitted") < 0)
+        return NULL;
+    g_submit_ready = 1;
+    Py_RETURN_NONE;
+}
