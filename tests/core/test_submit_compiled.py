@@ -95,6 +95,9 @@ def _scenario(compiled: bool) -> list[tuple[Any, ...]]:
             attempt("policy", lambda: gpu.submit(op))
             attempt("pinned", lambda: gpu.submit(op, stream=gpu.streams[0]))
             attempt("fresh", lambda: gpu.submit(K.launch(y, x, np.float32(2), grid=1, block=4)))
+            big = K.launch(y, x, np.float32(2), grid=1 << 30, block=1024, cooperative=True)
+            attempt("over the device's limits", lambda: gpu.submit(big))
+            attempt("fresh again", lambda: gpu.submit(K.launch(y, x, np.float32(2), grid=1, block=4)))
             for label, bad in [
                 ("policy gives an int", lambda streams: 3),
                 ("policy gives another scope's stream", lambda streams: other.streams[0]),
@@ -142,7 +145,8 @@ def test_compiled_and_python_submissions_agree_on_every_outcome() -> None:
     for a, b in zip(compiled, python, strict=True):
         assert a == b
     outcomes = dict(r[0] for r in compiled if isinstance(r[0], tuple))
-    assert outcomes["policy"] == outcomes["pinned"] == outcomes["fresh"] == "ok"
+    assert outcomes["policy"] == outcomes["pinned"] == outcomes["fresh"] == outcomes["fresh again"] == "ok"
+    assert outcomes["over the device's limits"][0] == "KernelArgumentError"
     assert outcomes["policy gives an int"][0] == "TypeError"
     assert outcomes["policy gives another scope's stream"][0] == "ValueError"
     assert outcomes["policy raises"][0] == "ZeroDivisionError"
@@ -209,7 +213,10 @@ async def test_compiled_submission_leaks_nothing() -> None:
 
         def counts() -> list[int]:
             gc.collect()
-            held = (gpu, s, op, op.prepared, function, driver, x, y, x._alloc, y._alloc)
+            # (not the scope and its components: the handoff task's frames and
+            # the current-scope context variable refer to them, more or less
+            # depending on where the handoff waits, on either path)
+            held = (s, op, op.prepared, function, driver, x, y, x._alloc, y._alloc)
             return [sys.getrefcount(o) for o in held]
 
         before = counts()
@@ -230,3 +237,34 @@ async def test_compiled_submission_leaks_nothing() -> None:
         assert counts() == before
         assert gpu.statistics().in_flight == 0
     assert sim.violations == []
+
+
+@compiled_only
+async def test_fresh_launch_of_last_checked_shape_skips_function_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KernelTable.function_for`` runs for a shape not checked last (and
+    for a launch the scope has not loaded); a fresh launch of the last
+    checked shape finds its function without it, and keeps it as the
+    Python path keeps it."""
+    from trio_cuda._core._kernels import KernelTable
+
+    calls: list[object] = []
+    real = KernelTable.function_for
+
+    def counting(self: Any, prepared: Any) -> Any:
+        calls.append(prepared.config)
+        return real(self, prepared)
+
+    monkeypatch.setattr(KernelTable, "function_for", counting)
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x, y = gpu.zeros(4, "f4"), gpu.zeros(4, "f4")
+        first = K.launch(x, y, np.float32(1), grid=1, block=4)
+        await gpu.run(first)
+        assert len(calls) == 1
+        again = K.launch(x, y, np.float32(1), grid=1, block=4)
+        await gpu.run(again)
+        assert len(calls) == 1
+        assert again.prepared.ready == first.prepared.ready
+        other = K.launch(x, y, np.float32(1), grid=2, block=2)
+        await gpu.run(other)
+        await gpu.run(K.launch(x, y, np.float32(1), grid=1, block=4))  # (no longer the last checked)
+        assert len(calls) == 3

@@ -7,7 +7,9 @@
       policy's choice (``policy.choose``), else ``scope._pick`` (which raises
       the reference's errors);
    2. the loaded function: the launch's ``ready`` pair when it is this
-      scope's, else ``scope._kernels.function_for``;
+      scope's; for a fresh SIMT launch of the shape its kernel was last
+      checked in, the loaded function, kept as ``ready`` (what
+      ``KernelTable.function_for`` does then); else that method;
    3. the next id, and the Submission, made as its __init__ makes it;
    4. the leases: ``take_whole`` (the _submit module's, where its fast path
       is on), else the _scope module's ``take_launch_leases`` (so a patched
@@ -32,6 +34,7 @@ static SlotRef r_sc_functions, r_sc_kernels, r_sc_next_id, r_sc_driver, r_sc_com
 static SlotRef r_st_scope, r_st_handle, r_st_in_flight, r_st_unmarked;
 static SlotRef r_c_in_flight, r_c_unflushed, r_c_batch, r_c_driver;
 static SlotRef r_sub_error, r_sub_observed, r_sub_dirty, r_sub_output, r_sub_state;
+static SlotRef r_kt_last, r_kt_functions, r_k_tile;
 enum { N_SUB = 15 };
 static const char *const sub_names[N_SUB] = {"scope",  "stream", "id",       "op",       "state",
                                              "marker", "owners", "finishers", "leases",  "error",
@@ -73,25 +76,75 @@ static PyObject *pick(PyObject *scope, PyObject *op, PyObject *stream) {
     return checked;
 }
 
-/* The loaded function ``prepared`` launches (a new reference). */
-static PyObject *function_for(PyObject *scope, PyObject *prepared) {
-    if (Py_TYPE(prepared) == g_prepared_type) {
-        PyObject *ready = *(PyObject **)((char *)prepared + g_prepared_off[7]);
-        if (ready != NULL && PyTuple_CheckExact(ready) && PyTuple_GET_SIZE(ready) == 2) {
-            PyObject *functions = read_slot(scope, &r_sc_functions);
-            if (functions == NULL) return NULL;
-            Py_DECREF(functions);
-            if (PyTuple_GET_ITEM(ready, 0) == functions) {
-                PyObject *fn = PyTuple_GET_ITEM(ready, 1);
+/* A fresh SIMT launch of the shape its kernel was last checked in, whose
+   kernel is loaded: its function (a new reference), kept on the launch as
+   ``KernelTable.function_for`` keeps it; NULL, with no error set and
+   nothing changed, where that method must decide; NULL, error set, on an
+   error. */
+static PyObject *last_checked(PyObject *kernels, PyObject *prepared) {
+    PyObject *kernel = *(PyObject **)((char *)prepared + g_prepared_off[0]);
+    PyObject *config = *(PyObject **)((char *)prepared + g_prepared_off[1]);
+    PyObject *plan = *(PyObject **)((char *)prepared + g_prepared_off[2]);
+    if (kernel == NULL || config == NULL || plan == NULL || Py_TYPE(kernels) != r_kt_last.type ||
+        Py_TYPE(kernel) != r_k_tile.type)
+        return NULL;
+    PyObject *tile = read_slot(kernel, &r_k_tile);
+    if (tile == NULL) return NULL;
+    Py_DECREF(tile);
+    if (tile != Py_None) return NULL; /* (a tile launch's check prepares its lists: per launch) */
+    PyObject *table = read_slot(kernels, &r_kt_last);
+    if (table == NULL) return NULL;
+    PyObject *functions = read_slot(kernels, &r_kt_functions);
+    if (functions == NULL) {
+        Py_DECREF(table);
+        return NULL;
+    }
+    PyObject *fn = NULL;
+    if (PyDict_CheckExact(table) && PyDict_CheckExact(functions)) {
+        PyObject *last = PyDict_GetItemWithError(table, kernel); /* (borrowed) */
+        if (last != NULL && PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 2 &&
+            PyTuple_GET_ITEM(last, 0) == config && PyTuple_GET_ITEM(last, 1) == plan) {
+            fn = PyDict_GetItemWithError(functions, kernel);
+            PyObject *ready = fn ? PyTuple_Pack(2, functions, fn) : NULL;
+            if (ready == NULL) {
+                fn = NULL;
+            } else {
+                PyObject **at = (PyObject **)((char *)prepared + g_prepared_off[7]);
+                PyObject *old = *at;
+                *at = ready;
+                Py_XDECREF(old);
                 Py_INCREF(fn);
-                return fn;
             }
         }
     }
-    PyObject *kernels = read_slot(scope, &r_sc_kernels);
-    if (kernels == NULL) return NULL;
-    PyObject *fn = PyObject_CallMethodOneArg(kernels, n_function_for, prepared);
-    Py_DECREF(kernels);
+    Py_DECREF(table);
+    Py_DECREF(functions);
+    return fn;
+}
+
+/* The loaded function ``prepared`` launches (a new reference). */
+static PyObject *function_for(PyObject *scope, PyObject *prepared) {
+    PyObject *functions = read_slot(scope, &r_sc_functions);
+    if (functions == NULL) return NULL;
+    PyObject *kernels = NULL, *fn = NULL;
+    if (Py_TYPE(prepared) == g_prepared_type) {
+        PyObject *ready = *(PyObject **)((char *)prepared + g_prepared_off[7]);
+        if (ready != NULL && PyTuple_CheckExact(ready) && PyTuple_GET_SIZE(ready) == 2 &&
+            PyTuple_GET_ITEM(ready, 0) == functions) {
+            fn = PyTuple_GET_ITEM(ready, 1);
+            Py_INCREF(fn);
+            goto done;
+        }
+    }
+    if ((kernels = read_slot(scope, &r_sc_kernels)) == NULL) goto done;
+    if (Py_TYPE(prepared) == g_prepared_type) {
+        fn = last_checked(kernels, prepared);
+        if (fn != NULL || PyErr_Occurred()) goto done;
+    }
+    fn = PyObject_CallMethodOneArg(kernels, n_function_for, prepared);
+done:
+    Py_DECREF(functions);
+    Py_XDECREF(kernels);
     return fn;
 }
 
@@ -313,8 +366,11 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
     Py_INCREF(g_submit_globals);
     PyObject *tp_scope = (PyObject *)t_scope, *tp_stream = (PyObject *)t_stream, *tp_sub = (PyObject *)t_sub;
     PyObject *tp_c = PyDict_GetItemString(env, "Completion");
-    if (tp_c == NULL || !PyType_Check(tp_c)) {
-        PyErr_SetString(PyExc_TypeError, "configure_submit: Completion must be a type");
+    PyObject *tp_kt = PyDict_GetItemString(env, "KernelTable");
+    PyObject *tp_k = PyDict_GetItemString(env, "Kernel");
+    if (tp_c == NULL || !PyType_Check(tp_c) || tp_kt == NULL || !PyType_Check(tp_kt) || tp_k == NULL ||
+        !PyType_Check(tp_k)) {
+        PyErr_SetString(PyExc_TypeError, "configure_submit: Completion, KernelTable and Kernel must be types");
         return NULL;
     }
     struct {
@@ -331,7 +387,8 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
                 {tp_c, "batch", &r_c_batch},               {tp_c, "driver", &r_c_driver},
                 {tp_sub, "error", &r_sub_error},           {tp_sub, "observed", &r_sub_observed},
                 {tp_sub, "dirty", &r_sub_dirty},           {tp_sub, "output", &r_sub_output},
-                {tp_sub, "state", &r_sub_state}};
+                {tp_sub, "state", &r_sub_state},           {tp_kt, "last_checked", &r_kt_last},
+                {tp_kt, "functions", &r_kt_functions},     {tp_k, "tile", &r_k_tile}};
     for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
         if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
     for (int i = 0; i < N_SUB; i++) {

@@ -872,6 +872,8 @@ if _compiled.ext is not None:
             "Stream": Stream,
             "Submission": Submission,
             "Completion": Completion,
+            "KernelTable": KernelTable,
+            "Kernel": Kernel,
             "ENQUEUING": SubState.ENQUEUING,
             "IN_FLIGHT": SubState.IN_FLIGHT,
             "take_launch_leases": take_launch_leases,
