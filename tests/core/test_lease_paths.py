@@ -315,6 +315,7 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str], *, compiled:
     saved_whole = _submit.take_whole
     saved_retire = _completion.retire_done
     saved_submit = _scope.submit_launch
+    saved_scan = _completion.scan_streams
 
     def whole(*args: Any) -> bool:
         assert saved_whole is not None
@@ -333,6 +334,11 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str], *, compiled:
         made = saved_submit(*args)
         counts["compiled submit"] += made is not None
         return made
+
+    def scan(completion: Any) -> bool:
+        assert saved_scan is not None
+        counts["compiled scan"] += 1
+        return saved_scan(completion)
 
     def counting(scope: Any, stream: Any, sub: Any, op: Any) -> None:
         why = _why_general(scope, stream, op)
@@ -353,6 +359,7 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str], *, compiled:
     _submit.take_whole = whole if compiled and saved_whole is not None else None
     _completion.retire_done = retire if compiled and saved_retire is not None else None
     _scope.submit_launch = submit if compiled and saved_submit is not None else None
+    _completion.scan_streams = scan if compiled and saved_scan is not None else None
     try:
         run_bounded(run.main, limit=20.0)
     finally:
@@ -361,6 +368,7 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str], *, compiled:
         _submit.take_whole = saved_whole
         _completion.retire_done = saved_retire
         _scope.submit_launch = saved_submit
+        _completion.scan_streams = saved_scan
     return run
 
 
@@ -376,8 +384,8 @@ def test_fast_and_general_lease_paths_agree() -> None:
     @given(programs, st.booleans())
     def check(program: dict[str, Any], compiled: bool) -> None:
         # the fast path with the compiled common cases (where built: taking a
-        # launch's leases, submitting it, retiring) or all in Python, against
-        # all in Python
+        # launch's leases, submitting it, scanning and retiring) or all in
+        # Python, against all in Python
         fast = _run(program, True, counts, compiled=compiled)
         general = _run(program, False, Counter(), compiled=False)
         assert fast.sim.violations == []
@@ -407,6 +415,7 @@ def test_fast_and_general_lease_paths_agree() -> None:
         assert counts["compiled common case"] > 0, counts
         assert counts["compiled retire"] > 0, counts
         assert counts["compiled submit"] > 0, counts
+        assert counts["compiled scan"] > 0, counts
 
 
 def test_zeros_and_full_do_not_conflict_with_their_own_allocation() -> None:

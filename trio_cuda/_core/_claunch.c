@@ -2,7 +2,8 @@
    install: making it (the launch builder's methods, the base class of
    trio_cuda.LaunchBuilder: _claunch_builder.c; a kernel's typed-launch fast
    path: _claunch_typed.c), and the common cases of taking its leases and of
-   retiring it (_claunch_leases.c); submitting it (_claunch_submit.c).
+   retiring it (_claunch_leases.c); submitting it (_claunch_submit.c);
+   retiring what completed, per stream (_claunch_scan.c).
 
    Invariants:
    - The pure-Python code is the reference, and every path here does what it
@@ -21,7 +22,9 @@
        path must decide (see _claunch_leases.c);
      - ``submit_launch`` makes the steps of ``_submit_launch``, calling the
        Python code that one calls wherever a step is not the common case
-       (see _claunch_submit.c).
+       (see _claunch_submit.c); ``scan`` makes the steps of
+       ``Completion.scan``, each retirement and host step through the
+       Python methods (see _claunch_scan.c).
    - What is made is what the reference makes: the same bytes, layout,
      accesses, outputs, configuration, plan and objects (a PreparedLaunch
      and a KernelLaunch, their slots stored where their descriptors keep
@@ -30,14 +33,15 @@
      for objects of the exact classes configured; anything else goes through
      getattr or to the reference.
    - No path calls back into Python code except the reference's own
-     functions (and a scalar's packer; ``submit_launch``: the policy, the
-     driver and the Python steps of the reference); the lease paths call
+     functions (and a scalar's packer; ``submit_launch`` and ``scan``: the
+     policy, the driver and the Python steps of the reference); the lease paths call
      none, so they are atomic with respect to other threads and
      KeyboardInterrupt. Their callers are KI-protected Python functions.
    - configure() is called once, by _compiled.py, with the types and
      constants the paths read; make_base() once, by _builder.py;
      configure_leases() and configure_retire() once, by _submit.py and
-     _completion.py; configure_submit() once, by _scope.py. What they are given is held for the life of the
+     _completion.py; configure_submit() once, by _scope.py;
+     configure_scan() once, by _completion.py. What they are given is held for the life of the
      process.
    - Nothing here imports CUDA; this module belongs to the CUDA-free core. */
 
@@ -177,6 +181,9 @@ static PyMethodDef module_methods[] = {
      "configure_submit(env): the types, slots and modules submit_launch reads (once per process)."},
     {"submit_launch", (PyCFunction)(void (*)(void))submit_launch, METH_FASTCALL,
      "submit_launch(scope, op, stream) -> Submission, or None for a traced scope: ResourceScope._submit_launch."},
+    {"configure_scan", configure_scan, METH_O,
+     "configure_scan(env): the types, slots and module scan reads (once per process)."},
+    {"scan", scan, METH_O, "scan(completion) -> bool: Completion.scan (True when a host step ran)."},
     {"typed", make_typed, METH_VARARGS,
      "typed(kernel, plan, size, entries, tile=False) -> a typed launch's fast path, fast(args, config)."},
     {NULL, NULL, 0, NULL},

@@ -1,7 +1,8 @@
 /* Shared by the parts of trio_cuda._core._claunch: the module and its
    configuration (_claunch.c), the launch builder (_claunch_builder.c), the
    typed-launch fast path (_claunch_typed.c), a launch's leases
-   (_claunch_leases.c) and its submission (_claunch_submit.c). */
+   (_claunch_leases.c), its submission (_claunch_submit.c) and the
+   retirement of what completed (_claunch_scan.c). */
 
 #ifndef TRIO_CUDA_CLAUNCH_H
 #define TRIO_CUDA_CLAUNCH_H
@@ -120,6 +121,10 @@ PyObject *retire_done(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 /* _claunch_submit.c */
 PyObject *configure_submit(PyObject *module, PyObject *env);
 PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+
+/* _claunch_scan.c */
+PyObject *configure_scan(PyObject *module, PyObject *env);
+PyObject *scan(PyObject *module, PyObject *completion);
 
 /* _claunch_typed.c */
 int typed_init(void);

@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from collections.abc import Callable
 from time import perf_counter
@@ -39,7 +40,7 @@ from trio.lowlevel import (
     wait_task_rescheduled,
 )
 
-from . import _compiled
+from . import _compiled, _memory
 from ._array import AllocState
 from ._dlpack import UNCONSUMED, sweep_dropped
 from ._driver import PENDING as _PENDING
@@ -497,7 +498,10 @@ class Completion:
     def scan(self) -> bool:
         """Retire what completed, per stream in order. True when a host
         closure ran: opening its gate can complete work on a stream scanned
-        before, so the caller scans again; retiring alone never does."""
+        before, so the caller scans again; retiring alone never does. Where
+        it was built, the compiled ``scan_streams`` makes these steps."""
+        if scan_streams is not None:
+            return scan_streams(self)
         self.flush_all()
         progressed = False
         if UNCONSUMED:  # DLPack capsules dropped unconsumed release their exports
@@ -753,3 +757,25 @@ retire_done: Callable[[Completion, Submission], bool] | None = None
 if _compiled.ext is not None:
     _compiled.ext.configure_retire(Completion, Stream, SubState.DONE)
     retire_done = _compiled.ext.retire_done
+
+#: the compiled ``Completion.scan`` (``_claunch.scan``: the same steps, each
+#: retirement and host step through the methods and ``retire_done`` above);
+#: None where the pure-Python path runs (tests turn it off)
+scan_streams: Callable[[Completion], bool] | None = None
+if _compiled.ext is not None:
+    _compiled.ext.configure_scan(
+        {
+            "Completion": Completion,
+            "HostStep": HostStep,
+            "Stream": Stream,
+            "Submission": Submission,
+            "MemoryTable": _memory.MemoryTable,
+            "Poll": Poll,
+            "PENDING": MarkerState.PENDING,
+            "DONE": MarkerState.DONE,
+            "UNKNOWN": MarkerState.UNKNOWN,
+            "PENDING_POLL": _PENDING,
+            "completion_module": sys.modules[__name__],
+        }
+    )
+    scan_streams = _compiled.ext.scan

@@ -1,0 +1,146 @@
+"""The compiled ``Completion.scan`` (``_claunch.scan``) against the Python one.
+
+A program mixes awaited and forgotten launches on three streams, host
+closures (one raising), a kernel fault, an unknown completion, and a
+driver whose ``poll_marker`` raises an ``Exception`` (an unknown
+completion, on both paths) or a ``KeyboardInterrupt`` (raised, on both
+paths); both scans must leave the same record after every step: outcomes,
+statistics, values, and the exit's errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import trio_cuda
+from tests.helpers import internals
+from tests.helpers.guard import run_bounded
+from tests.helpers.kernels import stub_source
+from trio_cuda import InOut, Scalar, ops
+from trio_cuda._core import _compiled, _completion
+from trio_cuda.testing import SimDevice
+
+compiled_only = pytest.mark.skipif(
+    _compiled.ext is None,
+    reason="the compiled paths are not in use (not built at install, or TRIO_CUDA_PURE set)",
+)
+
+
+def _ref(x: Any, v: Any) -> None:
+    x += v
+
+
+ADD = trio_cuda.Kernel.from_source(
+    stub_source("add"), "add", params=[InOut("f4"), Scalar("f4")], reference=_ref
+)
+
+
+def _program(compiled: bool, calls: list[int]) -> list[Any]:
+    record: list[Any] = []
+    saved = _completion.scan_streams
+
+    def counting(completion: Any) -> bool:
+        assert saved is not None
+        calls.append(1)
+        return saved(completion)
+
+    _completion.scan_streams = counting if compiled else None
+
+    async def main() -> None:
+        sim = SimDevice()
+        ran: list[int] = []
+        async with trio_cuda.open_scope(device=sim, streams=3) as gpu:
+            s0, s1, s2 = gpu.streams
+            xs = [gpu.zeros(4, "f4") for _ in range(3)]
+
+            def add(i: int, v: float) -> Any:
+                return ADD.launch(xs[i], np.float32(v), grid=1, block=4)
+
+            async def step(label: str, fn: Any) -> None:
+                try:
+                    what: Any = await fn()
+                except BaseException as exc:  # KeyboardInterrupt too
+                    what = (type(exc).__name__, str(exc)[:120])
+                await trio.testing.wait_all_tasks_blocked()
+                # (who retired the work, a waiter or the handoff, depends on timing)
+                st = attrs.evolve(gpu.statistics(), retired_by_waiters=0)
+                record.append((label, repr(what)[:200], st, list(ran)))
+
+            async def burst() -> None:
+                sim.hold()
+                for i in range(6):
+                    gpu.submit(add(i % 3, 1.0), stream=(s0, s1, s2)[i % 3])
+                gpu.submit(ops.host_closure(ran.append, 1), stream=s1)
+                sim.release()
+
+            await step("burst", burst)
+            await step("run", lambda: gpu.run(add(0, 2.0), stream=s0))
+
+            def boom() -> None:
+                raise ValueError("closure")
+
+            await step("closure raises", lambda: gpu.run(ops.host_closure(boom), stream=s2))
+
+            async def fault() -> None:
+                sim.inject_fault("kernel_fault")
+                await gpu.run(add(1, 1.0), stream=s1)
+
+            await step("kernel fault", fault)
+
+            cls = type(internals.driver_of(gpu))
+            real = cls.poll_marker
+
+            async def polls_raise(exc: BaseException, i: int, s: Any) -> None:
+                me = trio.lowlevel.current_task()
+
+                def raising(self: Any, marker: Any) -> Any:
+                    if trio.lowlevel.current_task() is not me:  # (the handoff)
+                        return real(self, marker)
+                    raise exc
+
+                sim.hold()  # (the work is in flight when the waiter looks)
+                gpu.submit(add(i, 1.0), stream=s)
+                cls.poll_marker = raising
+                try:
+                    await gpu.run(add(i, 1.0), stream=s)
+                finally:
+                    cls.poll_marker = real
+                    sim.release()
+
+            await step("poll raises an Exception", lambda: polls_raise(RuntimeError("poll"), 2, s2))
+            await step("poll raises KeyboardInterrupt", lambda: polls_raise(KeyboardInterrupt(), 0, s0))
+            await step("after", lambda: gpu.run(add(0, 1.0), stream=s0))
+            values = [(await gpu.to_host(x)).tolist() for x in xs[:1]]
+            record.append(("values", values))
+        record.append(("exit", sim.violations))
+
+    try:
+        try:
+            run_bounded(main, limit=20.0)
+        except BaseException as exc:  # the exit's errors: the fault, the quarantine
+            record.append(("raised", type(exc).__name__, str(exc)[:300]))
+    finally:
+        _completion.scan_streams = saved
+    return record
+
+
+@compiled_only
+def test_compiled_and_python_scans_agree() -> None:
+    calls: list[int] = []
+    compiled = _program(True, calls)
+    python = _program(False, [])
+    assert calls  # the compiled scan ran
+    assert [r[0] for r in compiled] == [r[0] for r in python]
+    for a, b in zip(compiled, python, strict=True):
+        assert a == b
+    by_label = {r[0]: r for r in compiled}
+    assert "ValueError" in by_label["closure raises"][1]
+    assert "KeyboardInterrupt" in by_label["poll raises KeyboardInterrupt"][1]
+    assert "CompletionUnknownError" in by_label["poll raises an Exception"][1]
+    assert by_label["burst"][3] == [1]
+    assert by_label["after"][2].quarantined > 0

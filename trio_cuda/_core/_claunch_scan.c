@@ -1,0 +1,245 @@
+/* Retiring what completed (part of trio_cuda._core._claunch).
+
+   scan(completion) does what Completion.scan (trio_cuda/_core/_completion.py)
+   does, in its order:
+   - the unmarked submissions get their markers (``completion.flush_all()``,
+     called only when ``completion.unflushed`` is not empty: it does nothing
+     otherwise);
+   - dropped DLPack capsules release their exports (``sweep_dropped()``,
+     when the _completion module's ``UNCONSUMED`` is not empty), and the
+     memory table's collected handles are released (``release_pending()``,
+     when ``gc_releases`` is set);
+   - per stream, in order, the head of its pending queue is polled (a burst
+     sharing one marker is polled once; a poll that raises an Exception is
+     an unknown completion, as there), and while it completed it is taken
+     off: a host step runs (``completion.run_host_step``), a submission is
+     retired: by the _completion module's ``retire_done`` where its marker
+     is done and that one is set, else by ``completion.retire``.
+   Those steps are the Python methods themselves, looked up on every call, so
+   what runs is what the class and the module hold now. It returns True when
+   a host step ran. Its caller, Completion.scan, is KI-protected. */
+
+#include "_claunch.h"
+
+static int g_scan_ready;
+static PyTypeObject *t_completion, *t_host_step;
+static SlotRef r_unflushed, r_memory, r_gc_releases, r_driver, r_streams, r_pending, r_sub_marker, r_poll_state;
+static PyObject *g_pending_state, *g_done_state, *g_unknown_state, *g_pending_poll, *g_poll_type,
+    *g_completion_globals;
+static PyObject *n_flush_all, *n_unconsumed, *n_sweep, *n_release_pending, *n_poll_marker, *n_popleft,
+    *n_run_host_step, *n_retire_done, *n_retire;
+
+static int truthy_slot(PyObject *obj, SlotRef *ref) {
+    PyObject *v = read_slot(obj, ref);
+    if (v == NULL) return -1;
+    int yes = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return yes;
+}
+
+/* What polling ``marker`` established (a new reference): the driver's Poll,
+   or Poll(UNKNOWN, exc) where the driver raised an Exception. */
+static PyObject *poll(PyObject *poll_marker, PyObject *marker) {
+    PyObject *p = PyObject_CallOneArg(poll_marker, marker);
+    if (p != NULL || !PyErr_ExceptionMatches(PyExc_Exception)) return p;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL) PyException_SetTraceback(value, tb);
+    p = PyObject_CallFunctionObjArgs(g_poll_type, g_unknown_state, value, NULL);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return p;
+}
+
+/* One stream's completed prefix: 1 if a host step ran, 0 if not, -1 error. */
+static int scan_stream(PyObject *completion, PyObject *stream, PyObject *poll_marker) {
+    PyObject *pending = read_slot(stream, &r_pending);
+    if (pending == NULL) return -1;
+    int progressed = 0;
+    /* as the Python loop starts: no marker polled, nothing completed */
+    PyObject *last_ref = Py_NewRef(Py_None), *p = Py_NewRef(g_pending_poll);
+    for (;;) {
+        Py_ssize_t n = PyObject_Length(pending);
+        if (n < 0) goto fail;
+        if (n == 0) break;
+        PyObject *head = PySequence_GetItem(pending, 0);
+        if (head == NULL) goto fail;
+        PyObject *marker = read_slot(head, &r_sub_marker);
+        if (marker == NULL) {
+            Py_DECREF(head);
+            goto fail;
+        }
+        if (marker != last_ref) { /* a burst shares one marker: poll it once */
+            Py_XDECREF(p);
+            p = poll(poll_marker, marker);
+            Py_SETREF(last_ref, Py_NewRef(marker));
+            if (p == NULL) {
+                Py_DECREF(marker);
+                Py_DECREF(head);
+                goto fail;
+            }
+        }
+        Py_DECREF(marker);
+        PyObject *state = read_slot(p, &r_poll_state);
+        if (state == NULL) {
+            Py_DECREF(head);
+            goto fail;
+        }
+        Py_DECREF(state); /* (p holds it) */
+        if (state == g_pending_state) {
+            Py_DECREF(head);
+            break;
+        }
+        PyObject *r = PyObject_CallMethodNoArgs(pending, n_popleft);
+        if (r == NULL) {
+            Py_DECREF(head);
+            goto fail;
+        }
+        Py_DECREF(r);
+        if (Py_TYPE(head) == t_host_step) {
+            progressed = 1;
+            r = PyObject_CallMethodObjArgs(completion, n_run_host_step, head, p, NULL);
+        } else {
+            int retired = 0;
+            if (state == g_done_state) {
+                PyObject *rd = PyDict_GetItemWithError(g_completion_globals, n_retire_done); /* (borrowed) */
+                if (rd == NULL && PyErr_Occurred()) {
+                    Py_DECREF(head);
+                    goto fail;
+                }
+                if (rd != NULL && rd != Py_None) {
+                    Py_INCREF(rd);
+                    PyObject *argv[2] = {completion, head};
+                    PyObject *took = PyObject_Vectorcall(rd, argv, 2, NULL);
+                    Py_DECREF(rd);
+                    retired = took ? PyObject_IsTrue(took) : -1;
+                    Py_XDECREF(took);
+                    if (retired < 0) {
+                        Py_DECREF(head);
+                        goto fail;
+                    }
+                }
+            }
+            r = retired ? Py_NewRef(Py_None) : PyObject_CallMethodObjArgs(completion, n_retire, head, p, NULL);
+        }
+        Py_DECREF(head);
+        if (r == NULL) goto fail;
+        Py_DECREF(r);
+    }
+    Py_XDECREF(p);
+    Py_XDECREF(last_ref);
+    Py_DECREF(pending);
+    return progressed;
+fail:
+    Py_XDECREF(p);
+    Py_XDECREF(last_ref);
+    Py_DECREF(pending);
+    return -1;
+}
+
+PyObject *scan(PyObject *module, PyObject *completion) {
+    if (!g_scan_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "scan: configure_scan() first");
+        return NULL;
+    }
+    if (Py_TYPE(completion) != t_completion) {
+        PyErr_Format(PyExc_TypeError, "scan: expected a Completion, got %.100s", Py_TYPE(completion)->tp_name);
+        return NULL;
+    }
+    PyObject *r = NULL, *memory = NULL, *driver = NULL, *poll_marker = NULL, *streams = NULL, *result = NULL;
+    int yes = truthy_slot(completion, &r_unflushed);
+    if (yes < 0) return NULL;
+    if (yes && (r = PyObject_CallMethodNoArgs(completion, n_flush_all)) == NULL) return NULL;
+    Py_CLEAR(r);
+    PyObject *unconsumed = PyDict_GetItemWithError(g_completion_globals, n_unconsumed); /* (borrowed) */
+    if (unconsumed == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "scan: UNCONSUMED is gone");
+        return NULL;
+    }
+    if ((yes = PyObject_IsTrue(unconsumed)) < 0) return NULL;
+    if (yes) {
+        PyObject *sweep = PyDict_GetItemWithError(g_completion_globals, n_sweep);
+        if (sweep == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "scan: sweep_dropped is gone");
+            return NULL;
+        }
+        Py_INCREF(sweep);
+        r = PyObject_CallNoArgs(sweep);
+        Py_DECREF(sweep);
+        if (r == NULL) return NULL;
+        Py_CLEAR(r);
+    }
+    if ((memory = read_slot(completion, &r_memory)) == NULL) goto out;
+    if ((yes = truthy_slot(memory, &r_gc_releases)) < 0) goto out;
+    if (yes && (r = PyObject_CallMethodNoArgs(memory, n_release_pending)) == NULL) goto out;
+    Py_CLEAR(r);
+    if ((driver = read_slot(completion, &r_driver)) == NULL) goto out;
+    if ((poll_marker = PyObject_GetAttr(driver, n_poll_marker)) == NULL) goto out;
+    if ((streams = read_slot(completion, &r_streams)) == NULL) goto out;
+    PyObject *it = PyObject_GetIter(streams);
+    if (it == NULL) goto out;
+    int progressed = 0;
+    PyObject *stream;
+    while ((stream = PyIter_Next(it)) != NULL) {
+        int rc = scan_stream(completion, stream, poll_marker);
+        Py_DECREF(stream);
+        if (rc < 0) break;
+        progressed |= rc;
+    }
+    Py_DECREF(it);
+    if (!PyErr_Occurred()) result = PyBool_FromLong(progressed);
+out:
+    Py_XDECREF(memory);
+    Py_XDECREF(driver);
+    Py_XDECREF(poll_marker);
+    Py_XDECREF(streams);
+    return result;
+}
+
+static int intern(PyObject **out, const char *name) { return (*out = PyUnicode_InternFromString(name)) ? 0 : -1; }
+
+/* configure_scan(env): once per process, after configure(). */
+PyObject *configure_scan(PyObject *module, PyObject *env) {
+    if (!PyDict_Check(env)) {
+        PyErr_SetString(PyExc_TypeError, "configure_scan: expected a dict");
+        return NULL;
+    }
+    if (!g_configured || g_scan_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "configure_scan: once per process, after configure()");
+        return NULL;
+    }
+    PyObject *mod, *stream_type, *sub_type, *table_type;
+    if (take(env, "Completion", (PyObject **)&t_completion) < 0 || take(env, "HostStep", (PyObject **)&t_host_step) < 0 ||
+        take(env, "Stream", &stream_type) < 0 || take(env, "Submission", &sub_type) < 0 ||
+        take(env, "MemoryTable", &table_type) < 0 || take(env, "Poll", &g_poll_type) < 0 ||
+        take(env, "PENDING", &g_pending_state) < 0 || take(env, "DONE", &g_done_state) < 0 ||
+        take(env, "UNKNOWN", &g_unknown_state) < 0 || take(env, "PENDING_POLL", &g_pending_poll) < 0 || take(env, "completion_module", &mod) < 0)
+        return NULL;
+    if (!PyType_Check(t_completion) || !PyType_Check(t_host_step) || !PyType_Check(g_poll_type)) {
+        PyErr_SetString(PyExc_TypeError, "configure_scan: Completion, HostStep and Poll must be types");
+        return NULL;
+    }
+    if ((g_completion_globals = PyModule_GetDict(mod)) == NULL) return NULL;
+    Py_INCREF(g_completion_globals);
+    PyObject *tp_c = (PyObject *)t_completion;
+    struct {
+        PyObject *type;
+        const char *name;
+        SlotRef *ref;
+    } refs[] = {{tp_c, "unflushed", &r_unflushed},          {tp_c, "memory", &r_memory},
+                {tp_c, "driver", &r_driver},                {tp_c, "streams", &r_streams},
+                {table_type, "gc_releases", &r_gc_releases}, {stream_type, "_pending", &r_pending},
+                {sub_type, "marker", &r_sub_marker},         {g_poll_type, "state", &r_poll_state}};
+    for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
+        if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
+    if (intern(&n_flush_all, "flush_all") < 0 || intern(&n_unconsumed, "UNCONSUMED") < 0 ||
+        intern(&n_sweep, "sweep_dropped") < 0 || intern(&n_release_pending, "release_pending") < 0 ||
+        intern(&n_poll_marker, "poll_marker") < 0 || intern(&n_popleft, "popleft") < 0 ||
+        intern(&n_run_host_step, "run_host_step") < 0 || intern(&n_retire_done, "retire_done") < 0 ||
+        intern(&n_retire, "retire") < 0)
+        return NULL;
+    g_scan_ready = 1;
+    Py_RETURN_NONE;
+}
