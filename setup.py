@@ -35,6 +35,7 @@ setup(
                 "trio_cuda/_core/_claunch_leases.c",
                 "trio_cuda/_core/_claunch_submit.c",
                 "trio_cuda/_core/_claunch_scan.c",
+                "trio_cuda/_core/_claunch_method.c",
             ],
             depends=["trio_cuda/_core/_claunch.h"],
             optional=True,

@@ -3,7 +3,8 @@
    trio_cuda.LaunchBuilder: _claunch_builder.c; a kernel's typed-launch fast
    path: _claunch_typed.c), and the common cases of taking its leases and of
    retiring it (_claunch_leases.c); submitting it (_claunch_submit.c);
-   retiring what completed, per stream (_claunch_scan.c).
+   retiring what completed, per stream (_claunch_scan.c); Kernel.launch
+   itself (_claunch_method.c).
 
    Invariants:
    - The pure-Python code is the reference, and every path here does what it
@@ -24,7 +25,9 @@
        Python code that one calls wherever a step is not the common case
        (see _claunch_submit.c); ``scan`` makes the steps of
        ``Completion.scan``, each retirement and host step through the
-       Python methods (see _claunch_scan.c).
+       Python methods (see _claunch_scan.c); ``launch_method`` calls the
+       typed fast path for the common call and the reference
+       ``Kernel.launch`` for every other (see _claunch_method.c).
    - What is made is what the reference makes: the same bytes, layout,
      accesses, outputs, configuration, plan and objects (a PreparedLaunch
      and a KernelLaunch, their slots stored where their descriptors keep
@@ -41,7 +44,8 @@
      constants the paths read; make_base() once, by _builder.py;
      configure_leases() and configure_retire() once, by _submit.py and
      _completion.py; configure_submit() once, by _scope.py;
-     configure_scan() once, by _completion.py. What they are given is held for the life of the
+     configure_scan() once, by _completion.py; launch_method() once, by
+     _kernel.py. What they are given is held for the life of the
      process.
    - Nothing here imports CUDA; this module belongs to the CUDA-free core. */
 
@@ -184,6 +188,9 @@ static PyMethodDef module_methods[] = {
     {"configure_scan", configure_scan, METH_O,
      "configure_scan(env): the types, slots and module scan reads (once per process)."},
     {"scan", scan, METH_O, "scan(completion) -> bool: Completion.scan (True when a host step ran)."},
+    {"launch_method", launch_method, METH_VARARGS,
+     "launch_method(reference, Kernel, config_module) -> the descriptor standing for Kernel.launch (once per "
+     "process)."},
     {"typed", make_typed, METH_VARARGS,
      "typed(kernel, plan, size, entries, tile=False) -> a typed launch's fast path, fast(args, config)."},
     {NULL, NULL, 0, NULL},

@@ -1,8 +1,9 @@
 /* Shared by the parts of trio_cuda._core._claunch: the module and its
    configuration (_claunch.c), the launch builder (_claunch_builder.c), the
    typed-launch fast path (_claunch_typed.c), a launch's leases
-   (_claunch_leases.c), its submission (_claunch_submit.c) and the
-   retirement of what completed (_claunch_scan.c). */
+   (_claunch_leases.c), its submission (_claunch_submit.c), the
+   retirement of what completed (_claunch_scan.c) and Kernel.launch
+   (_claunch_method.c). */
 
 #ifndef TRIO_CUDA_CLAUNCH_H
 #define TRIO_CUDA_CLAUNCH_H
@@ -125,6 +126,9 @@ PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t narg
 /* _claunch_scan.c */
 PyObject *configure_scan(PyObject *module, PyObject *env);
 PyObject *scan(PyObject *module, PyObject *completion);
+
+/* _claunch_method.c */
+PyObject *launch_method(PyObject *module, PyObject *args);
 
 /* _claunch_typed.c */
 int typed_init(void);

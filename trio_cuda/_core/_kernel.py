@@ -37,7 +37,7 @@ from typing import Any, Final, Literal, Protocol, TypeAlias
 import attrs
 import numpy as np
 
-from . import _compiled, _fastgen
+from . import _compiled, _config, _fastgen
 from ._arena import (
     _K_ARRAY,
     _K_FLOAT,
@@ -610,3 +610,11 @@ def _compile_fast_py(kernel: Kernel) -> FastLauncher | None:
     body.append(_fastgen.launch_tail(outputs))
     fast: FastLauncher = _fastgen.build(body, ns, f"fast launch of {kernel.name}")
     return fast
+
+
+# Where the compiled paths are used, ``Kernel.launch`` on a kernel is the
+# compiled method (``_claunch.launch_method``): the common call straight to
+# the typed fast path, every other through the function above, which stays
+# what ``Kernel.launch`` is on the class (documentation, signature).
+if _compiled.ext is not None:
+    Kernel.launch = _compiled.ext.launch_method(Kernel.launch, Kernel, _config)  # type: ignore[method-assign]

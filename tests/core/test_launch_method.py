@@ -1,0 +1,139 @@
+"""``Kernel.launch`` compiled (``_claunch.launch_method``) against the reference.
+
+On the class, ``Kernel.launch`` is the reference function; on a kernel it is
+the compiled method, which makes the common call's launch through the typed
+fast path and hands every other call to the reference. Random calls (every
+keyword at ordinary and hostile values, missing or unknown keywords, wrong
+arguments) must give the same launch or the same error both ways."""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+import trio_cuda
+from tests.core.test_launch_fast import _same_launch
+from tests.helpers.kernels import stub_source
+from trio_cuda import In, Kernel, Out, Scalar
+from trio_cuda._core import _compiled, _kernel
+
+compiled_only = pytest.mark.skipif(
+    _compiled.ext is None,
+    reason="the compiled paths are not in use (not built at install, or TRIO_CUDA_PURE set)",
+)
+
+K = Kernel.from_source(stub_source("k"), "k", params=[In("f4"), Out("f4"), Scalar("i4")])
+ABSENT = object()
+GEOMETRY = [1, 2, 32, 0, -1, 2**31, 1.0, True, np.int64(2), (1, 2), (1, 1, 1), None, "x", float("nan")]
+
+
+def _kw() -> st.SearchStrategy[dict[str, Any]]:
+    def pick(values: list[Any]) -> st.SearchStrategy[Any]:
+        return st.sampled_from([ABSENT] * (2 * len(values)) + values)
+
+    return st.fixed_dictionaries(
+        {
+            "grid": st.sampled_from([1] * 10 + [4] * 10 + [*GEOMETRY, ABSENT]),
+            "block": st.sampled_from([32] * 10 + [1] * 10 + [*GEOMETRY, ABSENT]),
+            "shared_mem": pick([None, 0, 16, -1, 1.5, 2**20, True, np.int32(8)]),
+            "cluster": pick([None, 1, (1, 1, 1), 0]),
+            "cooperative": pick([None, False, True, 0]),
+            "pdl": pick([False, True, 0, None]),
+            "colour": st.sampled_from([ABSENT] * 30 + ["red"]),
+        }
+    ).map(lambda d: {k: v for k, v in d.items() if v is not ABSENT})
+
+
+def _outcome(fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception as exc:
+        return (type(exc), str(exc))
+
+
+@compiled_only
+@settings(max_examples=400, deadline=None)
+@given(kw=_kw(), wrong=st.sampled_from([None] * 12 + ["arity", "dtype", "scalar"]))
+async def test_compiled_launch_is_the_reference(kw: dict[str, Any], wrong: str | None) -> None:
+    assert type(Kernel.__dict__["launch"]).__name__ == "LaunchMethod"
+    reference = Kernel.launch
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x, y = gpu.zeros(8, "f4"), gpu.zeros(8, "f4")
+        args: list[Any] = [x, y, 8]
+        if wrong == "arity":
+            args.pop()
+        elif wrong == "dtype":
+            args[0] = gpu.zeros(8, "i4")
+        elif wrong == "scalar":
+            args[2] = 2**40
+        compiled = _outcome(lambda: K.launch(*args, **kw))
+        ref = _outcome(lambda: reference(K, *args, **kw))
+        if isinstance(ref, tuple):
+            assert compiled == ref
+            event("refused")
+        elif compiled.prepared.config is not ref.prepared.config:
+            # a geometry the configuration cache does not take (an np.int64...):
+            # the reference made both, each its own configuration
+            assert attrs.astuple(compiled.prepared.config) == attrs.astuple(ref.prepared.config)
+            assert compiled.prepared.arena == ref.prepared.arena
+            event("launched, configuration made per call")
+        else:
+            _same_launch(compiled, ref)
+            event("launched")
+
+
+@compiled_only
+async def test_the_common_call_skips_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference computes the configuration (``cached_config``); the
+    compiled call finds it, once the reference made it."""
+    calls: list[tuple[Any, ...]] = []
+    real = _kernel.cached_config
+
+    def counting(*args: Any) -> Any:
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(_kernel, "cached_config", counting)
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x, y = gpu.zeros(8, "f4"), gpu.zeros(8, "f4")
+        K.launch(x, y, 8, grid=3, block=7, shared_mem=8)  # (the reference makes each configuration once)
+        K.launch(x, y, 8, grid=3, block=7)
+        assert len(calls) == 2
+        K.launch(x, y, 8, grid=3, block=7)
+        K.launch(x, y, 8, grid=3, block=7, shared_mem=None)
+        K.launch(x, y, 8, grid=3, block=7, cluster=None, cooperative=False, pdl=False)
+        K.launch(x, y, 8, grid=3, block=7, shared_mem=8)
+        m = K.launch  # a bound method calls the same way
+        m(x, y, 8, grid=3, block=7, shared_mem=8)
+        assert len(calls) == 2
+        K.launch(x, y, 8, grid=3, block=7, cooperative=True)  # not the common case
+        K.launch(x, y, 8, grid=3, block=np.int64(7))
+        assert len(calls) == 4
+
+
+def test_the_class_shows_the_reference() -> None:
+    ref = Kernel.launch
+    assert inspect.isfunction(ref)
+    assert ref.__doc__ is not None
+    assert ref.__doc__.startswith("Check ``args``")
+    sig = inspect.signature(ref)
+    assert list(sig.parameters)[:2] == ["self", "args"]
+    assert inspect.signature(K.launch) == sig.replace(parameters=list(sig.parameters.values())[1:])
+    assert K.launch.__doc__ == ref.__doc__
+    assert pickle.loads(pickle.dumps(K)).launch.__doc__ == ref.__doc__
+
+
+@compiled_only
+def test_a_first_argument_not_a_kernel_goes_to_the_reference() -> None:
+    method = Kernel.__dict__["launch"]
+    with pytest.raises(AttributeError):
+        method(object(), grid=1, block=1)
+    with pytest.raises(TypeError):
+        method()

@@ -1,0 +1,211 @@
+/* Kernel.launch, compiled (part of trio_cuda._core._claunch).
+
+   launch_method(reference, Kernel, config_module) makes the descriptor that
+   stands for the reference ``Kernel.launch`` (trio_cuda/_core/_kernel.py) in
+   the class. Read on the class it is the reference function itself (its
+   documentation, signature and pickling are the reference's); read on a
+   kernel it is a method, and ``kernel.launch(...)`` calls it without
+   making a bound method (a method descriptor).
+
+   A call does what the reference does for the common case: a SIMT kernel,
+   keywords among grid, block and shared_mem (cluster, cooperative and pdl
+   only at their defaults), exact ints for the three, a configuration
+   already in the config module's ``_SIMPLE_CONFIGS`` (what
+   ``cached_config`` returns for them), and the kernel's typed fast path
+   making the launch. Every other call, and a fast path that declines, is
+   the reference's call, from the start: so its errors, its checked path
+   and its tile path are the reference's own. */
+
+#include "_claunch.h"
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *reference;
+    vectorcallfunc vectorcall;
+} LaunchMethod;
+
+static PyTypeObject *t_method, *t_kernel;
+static SlotRef r_tile, r_fast;
+static PyObject *g_config_globals, *n_simple, *n_grid, *n_block, *n_shared_mem, *n_cluster, *n_cooperative, *n_pdl,
+    *g_zero;
+
+static PyObject *method_call(LaunchMethod *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1 || Py_TYPE(args[0]) != t_kernel) goto reference;
+    PyObject *kernel = args[0], *grid = NULL, *block = NULL, *smem = g_zero;
+    Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i), *value = args[nargs + i];
+        if (name == n_grid)
+            grid = value;
+        else if (name == n_block)
+            block = value;
+        else if (name == n_shared_mem)
+            smem = value == Py_None ? g_zero : value;
+        else if (name == n_cluster || name == n_cooperative) {
+            if (value != Py_None && !(name == n_cooperative && value == Py_False)) goto reference;
+        } else if (name != n_pdl || value != Py_False)
+            goto reference; /* (a keyword not interned, too: the reference parses it) */
+    }
+    if (grid == NULL || block == NULL || !PyLong_CheckExact(grid) || !PyLong_CheckExact(block) ||
+        !PyLong_CheckExact(smem))
+        goto reference;
+    PyObject *tile = read_slot(kernel, &r_tile);
+    if (tile == NULL) return NULL;
+    Py_DECREF(tile);
+    if (tile != Py_None) goto reference;
+    PyObject *configs = PyDict_GetItemWithError(g_config_globals, n_simple); /* (borrowed) */
+    if (configs == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        goto reference;
+    }
+    if (!PyDict_CheckExact(configs)) goto reference;
+    PyObject *key = PyTuple_Pack(3, grid, block, smem);
+    if (key == NULL) return NULL;
+    PyObject *config = PyDict_GetItemWithError(configs, key); /* (borrowed) */
+    Py_DECREF(key);
+    if (config == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        goto reference; /* (it makes the configuration, and caches it) */
+    }
+    Py_INCREF(config);
+    PyObject *fast = read_slot(kernel, &r_fast);
+    if (fast == NULL) {
+        Py_DECREF(config);
+        return NULL;
+    }
+    PyObject *made = Py_None;
+    Py_INCREF(made);
+    if (fast != Py_None) {
+        PyObject *argt = PyTuple_New(nargs - 1);
+        if (argt != NULL) {
+            for (Py_ssize_t i = 1; i < nargs; i++) {
+                Py_INCREF(args[i]);
+                PyTuple_SET_ITEM(argt, i - 1, args[i]);
+            }
+            PyObject *fargs[2] = {argt, config};
+            Py_SETREF(made, PyObject_Vectorcall(fast, fargs, 2, NULL));
+            Py_DECREF(argt);
+        } else {
+            Py_CLEAR(made);
+        }
+    }
+    Py_DECREF(fast);
+    Py_DECREF(config);
+    if (made != Py_None) return made; /* (the launch, or NULL: the fast path raised, as in the reference) */
+    Py_DECREF(made);
+reference:
+    return PyObject_Vectorcall(self->reference, args, nargsf, kwnames);
+}
+
+static PyObject *method_get(LaunchMethod *self, PyObject *obj, PyObject *type) {
+    if (obj == NULL || obj == Py_None) {
+        Py_INCREF(self->reference);
+        return self->reference;
+    }
+    return PyMethod_New((PyObject *)self, obj);
+}
+
+static PyObject *method_call_tuple(LaunchMethod *self, PyObject *args, PyObject *kwargs) {
+    return PyVectorcall_Call((PyObject *)self, args, kwargs);
+}
+
+static PyObject *method_getattr(LaunchMethod *self, PyObject *name) {
+    /* __doc__, __name__, __qualname__, __module__... are the reference's */
+    PyObject *v = PyObject_GenericGetAttr((PyObject *)self, name);
+    if (v != NULL || !PyErr_ExceptionMatches(PyExc_AttributeError)) return v;
+    PyErr_Clear();
+    return PyObject_GetAttr(self->reference, name);
+}
+
+static PyObject *method_doc(LaunchMethod *self, void *closure) {
+    return PyObject_GetAttrString(self->reference, "__doc__");
+}
+
+static int method_traverse(LaunchMethod *self, visitproc visit, void *arg) {
+    Py_VISIT(self->reference);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int method_clear(LaunchMethod *self) {
+    Py_CLEAR(self->reference);
+    return 0;
+}
+
+static void method_dealloc(LaunchMethod *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    method_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyMemberDef method_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(LaunchMethod, vectorcall), READONLY, NULL},
+    {"__wrapped__", T_OBJECT_EX, offsetof(LaunchMethod, reference), READONLY, "the reference Kernel.launch"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef method_getset[] = {
+    {"__doc__", (getter)method_doc, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot method_slots[] = {
+    {Py_tp_dealloc, method_dealloc},
+    {Py_tp_traverse, method_traverse},
+    {Py_tp_clear, method_clear},
+    {Py_tp_call, method_call_tuple},
+    {Py_tp_descr_get, method_get},
+    {Py_tp_getattro, method_getattr},
+    {Py_tp_members, method_members},
+    {Py_tp_getset, method_getset},
+    {0, NULL},
+};
+
+static PyType_Spec method_spec = {
+    "trio_cuda._core._claunch.LaunchMethod",
+    sizeof(LaunchMethod),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_HAVE_VECTORCALL |
+        Py_TPFLAGS_METHOD_DESCRIPTOR,
+    method_slots,
+};
+
+static int intern(PyObject **out, const char *name) { return (*out = PyUnicode_InternFromString(name)) ? 0 : -1; }
+
+/* launch_method(reference, Kernel, config_module): once per process. */
+PyObject *launch_method(PyObject *module, PyObject *args) {
+    PyObject *reference, *kernel_type, *config_module;
+    if (!PyArg_ParseTuple(args, "OO!O!:launch_method", &reference, &PyType_Type, &kernel_type, &PyModule_Type,
+                          &config_module))
+        return NULL;
+    if (!g_configured || t_method != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "launch_method: once per process, after configure()");
+        return NULL;
+    }
+    if (!PyCallable_Check(reference)) {
+        PyErr_SetString(PyExc_TypeError, "launch_method: reference must be callable");
+        return NULL;
+    }
+    if (make_slot_ref(kernel_type, "tile", &r_tile) < 0 || make_slot_ref(kernel_type, "_fast", &r_fast) < 0)
+        return NULL;
+    if (intern(&n_simple, "_SIMPLE_CONFIGS") < 0 || intern(&n_grid, "grid") < 0 || intern(&n_block, "block") < 0 ||
+        intern(&n_shared_mem, "shared_mem") < 0 || intern(&n_cluster, "cluster") < 0 ||
+        intern(&n_cooperative, "cooperative") < 0 || intern(&n_pdl, "pdl") < 0)
+        return NULL;
+    if ((g_zero = PyLong_FromLong(0)) == NULL) return NULL;
+    if ((g_config_globals = PyModule_GetDict(config_module)) == NULL) return NULL;
+    Py_INCREF(g_config_globals);
+    Py_INCREF(kernel_type);
+    t_kernel = (PyTypeObject *)kernel_type;
+    if ((t_method = (PyTypeObject *)PyType_FromSpec(&method_spec)) == NULL) return NULL;
+    LaunchMethod *self = PyObject_GC_New(LaunchMethod, t_method);
+    if (self == NULL) return NULL;
+    Py_INCREF(reference);
+    self->reference = reference;
+    self->vectorcall = (vectorcallfunc)method_call;
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
