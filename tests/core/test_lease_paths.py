@@ -316,6 +316,7 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str], *, compiled:
     saved_retire = _completion.retire_done
     saved_submit = _scope.submit_launch
     saved_scan = _completion.scan_streams
+    saved_look = _scope.look
 
     def whole(*args: Any) -> bool:
         assert saved_whole is not None
@@ -360,6 +361,7 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str], *, compiled:
     _completion.retire_done = retire if compiled and saved_retire is not None else None
     _scope.submit_launch = submit if compiled and saved_submit is not None else None
     _completion.scan_streams = scan if compiled and saved_scan is not None else None
+    _scope.look = saved_look if compiled else None
     try:
         run_bounded(run.main, limit=20.0)
     finally:
@@ -369,6 +371,7 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str], *, compiled:
         _completion.retire_done = saved_retire
         _scope.submit_launch = saved_submit
         _completion.scan_streams = saved_scan
+        _scope.look = saved_look
     return run
 
 

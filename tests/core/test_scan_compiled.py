@@ -1,4 +1,5 @@
-"""The compiled ``Completion.scan`` (``_claunch.scan``) against the Python one.
+"""The compiled ``Completion.scan`` (``_claunch.scan``) and an awaiting task's
+first look (``_claunch.look``) against the Python ones.
 
 A program mixes awaited and forgotten launches on three streams, host
 closures (one raising), a kernel fault, an unknown completion, and a
@@ -22,7 +23,7 @@ from tests.helpers import internals
 from tests.helpers.guard import run_bounded
 from tests.helpers.kernels import stub_source
 from trio_cuda import InOut, Scalar, ops
-from trio_cuda._core import _compiled, _completion
+from trio_cuda._core import _compiled, _completion, _scope
 from trio_cuda.testing import SimDevice
 
 compiled_only = pytest.mark.skipif(
@@ -49,7 +50,9 @@ def _program(compiled: bool, calls: list[int]) -> list[Any]:
         calls.append(1)
         return saved(completion)
 
+    saved_look = _scope.look
     _completion.scan_streams = counting if compiled else None
+    _scope.look = saved_look if compiled else None
 
     async def main() -> None:
         sim = SimDevice()
@@ -126,6 +129,7 @@ def _program(compiled: bool, calls: list[int]) -> list[Any]:
             record.append(("raised", type(exc).__name__, str(exc)[:300]))
     finally:
         _completion.scan_streams = saved
+        _scope.look = saved_look
     return record
 
 

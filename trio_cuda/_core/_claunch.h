@@ -126,6 +126,7 @@ PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t narg
 /* _claunch_scan.c */
 PyObject *configure_scan(PyObject *module, PyObject *env);
 PyObject *scan(PyObject *module, PyObject *completion);
+PyObject *look(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* _claunch_method.c */
 PyObject *launch_method(PyObject *module, PyObject *args);

@@ -2,9 +2,9 @@
 
    scan(completion) does what Completion.scan (trio_cuda/_core/_completion.py)
    does, in its order:
-   - the unmarked submissions get their markers (``completion.flush_all()``,
-     called only when ``completion.unflushed`` is not empty: it does nothing
-     otherwise);
+   - the unmarked submissions get their markers, as ``flush_all`` gives
+     them (``completion.flush(s)`` for each stream of ``unflushed`` that has
+     unmarked work: it does nothing for the others);
    - dropped DLPack capsules release their exports (``sweep_dropped()``,
      when the _completion module's ``UNCONSUMED`` is not empty), and the
      memory table's collected handles are released (``release_pending()``,
@@ -17,15 +17,20 @@
      is done and that one is set, else by ``completion.retire``.
    Those steps are the Python methods themselves, looked up on every call, so
    what runs is what the class and the module hold now. It returns True when
-   a host step ran. Its caller, Completion.scan, is KI-protected. */
+   a host step ran. Its caller, Completion.scan, is KI-protected.
+
+   look(completion, sub) is one look of an awaiting task at its submission,
+   as Completion.observe looks (see it below). */
 
 #include "_claunch.h"
 
 static int g_scan_ready;
 static PyTypeObject *t_completion, *t_host_step;
-static SlotRef r_unflushed, r_memory, r_gc_releases, r_driver, r_streams, r_pending, r_sub_marker, r_poll_state;
+static SlotRef r_unflushed, r_memory, r_gc_releases, r_driver, r_streams, r_pending, r_unmarked, r_sub_marker,
+    r_poll_state, r_sub_state, r_host_steps, r_completed, r_by_waiters;
 static PyObject *g_pending_state, *g_done_state, *g_unknown_state, *g_pending_poll, *g_poll_type,
     *g_completion_globals;
+static PyObject *g_in_flight_state, *n_scan_streams, *n_scan, *n_flush;
 static PyObject *n_flush_all, *n_unconsumed, *n_sweep, *n_release_pending, *n_poll_marker, *n_popleft,
     *n_run_host_step, *n_retire_done, *n_retire;
 
@@ -51,6 +56,44 @@ static PyObject *poll(PyObject *poll_marker, PyObject *marker) {
     Py_XDECREF(value);
     Py_XDECREF(tb);
     return p;
+}
+
+/* ``completion.flush_all()``: a marker after each stream's unmarked
+   submissions (``completion.flush(s)``, called for the streams that have
+   some: it does nothing for the others). 0, or -1 (error set). */
+static int flush_all(PyObject *completion) {
+    PyObject *streams = read_slot(completion, &r_unflushed);
+    if (streams == NULL) return -1;
+    int rc = -1;
+    if (!PyList_CheckExact(streams)) { /* (not the list it keeps: the method decides) */
+        PyObject *r = PyObject_CallMethodNoArgs(completion, n_flush_all);
+        Py_XDECREF(r);
+        rc = r ? 0 : -1;
+        goto done;
+    }
+    if (PyList_GET_SIZE(streams) == 0) {
+        rc = 0;
+        goto done;
+    }
+    PyObject *fresh = PyList_New(0);
+    if (fresh == NULL || store_slot(completion, &r_unflushed, fresh) < 0) goto done;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(streams); i++) {
+        PyObject *s = PyList_GET_ITEM(streams, i);
+        PyObject *unmarked = read_slot(s, &r_unmarked);
+        if (unmarked == NULL) goto done;
+        int some = PyObject_IsTrue(unmarked);
+        Py_DECREF(unmarked);
+        if (some < 0) goto done;
+        if (some) {
+            PyObject *r = PyObject_CallMethodOneArg(completion, n_flush, s);
+            if (r == NULL) goto done;
+            Py_DECREF(r);
+        }
+    }
+    rc = 0;
+done:
+    Py_DECREF(streams);
+    return rc;
 }
 
 /* One stream's completed prefix: 1 if a host step ran, 0 if not, -1 error. */
@@ -149,10 +192,8 @@ PyObject *scan(PyObject *module, PyObject *completion) {
         return NULL;
     }
     PyObject *r = NULL, *memory = NULL, *driver = NULL, *poll_marker = NULL, *streams = NULL, *result = NULL;
-    int yes = truthy_slot(completion, &r_unflushed);
-    if (yes < 0) return NULL;
-    if (yes && (r = PyObject_CallMethodNoArgs(completion, n_flush_all)) == NULL) return NULL;
-    Py_CLEAR(r);
+    if (flush_all(completion) < 0) return NULL;
+    int yes;
     PyObject *unconsumed = PyDict_GetItemWithError(g_completion_globals, n_unconsumed); /* (borrowed) */
     if (unconsumed == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "scan: UNCONSUMED is gone");
@@ -198,6 +239,85 @@ out:
     return result;
 }
 
+/* look(completion, sub) -> bool: one look of an awaiting task at its own
+   submission, as ``Completion.observe`` looks after a checkpoint: True once
+   it settled. While it is in flight, with no host closure due and its
+   marker recorded, the marker is polled; once that completed, the scan
+   runs (the _completion module's ``scan_streams``, else
+   ``completion.scan()``) until it reports no host step, and what it
+   retired counts as retired by waiters. False: the caller waits on
+   (``observe``). Its caller is KI-protected. */
+PyObject *look(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "look(completion, sub)");
+        return NULL;
+    }
+    if (!g_scan_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "look: configure_scan() first");
+        return NULL;
+    }
+    PyObject *completion = args[0], *sub = args[1];
+    if (Py_TYPE(completion) != t_completion) {
+        PyErr_Format(PyExc_TypeError, "look: expected a Completion, got %.100s", Py_TYPE(completion)->tp_name);
+        return NULL;
+    }
+    PyObject *state = read_slot(sub, &r_sub_state);
+    if (state == NULL) return NULL;
+    Py_DECREF(state);
+    if (state != g_in_flight_state) Py_RETURN_TRUE;
+    int yes = truthy_slot(completion, &r_host_steps);
+    if (yes < 0) return NULL;
+    if (yes) Py_RETURN_FALSE; /* (a host closure is due: only the handoff runs them) */
+    PyObject *marker = read_slot(sub, &r_sub_marker);
+    if (marker == NULL) return NULL;
+    PyObject *driver = NULL, *poll_marker = NULL, *p = NULL, *done = NULL, *now = NULL, *result = NULL;
+    if (marker == Py_None) {
+        result = Py_False;
+        goto out;
+    }
+    if ((driver = read_slot(completion, &r_driver)) == NULL ||
+        (poll_marker = PyObject_GetAttr(driver, n_poll_marker)) == NULL || (p = poll(poll_marker, marker)) == NULL)
+        goto out;
+    if ((state = read_slot(p, &r_poll_state)) == NULL) goto out;
+    Py_DECREF(state);
+    if (state == g_pending_state) {
+        result = Py_False;
+        goto out;
+    }
+    if ((done = read_slot(completion, &r_completed)) == NULL) goto out;
+    for (;;) {
+        PyObject *fn = PyDict_GetItemWithError(g_completion_globals, n_scan_streams); /* (borrowed) */
+        if (fn == NULL && PyErr_Occurred()) goto out;
+        PyObject *r = fn != NULL && fn != Py_None ? PyObject_CallOneArg(fn, completion)
+                                                  : PyObject_CallMethodNoArgs(completion, n_scan);
+        if (r == NULL) goto out;
+        int again = PyObject_IsTrue(r);
+        Py_DECREF(r);
+        if (again < 0) goto out;
+        if (!again) break;
+    }
+    if ((now = read_slot(completion, &r_completed)) == NULL) goto out;
+    PyObject *retired = PyNumber_Subtract(now, done);
+    if (retired == NULL) goto out;
+    PyObject *before = read_slot(completion, &r_by_waiters);
+    PyObject *after = before ? PyNumber_Add(before, retired) : NULL;
+    Py_XDECREF(before);
+    Py_DECREF(retired);
+    if (after == NULL || store_slot(completion, &r_by_waiters, after) < 0) goto out;
+    if ((state = read_slot(sub, &r_sub_state)) == NULL) goto out;
+    Py_DECREF(state);
+    result = state != g_in_flight_state ? Py_True : Py_False;
+out:
+    Py_DECREF(marker);
+    Py_XDECREF(driver);
+    Py_XDECREF(poll_marker);
+    Py_XDECREF(p);
+    Py_XDECREF(done);
+    Py_XDECREF(now);
+    Py_XINCREF(result);
+    return result;
+}
+
 static int intern(PyObject **out, const char *name) { return (*out = PyUnicode_InternFromString(name)) ? 0 : -1; }
 
 /* configure_scan(env): once per process, after configure(). */
@@ -215,7 +335,7 @@ PyObject *configure_scan(PyObject *module, PyObject *env) {
         take(env, "Stream", &stream_type) < 0 || take(env, "Submission", &sub_type) < 0 ||
         take(env, "MemoryTable", &table_type) < 0 || take(env, "Poll", &g_poll_type) < 0 ||
         take(env, "PENDING", &g_pending_state) < 0 || take(env, "DONE", &g_done_state) < 0 ||
-        take(env, "UNKNOWN", &g_unknown_state) < 0 || take(env, "PENDING_POLL", &g_pending_poll) < 0 || take(env, "completion_module", &mod) < 0)
+        take(env, "UNKNOWN", &g_unknown_state) < 0 || take(env, "IN_FLIGHT", &g_in_flight_state) < 0 || take(env, "PENDING_POLL", &g_pending_poll) < 0 || take(env, "completion_module", &mod) < 0)
         return NULL;
     if (!PyType_Check(t_completion) || !PyType_Check(t_host_step) || !PyType_Check(g_poll_type)) {
         PyErr_SetString(PyExc_TypeError, "configure_scan: Completion, HostStep and Poll must be types");
@@ -231,14 +351,18 @@ PyObject *configure_scan(PyObject *module, PyObject *env) {
     } refs[] = {{tp_c, "unflushed", &r_unflushed},          {tp_c, "memory", &r_memory},
                 {tp_c, "driver", &r_driver},                {tp_c, "streams", &r_streams},
                 {table_type, "gc_releases", &r_gc_releases}, {stream_type, "_pending", &r_pending},
-                {sub_type, "marker", &r_sub_marker},         {g_poll_type, "state", &r_poll_state}};
+                {sub_type, "marker", &r_sub_marker},         {g_poll_type, "state", &r_poll_state},
+                {stream_type, "_unmarked", &r_unmarked},     {sub_type, "state", &r_sub_state},
+                {tp_c, "host_steps", &r_host_steps},         {tp_c, "completed", &r_completed},
+                {tp_c, "by_waiters", &r_by_waiters}};
     for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
         if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
     if (intern(&n_flush_all, "flush_all") < 0 || intern(&n_unconsumed, "UNCONSUMED") < 0 ||
         intern(&n_sweep, "sweep_dropped") < 0 || intern(&n_release_pending, "release_pending") < 0 ||
         intern(&n_poll_marker, "poll_marker") < 0 || intern(&n_popleft, "popleft") < 0 ||
         intern(&n_run_host_step, "run_host_step") < 0 || intern(&n_retire_done, "retire_done") < 0 ||
-        intern(&n_retire, "retire") < 0)
+        intern(&n_retire, "retire") < 0 || intern(&n_scan_streams, "scan_streams") < 0 ||
+        intern(&n_scan, "scan") < 0 || intern(&n_flush, "flush") < 0)
         return NULL;
     g_scan_ready = 1;
     Py_RETURN_NONE;

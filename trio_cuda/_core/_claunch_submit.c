@@ -11,9 +11,10 @@
       checked in, the loaded function, kept as ``ready`` (what
       ``KernelTable.function_for`` does then); else that method;
    3. the next id, and the Submission, made as its __init__ makes it;
-   4. the leases: ``take_whole`` (the _submit module's, where its fast path
-      is on), else the _scope module's ``take_launch_leases`` (so a patched
-      one is what runs);
+   4. the leases, as ``take_launch_leases`` takes them: ``take_whole`` (the
+      _submit module's, where its fast path is on), else
+      ``take_launch_leases_rest``; or the _scope module's
+      ``take_launch_leases`` itself, where it was replaced (a test's);
    5. ``driver.launch``; if it raises, the submission keeps the error,
       counts as observed and is finished behind a marker
       (``completion.finish(sub, None)``), and the error is raised;
@@ -41,7 +42,7 @@ static const char *const sub_names[N_SUB] = {"scope",  "stream", "id",       "op
                                              "observed", "output", "waiter",  "dirty",   "unknown"};
 static Py_ssize_t sub_off[N_SUB];
 static PyObject *g_enqueuing, *g_in_flight, *g_empty, *g_tll, *g_scope_globals, *g_submit_globals;
-static PyObject *n_tll, *n_fast, *n_take_whole, *n_pick, *n_check_choice, *n_choose, *n_function_for, *n_launch,
+static PyObject *n_tll, *n_fast, *n_take_whole, *n_rest, *n_pick, *n_check_choice, *n_choose, *n_function_for, *n_launch,
     *n_finish, *n_flush, *n_notify;
 
 /* The stream ``op`` goes to (a new reference), as ``_pick`` chooses it. */
@@ -157,22 +158,24 @@ static int take_leases(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op
     }
     Py_INCREF(tll);
     int rc = -1;
-    PyObject *plan = NULL, *accesses = NULL;
-    if (tll == g_tll) {
+    PyObject *plan = NULL, *r = NULL;
+    if (tll == g_tll) { /* (what it does, without its frame; a patched one runs itself) */
         PyObject *fast = PyDict_GetItemWithError(g_submit_globals, n_fast);
-        PyObject *tw = fast == Py_True ? PyDict_GetItemWithError(g_submit_globals, n_take_whole) : NULL;
-        if (PyErr_Occurred()) goto done;
-        if (tw != NULL && tw != Py_None) {
-            plan = *(PyObject **)((char *)op + g_launch_off[2]); /* (op is of the exact type) */
-            Py_XINCREF(plan);
-            if (plan != NULL && PyTuple_CheckExact(plan) && PyTuple_GET_SIZE(plan) == 2 && PyTuple_GET_ITEM(plan, 1) == Py_True) {
-                accesses = *(PyObject **)((char *)op + g_launch_off[1]);
+        if (fast == NULL && PyErr_Occurred()) goto done;
+        plan = *(PyObject **)((char *)op + g_launch_off[2]); /* (op is of the exact type) */
+        Py_XINCREF(plan);
+        if (fast == Py_True && plan != NULL && PyTuple_CheckExact(plan) && PyTuple_GET_SIZE(plan) == 2) {
+            PyObject *allocs = PyTuple_GET_ITEM(plan, 0), *simple = PyTuple_GET_ITEM(plan, 1);
+            PyObject *tw = PyDict_GetItemWithError(g_submit_globals, n_take_whole);
+            if (tw == NULL && PyErr_Occurred()) goto done;
+            if (simple == Py_True && tw != NULL && tw != Py_None) {
+                PyObject *accesses = *(PyObject **)((char *)op + g_launch_off[1]);
                 if (accesses == NULL) {
                     PyErr_SetString(PyExc_AttributeError, "_accesses");
                     goto done;
                 }
                 Py_INCREF(tw);
-                PyObject *argv[5] = {scope, s, sub, accesses, PyTuple_GET_ITEM(plan, 0)};
+                PyObject *argv[5] = {scope, s, sub, accesses, allocs};
                 PyObject *took = PyObject_Vectorcall(tw, argv, 5, NULL);
                 Py_DECREF(tw);
                 int yes = took ? PyObject_IsTrue(took) : -1;
@@ -183,17 +186,26 @@ static int take_leases(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op
                     goto done;
                 }
             }
+            PyObject *rest = PyDict_GetItemWithError(g_submit_globals, n_rest);
+            if (rest == NULL) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "submit_launch: take_launch_leases_rest is gone");
+                goto done;
+            }
+            Py_INCREF(rest);
+            PyObject *argv[6] = {scope, s, sub, op, allocs, simple};
+            r = PyObject_Vectorcall(rest, argv, 6, NULL);
+            Py_DECREF(rest);
+            if (r != NULL) rc = 0;
+            goto done;
         }
     }
     PyObject *argv[4] = {scope, s, sub, op};
-    PyObject *r = PyObject_Vectorcall(tll, argv, 4, NULL);
-    if (r != NULL) {
-        Py_DECREF(r);
-        rc = 0;
-    }
+    r = PyObject_Vectorcall(tll, argv, 4, NULL);
+    if (r != NULL) rc = 0;
 done:
     Py_DECREF(tll);
     Py_XDECREF(plan);
+    Py_XDECREF(r);
     return rc;
 }
 
@@ -408,7 +420,7 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
     }
     if ((g_empty = PyTuple_New(0)) == NULL) return NULL;
     if (intern(&n_tll, "take_launch_leases") < 0 || intern(&n_fast, "FAST_LEASES") < 0 ||
-        intern(&n_take_whole, "take_whole") < 0 || intern(&n_pick, "_pick") < 0 ||
+        intern(&n_take_whole, "take_whole") < 0 || intern(&n_rest, "take_launch_leases_rest") < 0 || intern(&n_pick, "_pick") < 0 ||
         intern(&n_check_choice, "_check_choice") < 0 || intern(&n_choose, "choose") < 0 ||
         intern(&n_function_for, "function_for") < 0 || intern(&n_launch, "launch") < 0 ||
         intern(&n_finish, "finish") < 0 || intern(&n_flush, "flush") < 0 ||

@@ -339,14 +339,19 @@ class Completion:
                 return
             await self.park(sub)
         except BaseException as exc:
-            if sub.state is SubState.IN_FLIGHT:
-                self.wake()  # cancelled or failed: the handoff is the backstop
-                if isinstance(exc, trio.Cancelled):
-                    self.cancelled_waiter(sub)
+            self.left(sub, exc)
             raise
         finally:
             if t0:
                 self.trace_await(sub, t0)
+
+    def left(self, sub: Submission, exc: BaseException) -> None:
+        """An awaiting task leaves ``sub`` with ``exc`` (cancelled, or
+        failed): if the work is in flight, the handoff is the backstop."""
+        if sub.state is SubState.IN_FLIGHT:
+            self.wake()
+            if isinstance(exc, trio.Cancelled):
+                self.cancelled_waiter(sub)
 
     def retirer(self) -> str:
         """Who is retiring work now (traces): the handoff task, the exit, or
@@ -774,8 +779,13 @@ if _compiled.ext is not None:
             "PENDING": MarkerState.PENDING,
             "DONE": MarkerState.DONE,
             "UNKNOWN": MarkerState.UNKNOWN,
+            "IN_FLIGHT": SubState.IN_FLIGHT,
             "PENDING_POLL": _PENDING,
             "completion_module": sys.modules[__name__],
         }
     )
     scan_streams = _compiled.ext.scan
+
+#: the compiled first look of an awaiting task (``_claunch.look``, used by
+#: ``ResourceScope.run``); None where the pure-Python path runs
+look: Callable[[Completion, Submission], bool] | None = None if _compiled.ext is None else _compiled.ext.look

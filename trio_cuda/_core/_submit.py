@@ -693,59 +693,74 @@ def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op
     same error (``tests/core/test_lease_paths.py`` checks both agree)."""
     if FAST_LEASES:
         allocs, simple = op._lease_plan or launch_lease_plan(op)
-        accesses = op._accesses
-        if simple and take_whole is not None and take_whole(scope, stream, sub, accesses, allocs):
+        if simple and take_whole is not None and take_whole(scope, stream, sub, op._accesses, allocs):
             return
-        live = AllocState.LIVE
-        write = Access.WRITE
-        conflicts: list[_Conflict] | None = None
-        for arr, access in accesses:
-            alloc = arr._alloc
-            ext = arr._extent
-            if arr._closed or alloc.state is not live or alloc.scope is not scope or alloc.index is not None:
-                break
-            if access is write and arr._readonly:
-                break
-            if not ext:
-                continue
-            writers = alloc.writers
-            if writers:
-                for w, wext in writers.items():
-                    if w.stream is not stream and (simple or overlaps(wext, ext)):
+        take_launch_leases_rest(scope, stream, sub, op, allocs, simple)
+    else:
+        take_leases(scope, stream, sub, op._accesses, op.prepared.kernel.name)
+
+
+def take_launch_leases_rest(
+    scope: ResourceScope,
+    stream: Stream,
+    sub: Submission,
+    op: KernelLaunch,
+    allocs: tuple[Allocation, ...],
+    simple: bool,
+) -> None:
+    """``take_launch_leases`` once its compiled common case declined (or is
+    not in use): the fast path in Python, else the general path."""
+    accesses = op._accesses
+    live = AllocState.LIVE
+    write = Access.WRITE
+    conflicts: list[_Conflict] | None = None
+    for arr, access in accesses:
+        alloc = arr._alloc
+        ext = arr._extent
+        if arr._closed or alloc.state is not live or alloc.scope is not scope or alloc.index is not None:
+            break
+        if access is write and arr._readonly:
+            break
+        if not ext:
+            continue
+        writers = alloc.writers
+        if writers:
+            for w, wext in writers.items():
+                if w.stream is not stream and (simple or overlaps(wext, ext)):
+                    if conflicts is None:
+                        conflicts = []
+                    conflicts.append((arr, w, write, access, wext))
+        if access is write:
+            readers = alloc.readers
+            if readers:
+                for r, rext in readers.items():
+                    if r.stream is not stream and (simple or overlaps(rext, ext)):
                         if conflicts is None:
                             conflicts = []
-                        conflicts.append((arr, w, write, access, wext))
-            if access is write:
-                readers = alloc.readers
-                if readers:
-                    for r, rext in readers.items():
-                        if r.stream is not stream and (simple or overlaps(rext, ext)):
-                            if conflicts is None:
-                                conflicts = []
-                            conflicts.append((arr, r, Access.READ, access, rext))
-        else:
-            if conflicts is None or _order_conflicts(scope, stream, sub, op, conflicts):
-                if simple:  # whole allocations, each once: the common case
-                    for arr, access in accesses:
-                        alloc = arr._alloc
-                        ext = arr._extent
-                        alloc.active += 1
-                        if access is write:
-                            writers = alloc.writers
-                            if writers:
-                                writers.clear()
-                            if alloc.readers:
-                                alloc.readers.clear()
-                            writers[sub] = ext
-                        else:
-                            alloc.readers[sub] = ext
-                else:
-                    for alloc in allocs:
-                        alloc.active += 1
-                    for arr, access in accesses:
-                        record_lease(arr._alloc, sub, access, arr._extent)
-                sub.leases = allocs
-                return
+                        conflicts.append((arr, r, Access.READ, access, rext))
+    else:
+        if conflicts is None or _order_conflicts(scope, stream, sub, op, conflicts):
+            if simple:  # whole allocations, each once: the common case
+                for arr, access in accesses:
+                    alloc = arr._alloc
+                    ext = arr._extent
+                    alloc.active += 1
+                    if access is write:
+                        writers = alloc.writers
+                        if writers:
+                            writers.clear()
+                        if alloc.readers:
+                            alloc.readers.clear()
+                        writers[sub] = ext
+                    else:
+                        alloc.readers[sub] = ext
+            else:
+                for alloc in allocs:
+                    alloc.active += 1
+                for arr, access in accesses:
+                    record_lease(arr._alloc, sub, access, arr._extent)
+            sub.leases = allocs
+            return
     take_leases(scope, stream, sub, op._accesses, op.prepared.kernel.name)
 
 
