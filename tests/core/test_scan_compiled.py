@@ -1,5 +1,6 @@
-"""The compiled ``Completion.scan`` (``_claunch.scan``) and an awaiting task's
-first look (``_claunch.look``) against the Python ones.
+"""The compiled ``Completion.scan`` (``_claunch.scan``), an awaiting task's
+first look (``_claunch.look``) and the common retirement (``retire_done``)
+against the Python ones, untraced and traced.
 
 A program mixes awaited and forgotten launches on three streams, host
 closures (one raising), a kernel fault, an unknown completion, and a
@@ -41,8 +42,9 @@ ADD = trio_cuda.Kernel.from_source(
 )
 
 
-def _program(compiled: bool, calls: list[int]) -> list[Any]:
+def _program(compiled: bool, calls: list[int], traced: bool = False) -> list[Any]:
     record: list[Any] = []
+    trace = trio_cuda.trace.Trace() if traced else None
     saved = _completion.scan_streams
 
     def counting(completion: Any) -> bool:
@@ -51,13 +53,15 @@ def _program(compiled: bool, calls: list[int]) -> list[Any]:
         return saved(completion)
 
     saved_look = _scope.look
+    saved_retire = _completion.retire_done
     _completion.scan_streams = counting if compiled else None
     _scope.look = saved_look if compiled else None
+    _completion.retire_done = saved_retire if compiled else None
 
     async def main() -> None:
         sim = SimDevice()
         ran: list[int] = []
-        async with trio_cuda.open_scope(device=sim, streams=3) as gpu:
+        async with trio_cuda.open_scope(device=sim, streams=3, trace=trace) as gpu:
             s0, s1, s2 = gpu.streams
             xs = [gpu.zeros(4, "f4") for _ in range(3)]
 
@@ -127,17 +131,22 @@ def _program(compiled: bool, calls: list[int]) -> list[Any]:
             run_bounded(main, limit=20.0)
         except BaseException as exc:  # the exit's errors: the fault, the quarantine
             record.append(("raised", type(exc).__name__, str(exc)[:300]))
+        if trace is not None:  # (who retired, a waiter or the handoff, depends on timing)
+            retired = sorted(e.submission for e in trace.events if e.cat == "retire")
+            record.append(("trace", retired, sorted(e.cat for e in trace.events)))
     finally:
         _completion.scan_streams = saved
         _scope.look = saved_look
+        _completion.retire_done = saved_retire
     return record
 
 
 @compiled_only
-def test_compiled_and_python_scans_agree() -> None:
+@pytest.mark.parametrize("traced", [False, True], ids=["untraced", "traced"])
+def test_compiled_and_python_scans_agree(traced: bool) -> None:
     calls: list[int] = []
-    compiled = _program(True, calls)
-    python = _program(False, [])
+    compiled = _program(True, calls, traced)
+    python = _program(False, [], traced)
     assert calls  # the compiled scan ran
     assert [r[0] for r in compiled] == [r[0] for r in python]
     for a, b in zip(compiled, python, strict=True):
@@ -148,3 +157,5 @@ def test_compiled_and_python_scans_agree() -> None:
     assert "CompletionUnknownError" in by_label["poll raises an Exception"][1]
     assert by_label["burst"][3] == [1]
     assert by_label["after"][2].quarantined > 0
+    if traced:
+        assert len(by_label["trace"][1]) >= 15

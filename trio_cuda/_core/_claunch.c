@@ -38,8 +38,9 @@
    - No path calls back into Python code except the reference's own
      functions (and a scalar's packer; ``submit_launch`` and ``scan``: the
      policy, the driver and the Python steps of the reference); the lease paths call
-     none, so they are atomic with respect to other threads and
-     KeyboardInterrupt. Their callers are KI-protected Python functions.
+     none (but a traced scope's record of a retirement), so they are atomic
+     with respect to other threads and KeyboardInterrupt. Their callers are
+     KI-protected Python functions.
    - configure() is called once, by _compiled.py, with the types and
      constants the paths read; make_base() once, by _builder.py;
      configure_leases() and configure_retire() once, by _submit.py and
@@ -184,7 +185,7 @@ static PyMethodDef module_methods[] = {
     {"configure_submit", configure_submit, METH_O,
      "configure_submit(env): the types, slots and modules submit_launch reads (once per process)."},
     {"submit_launch", (PyCFunction)(void (*)(void))submit_launch, METH_FASTCALL,
-     "submit_launch(scope, op, stream) -> Submission, or None for a traced scope: ResourceScope._submit_launch."},
+     "submit_launch(scope, op, stream) -> Submission: ResourceScope._submit_launch."},
     {"configure_scan", configure_scan, METH_O,
      "configure_scan(env): the types, slots and module scan reads (once per process)."},
     {"scan", scan, METH_O, "scan(completion) -> bool: Completion.scan (True when a host step ran)."},

@@ -14,15 +14,17 @@
 
    retire_done(completion, sub) retires a submission whose marker completed
    when nothing but the bookkeeping is left to do: no error, no finishers,
-   nobody parked on it, no trace, and no allocation it leases to free now
+   nobody parked on it, and no allocation it leases to free now
    (each is this scope's own memory, and still held, or still has handles);
    it returns True. Otherwise it changes nothing and returns False, and
    ``Completion.retire`` runs. It does what that method does in that case:
    each lease released, the submission's references dropped, and it settled
-   as done with the counters moved.
+   as done with the counters moved; in a traced scope it is recorded first
+   (``completion.trace_retire``, the one call into Python).
 
-   Neither runs Python code, so each is atomic with respect to other
-   threads and to KeyboardInterrupt; their callers are KI-protected. */
+   Neither runs Python code (but the trace's record), so each is atomic
+   with respect to other threads and to KeyboardInterrupt; their callers
+   are KI-protected. */
 
 #include "_claunch.h"
 
@@ -30,7 +32,7 @@ static SlotRef s_sub_stream, s_sub_leases, s_arr_extent, s_alloc_scope, s_alloc_
     s_alloc_writers, s_alloc_readers, s_alloc_table, s_alloc_handles;
 static SlotRef s_sub_unknown, s_sub_error, s_sub_finishers, s_sub_waiter, s_sub_owners, s_sub_op, s_sub_state;
 static SlotRef s_c_tracer, s_c_memory, s_c_in_flight, s_c_completed, s_st_in_flight, s_st_completed;
-static PyObject *g_done;
+static PyObject *g_done, *s_trace_retire;
 static int g_retire_ready;
 static int g_leases_ready;
 static PyObject *g_one;
@@ -255,7 +257,6 @@ PyObject *retire_done(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     int untraced = is_none(completion, &s_c_tracer);
     if (untraced < 0) return NULL;
-    if (!untraced) Py_RETURN_FALSE;
     PyObject *leases = read_slot(sub, &s_sub_leases);
     if (leases == NULL) return NULL;
     PyObject *memory = read_slot(completion, &s_c_memory);
@@ -274,6 +275,11 @@ PyObject *retire_done(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             result = Py_False;
             goto out;
         }
+    }
+    if (!untraced) { /* recorded first, as there (an error here changes nothing) */
+        PyObject *r = PyObject_CallMethodOneArg(completion, s_trace_retire, sub);
+        if (r == NULL) goto out;
+        Py_DECREF(r);
     }
     /* nothing to free, nothing to run: release the leases, drop the
        references, settle it (as Completion.retire and settle do) */
@@ -323,6 +329,7 @@ PyObject *configure_retire(PyObject *module, PyObject *args) {
                 {stream_type, "_in_flight", &s_st_in_flight},   {stream_type, "_completed", &s_st_completed}};
     for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
         if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
+    if ((s_trace_retire = PyUnicode_InternFromString("trace_retire")) == NULL) return NULL;
     Py_INCREF(done);
     g_done = done;
     g_retire_ready = 1;

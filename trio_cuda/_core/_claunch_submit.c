@@ -21,17 +21,19 @@
    6. what ``Completion.launched`` does: the submission in flight, the
       counters, the unmarked list, a marker where markers are not batched
       (``completion.flush``), and ``driver.notify_submitted()``.
-   A traced scope returns None at once: ``_submit_launch`` then runs the
-   Python path. The Python code called here (the policy, the function table,
-   the general lease path, the driver) runs under the caller's KI
-   protection. */
+   In a traced scope, the device's time mark is taken before the launch
+   where the trace takes them, an error is recorded (``trace_error``), and
+   the launch is recorded (``trace_submit``) before its marker
+   (``completion.submitted``). The Python code called here (the policy, the
+   function table, the general lease path, the driver, the trace) runs under
+   the caller's KI protection. */
 
 #include "_claunch.h"
 
 static int g_submit_ready;
 static PyTypeObject *t_scope, *t_stream, *t_sub;
 static SlotRef r_sc_functions, r_sc_kernels, r_sc_next_id, r_sc_driver, r_sc_completion, r_sc_policy,
-    r_sc_streams, r_sc_tracer;
+    r_sc_streams, r_sc_tracer, r_sc_trace_timing;
 static SlotRef r_st_scope, r_st_handle, r_st_in_flight, r_st_unmarked;
 static SlotRef r_c_in_flight, r_c_unflushed, r_c_batch, r_c_driver;
 static SlotRef r_sub_error, r_sub_observed, r_sub_dirty, r_sub_output, r_sub_state;
@@ -43,7 +45,7 @@ static const char *const sub_names[N_SUB] = {"scope",  "stream", "id",       "op
 static Py_ssize_t sub_off[N_SUB];
 static PyObject *g_enqueuing, *g_in_flight, *g_empty, *g_tll, *g_scope_globals, *g_submit_globals;
 static PyObject *n_tll, *n_fast, *n_take_whole, *n_rest, *n_pick, *n_check_choice, *n_choose, *n_function_for, *n_launch,
-    *n_finish, *n_flush, *n_notify;
+    *n_finish, *n_flush, *n_notify, *n_trace_error, *n_trace_submit, *n_timing_mark, *n_submitted;
 
 /* The stream ``op`` goes to (a new reference), as ``_pick`` chooses it. */
 static PyObject *pick(PyObject *scope, PyObject *op, PyObject *stream) {
@@ -209,9 +211,20 @@ done:
     return rc;
 }
 
+/* The error now set, raised with ``value`` (stolen) as its context. */
+static void chain(PyObject *value) {
+    PyObject *t2, *v2, *tb2;
+    PyErr_Fetch(&t2, &v2, &tb2);
+    PyErr_NormalizeException(&t2, &v2, &tb2);
+    if (tb2 != NULL) PyException_SetTraceback(v2, tb2);
+    PyException_SetContext(v2, value);
+    PyErr_Restore(t2, v2, tb2);
+}
+
 /* Step 5's error path: keep the driver's error on the submission, finish it
-   behind a marker, and raise the error (or what finishing raised, with the
-   error as its context). */
+   behind a marker, record it where the scope is traced (``trace_error``),
+   and raise the error (or what those raised, with the error as its
+   context). */
 static void launch_failed(PyObject *scope, PyObject *sub) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
@@ -220,28 +233,43 @@ static void launch_failed(PyObject *scope, PyObject *sub) {
     Py_INCREF(value);
     Py_INCREF(Py_True);
     PyObject *completion = read_slot(scope, &r_sc_completion);
-    PyObject *r = NULL;
+    PyObject *r = NULL, *tracer = NULL;
     if (store_slot(sub, &r_sub_error, value) == 0 && store_slot(sub, &r_sub_observed, Py_True) == 0 &&
         completion != NULL)
         r = PyObject_CallMethodObjArgs(completion, n_finish, sub, Py_None, NULL);
     Py_XDECREF(completion);
     if (r != NULL) {
+        Py_CLEAR(r);
+        if ((tracer = read_slot(scope, &r_sc_tracer)) != NULL) {
+            if (tracer == Py_None) {
+                r = Py_NewRef(Py_None);
+            } else {
+                PyObject *fn = PyDict_GetItemWithError(g_scope_globals, n_trace_error); /* (borrowed) */
+                if (fn != NULL) {
+                    PyObject *argv[4] = {scope, tracer, sub, value};
+                    Py_INCREF(fn);
+                    r = PyObject_Vectorcall(fn, argv, 4, NULL);
+                    Py_DECREF(fn);
+                } else if (!PyErr_Occurred()) {
+                    PyErr_SetString(PyExc_RuntimeError, "submit_launch: trace_error is gone");
+                }
+            }
+            Py_DECREF(tracer);
+        }
+    }
+    if (r != NULL) {
         Py_DECREF(r);
         PyErr_Restore(type, value, tb);
         return;
     }
-    PyObject *t2, *v2, *tb2;
-    PyErr_Fetch(&t2, &v2, &tb2);
-    PyErr_NormalizeException(&t2, &v2, &tb2);
-    if (tb2 != NULL) PyException_SetTraceback(v2, tb2);
-    PyException_SetContext(v2, value); /* (steals value) */
     Py_XDECREF(type);
     Py_XDECREF(tb);
-    PyErr_Restore(t2, v2, tb2);
+    chain(value);
 }
 
-/* Step 6: 0, or -1 (error set). */
-static int launched(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op) {
+/* Step 6 (``traced``: without the marker and the driver's notice, which
+   come once the launch was recorded): 0, or -1 (error set). */
+static int launched(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op, int traced) {
     PyObject *output = *(PyObject **)((char *)op + g_launch_off[3]);
     if (output == NULL) {
         PyErr_SetString(PyExc_AttributeError, "_output");
@@ -272,6 +300,10 @@ static int launched(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op) {
         if (PyList_Append(unflushed, s) < 0) goto done;
     }
     if (PyList_Append(unmarked, sub) < 0) goto done;
+    if (traced) {
+        rc = 0;
+        goto done;
+    }
     if ((batch = read_slot(completion, &r_c_batch)) == NULL) goto done;
     int batched = PyObject_IsTrue(batch);
     if (batched < 0) goto done;
@@ -309,12 +341,13 @@ PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t narg
     }
     PyObject *tracer = read_slot(scope, &r_sc_tracer);
     if (tracer == NULL) return NULL;
-    Py_DECREF(tracer);
-    if (tracer != Py_None) Py_RETURN_NONE; /* traced: the Python path records it */
     PyObject *prepared = NULL, *function = NULL, *sub = NULL, *id = NULL, *driver = NULL, *handle = NULL,
-             *r = NULL, *result = NULL;
+             *r = NULL, *result = NULL, *mark = NULL;
     PyObject *s = pick(scope, op, stream);
-    if (s == NULL) return NULL;
+    if (s == NULL) {
+        Py_DECREF(tracer);
+        return NULL;
+    }
     prepared = *(PyObject **)((char *)op + g_launch_off[0]);
     if (prepared == NULL) {
         PyErr_SetString(PyExc_AttributeError, "prepared");
@@ -328,16 +361,46 @@ PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t narg
     if ((sub = new_instance(t_sub, sub_off, values, N_SUB)) == NULL) goto out;
     if (take_leases(scope, s, sub, op) < 0) goto out;
     if ((driver = read_slot(scope, &r_sc_driver)) == NULL || (handle = read_slot(s, &r_st_handle)) == NULL) goto out;
+    int traced = tracer != Py_None;
+    if (traced) { /* the device's time mark before the launch, where the trace takes them */
+        PyObject *timing = read_slot(scope, &r_sc_trace_timing);
+        int yes = timing ? PyObject_IsTrue(timing) : -1;
+        Py_XDECREF(timing);
+        if (yes < 0) goto out;
+        mark = yes ? PyObject_CallMethodOneArg(driver, n_timing_mark, handle) : Py_NewRef(Py_None);
+        if (mark == NULL) goto out;
+    }
     PyObject *argv[4] = {driver, handle, function, prepared};
     r = PyObject_VectorcallMethod(n_launch, argv, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (r == NULL) {
         launch_failed(scope, sub);
         goto out;
     }
-    if (launched(scope, s, sub, op) < 0) goto out;
+    Py_CLEAR(r);
+    if (launched(scope, s, sub, op, traced) < 0) goto out;
+    if (traced) { /* recorded before its marker, then the marker and the driver's notice */
+        PyObject *fn = PyDict_GetItemWithError(g_scope_globals, n_trace_submit); /* (borrowed) */
+        if (fn == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "submit_launch: trace_submit is gone");
+            goto out;
+        }
+        PyObject *targv[5] = {scope, tracer, sub, op, mark};
+        Py_INCREF(fn);
+        r = PyObject_Vectorcall(fn, targv, 5, NULL);
+        Py_DECREF(fn);
+        if (r == NULL) goto out;
+        Py_CLEAR(r);
+        PyObject *completion = read_slot(scope, &r_sc_completion);
+        if (completion == NULL) goto out;
+        r = PyObject_CallMethodOneArg(completion, n_submitted, s);
+        Py_DECREF(completion);
+        if (r == NULL) goto out;
+    }
     result = sub;
     Py_INCREF(result);
 out:
+    Py_DECREF(tracer);
+    Py_XDECREF(mark);
     Py_DECREF(s);
     Py_XDECREF(prepared);
     Py_XDECREF(function);
@@ -393,6 +456,7 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
                 {tp_scope, "_next_id", &r_sc_next_id},     {tp_scope, "_driver", &r_sc_driver},
                 {tp_scope, "_completion", &r_sc_completion}, {tp_scope, "_policy", &r_sc_policy},
                 {tp_scope, "_streams", &r_sc_streams},     {tp_scope, "_tracer", &r_sc_tracer},
+                {tp_scope, "_trace_timing", &r_sc_trace_timing},
                 {tp_stream, "_scope", &r_st_scope},        {tp_stream, "handle", &r_st_handle},
                 {tp_stream, "_in_flight", &r_st_in_flight}, {tp_stream, "_unmarked", &r_st_unmarked},
                 {tp_c, "in_flight", &r_c_in_flight},       {tp_c, "unflushed", &r_c_unflushed},
@@ -424,7 +488,9 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
         intern(&n_check_choice, "_check_choice") < 0 || intern(&n_choose, "choose") < 0 ||
         intern(&n_function_for, "function_for") < 0 || intern(&n_launch, "launch") < 0 ||
         intern(&n_finish, "finish") < 0 || intern(&n_flush, "flush") < 0 ||
-        intern(&n_notify, "notify_submitted") < 0)
+        intern(&n_notify, "notify_submitted") < 0 || intern(&n_trace_error, "trace_error") < 0 ||
+        intern(&n_trace_submit, "trace_submit") < 0 || intern(&n_timing_mark, "timing_mark") < 0 ||
+        intern(&n_submitted, "submitted") < 0)
         return NULL;
     g_submit_ready = 1;
     Py_RETURN_NONE;

@@ -577,11 +577,8 @@ class Completion:
                 except BaseException as exc:
                     sub.error = exc
                     break
-        tr = self.tracer
-        if tr is not None:  # named by who observed the completion; before the frees it causes
-            error = sub.error
-            args = None if error is None else {"error": f"{type(error).__name__}: {error}"[:300]}
-            tr.emit("retire", self.retirer(), self.trace_id, sub.stream.index, sub.id, args=args)
+        if self.tracer is not None:  # (before the frees it causes)
+            self.trace_retire(sub)
         live = AllocState.LIVE
         memory = self.memory
         for alloc in sub.leases:
@@ -603,6 +600,15 @@ class Completion:
         sub.leases = ()
         sub.op = None  # a kept future must not pin the op's arrays
         self.settle(sub, SubState.FAILED if sub.error is not None else SubState.DONE)
+
+    def trace_retire(self, sub: Submission) -> None:
+        """Record ``sub``'s retirement (traced scopes), named by who observed
+        the completion, with its error if it has one."""
+        tr = self.tracer
+        if tr is not None:
+            error = sub.error
+            args = None if error is None else {"error": f"{type(error).__name__}: {error}"[:300]}
+            tr.emit("retire", self.retirer(), self.trace_id, sub.stream.index, sub.id, args=args)
 
     @enable_ki_protection
     def settle(self, sub: Submission, state: SubState) -> None:

@@ -595,12 +595,9 @@ class ResourceScope(metaclass=NoPublicConstructor):
         """``_submit`` for a single kernel launch, the hot path: the same steps
         as ``EnqueueContext.launch`` without the generic op machinery, and
         leases from the launch's access plan (``take_launch_leases``). Where
-        it was built, the compiled ``submit_launch`` makes these steps for an
-        untraced scope."""
+        it was built, the compiled ``submit_launch`` makes these steps."""
         if submit_launch is not None:
-            made = submit_launch(self, op, stream)
-            if made is not None:
-                return made
+            return submit_launch(self, op, stream)
         s = stream if type(stream) is Stream and stream._scope is self else self._pick(op, stream)
         prepared = op.prepared
         ready = prepared.ready  # ``KernelTable.function_for``, inline when it hits
@@ -878,9 +875,9 @@ def enqueue_unsafe(op: DeviceOp[T], stream: Stream) -> T:
     return out  # type: ignore[no-any-return]
 
 
-#: the compiled ``_submit_launch`` of an untraced scope (``_claunch.submit_launch``);
+#: the compiled ``_submit_launch`` (``_claunch.submit_launch``);
 #: None where the pure-Python path runs (tests turn it off)
-submit_launch: Callable[[ResourceScope, KernelLaunch, Stream | None], Submission | None] | None = None
+submit_launch: Callable[[ResourceScope, KernelLaunch, Stream | None], Submission] | None = None
 if _compiled.ext is not None:
     _compiled.ext.configure_submit(
         {
