@@ -137,3 +137,68 @@ def test_a_first_argument_not_a_kernel_goes_to_the_reference() -> None:
         method(object(), grid=1, block=1)
     with pytest.raises(TypeError):
         method()
+
+
+@compiled_only
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"grid": 16},
+        {"grid": 16, "block": None, "shared_mem": None, "cluster": None, "cooperative": None, "pdl": False},
+        {"grid": 16, "cooperative": False},
+        {"grid": 16, "block": 1},
+        {"grid": 16, "shared_mem": 0},
+        {"grid": 16, "pdl": True},
+        {"grid": 16.0},
+        {"grid": np.int64(16)},
+        {"grid": (16, 1)},
+        {"grid": 0},
+        {},
+        {"grid": 16, "colour": "red"},
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("args", ["fit", "another shape", "wrong count"])
+async def test_a_tile_kernel_launches_as_the_reference_does(kw: dict[str, Any], args: str) -> None:
+    pytest.importorskip("cuda.tile", reason="cuda-tile is not installed: pip install 'trio_cuda[tile]'")
+    from tests.tile.test_tile_kernels import vadd
+
+    k = trio_cuda.Kernel.from_tile(vadd, cache=None)
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x, y, z = (gpu.zeros(256, np.float32) for _ in range(3))
+        given: tuple[Any, ...] = {
+            "fit": (x, y, z),
+            "another shape": (x[:128], y[:128], z[:128]),
+            "wrong count": (x, y),
+        }[args]
+        for _ in range(2):  # (the second time, a recipe's fast path is there)
+            compiled = _outcome(lambda: k.launch(*given, **kw))
+            ref = _outcome(lambda: Kernel.launch(k, *given, **kw))
+            if isinstance(ref, tuple):
+                assert compiled == ref
+            else:
+                assert compiled.prepared.kernel is ref.prepared.kernel  # (the recipe)
+                assert attrs.astuple(compiled.prepared.config) == attrs.astuple(ref.prepared.config)
+                assert compiled.prepared.arena == ref.prepared.arena
+                assert [(id(a), m) for a, m in compiled._accesses] == [(id(a), m) for a, m in ref._accesses]
+
+
+@compiled_only
+async def test_a_tile_launch_of_a_known_recipe_skips_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("cuda.tile", reason="cuda-tile is not installed: pip install 'trio_cuda[tile]'")
+    from tests.tile.test_tile_kernels import vadd
+    from trio_cuda._tile import launching
+
+    calls: list[object] = []
+    real = launching.cached_config
+    monkeypatch.setattr(launching, "cached_config", lambda *a: calls.append(a) or real(*a))
+    k = trio_cuda.Kernel.from_tile(vadd, cache=None)
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x, y, z = (gpu.zeros(256, np.float32) for _ in range(3))
+        first = k.launch(x, y, z, grid=16)
+        assert len(calls) == 1
+        again = k.launch(x, y, z, grid=16, block=None)
+        assert len(calls) == 1
+        assert again.prepared.kernel is first.prepared.kernel
+        k.launch(x[:128], y[:128], z[:128], grid=16)  # another recipe: the reference makes it
+        assert len(calls) == 2

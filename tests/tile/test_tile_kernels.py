@@ -1292,3 +1292,29 @@ def test_vadd_matches_numpy_for_any_length(n: int, extra_blocks: int, offset: in
         assert sim.live_allocations == []
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("kernel", ["vadd", "list"])
+async def test_a_launch_shape_is_checked_once_unless_its_check_prepares_lists(
+    sim: SimDevice, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scope checks each launch shape of a kernel against the device
+    once; a tile specialisation with list arguments has them prepared by the
+    backend's check, so its launches are checked each time."""
+    from trio_cuda._backends.sim.context import SimContext
+
+    checks: list[object] = []
+    real = SimContext.check_launch
+
+    def counting(self: Any, function: Any, launch: Any) -> None:
+        checks.append(launch)
+        real(self, function, launch)
+
+    monkeypatch.setattr(SimContext, "check_launch", counting)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        xs = [gpu.zeros(N, F4) for _ in range(3)]
+        out = gpu.zeros(N, F4)
+        for _ in range(4):
+            op = VADD.launch(*xs[:2], out, grid=16) if kernel == "vadd" else LIST.launch(xs, out, grid=16)
+            await gpu.run(op)
+        assert len(checks) == (1 if kernel == "vadd" else 4)

@@ -7,14 +7,20 @@
    kernel it is a method, and ``kernel.launch(...)`` calls it without
    making a bound method (a method descriptor).
 
-   A call does what the reference does for the common case: a SIMT kernel,
-   keywords among grid, block and shared_mem (cluster, cooperative and pdl
-   only at their defaults), exact ints for the three, a configuration
-   already in the config module's ``_SIMPLE_CONFIGS`` (what
-   ``cached_config`` returns for them), and the kernel's typed fast path
-   making the launch. Every other call, and a fast path that declines, is
-   the reference's call, from the start: so its errors, its checked path
-   and its tile path are the reference's own. */
+   A call does what the reference does for the common case: keywords among
+   grid, block and shared_mem (cluster, cooperative and pdl only at their
+   defaults), an exact int grid, a configuration already in the config
+   module's ``_SIMPLE_CONFIGS`` (what ``cached_config`` returns then), and a
+   fast path making the launch:
+   - a SIMT kernel: exact ints for block and shared_mem (None: 0), and the
+     kernel's typed fast path (``kernel._fast``);
+   - a tile kernel: no block or shared_mem (its configuration is grid x 1,
+     as the tile support makes it), and the fast paths of its recent
+     recipes, in their order (``kernel.tile._fast``, kept by the tile
+     support: trio_cuda/_tile/launching.py).
+   Every other call, and one whose fast paths decline, is the reference's
+   call, from the start: so its errors, its checked paths and its tile
+   support are the reference's own. */
 
 #include "_claunch.h"
 
@@ -27,12 +33,33 @@ typedef struct {
 static PyTypeObject *t_method, *t_kernel;
 static SlotRef r_tile, r_fast;
 static PyObject *g_config_globals, *n_simple, *n_grid, *n_block, *n_shared_mem, *n_cluster, *n_cooperative, *n_pdl,
-    *g_zero;
+    *n_fast, *g_zero, *g_one;
+
+/* ``made``'s fast paths tried in turn on ``args[1:]``: the launch (a new
+   reference), None where each declined, NULL on an error. */
+static PyObject *try_fast(PyObject *const *fasts, Py_ssize_t n, PyObject *const *args, Py_ssize_t nargs,
+                          PyObject *config) {
+    PyObject *argt = PyTuple_New(nargs - 1);
+    if (argt == NULL) return NULL;
+    for (Py_ssize_t i = 1; i < nargs; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SET_ITEM(argt, i - 1, args[i]);
+    }
+    PyObject *made = Py_NewRef(Py_None);
+    PyObject *fargs[2] = {argt, config};
+    for (Py_ssize_t i = 0; i < n && made == Py_None; i++) {
+        Py_DECREF(made);
+        made = PyObject_Vectorcall(fasts[i], fargs, 2, NULL);
+        if (made == NULL) break; /* (the fast path raised, as in the reference) */
+    }
+    Py_DECREF(argt);
+    return made;
+}
 
 static PyObject *method_call(LaunchMethod *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs < 1 || Py_TYPE(args[0]) != t_kernel) goto reference;
-    PyObject *kernel = args[0], *grid = NULL, *block = NULL, *smem = g_zero;
+    PyObject *kernel = args[0], *grid = NULL, *block = Py_None, *smem = Py_None;
     Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
     for (Py_ssize_t i = 0; i < nk; i++) {
         PyObject *name = PyTuple_GET_ITEM(kwnames, i), *value = args[nargs + i];
@@ -41,59 +68,65 @@ static PyObject *method_call(LaunchMethod *self, PyObject *const *args, size_t n
         else if (name == n_block)
             block = value;
         else if (name == n_shared_mem)
-            smem = value == Py_None ? g_zero : value;
+            smem = value;
         else if (name == n_cluster || name == n_cooperative) {
             if (value != Py_None && !(name == n_cooperative && value == Py_False)) goto reference;
         } else if (name != n_pdl || value != Py_False)
             goto reference; /* (a keyword not interned, too: the reference parses it) */
     }
-    if (grid == NULL || block == NULL || !PyLong_CheckExact(grid) || !PyLong_CheckExact(block) ||
-        !PyLong_CheckExact(smem))
-        goto reference;
+    if (grid == NULL || !PyLong_CheckExact(grid)) goto reference;
     PyObject *tile = read_slot(kernel, &r_tile);
     if (tile == NULL) return NULL;
+    PyObject *fasts = NULL, *made = NULL;
+    int is_tile = tile != Py_None;
+    if (is_tile) { /* block, shared memory and the rest are compiled in: none given */
+        if (block != Py_None || smem != Py_None) {
+            Py_DECREF(tile);
+            goto reference;
+        }
+        block = g_one;
+        smem = g_zero;
+        fasts = PyObject_GetAttr(tile, n_fast);
+    } else {
+        if (smem == Py_None) smem = g_zero;
+        if (!PyLong_CheckExact(block) || !PyLong_CheckExact(smem)) {
+            Py_DECREF(tile);
+            goto reference;
+        }
+        fasts = read_slot(kernel, &r_fast);
+    }
     Py_DECREF(tile);
-    if (tile != Py_None) goto reference;
+    if (fasts == NULL) return NULL;
     PyObject *configs = PyDict_GetItemWithError(g_config_globals, n_simple); /* (borrowed) */
-    if (configs == NULL) {
-        if (PyErr_Occurred()) return NULL;
-        goto reference;
+    PyObject *config = NULL;
+    if (configs != NULL && PyDict_CheckExact(configs)) {
+        PyObject *key = PyTuple_Pack(3, grid, block, smem);
+        if (key == NULL) {
+            Py_DECREF(fasts);
+            return NULL;
+        }
+        config = PyDict_GetItemWithError(configs, key); /* (borrowed) */
+        Py_DECREF(key);
     }
-    if (!PyDict_CheckExact(configs)) goto reference;
-    PyObject *key = PyTuple_Pack(3, grid, block, smem);
-    if (key == NULL) return NULL;
-    PyObject *config = PyDict_GetItemWithError(configs, key); /* (borrowed) */
-    Py_DECREF(key);
-    if (config == NULL) {
-        if (PyErr_Occurred()) return NULL;
-        goto reference; /* (it makes the configuration, and caches it) */
-    }
-    Py_INCREF(config);
-    PyObject *fast = read_slot(kernel, &r_fast);
-    if (fast == NULL) {
-        Py_DECREF(config);
+    if (PyErr_Occurred()) {
+        Py_DECREF(fasts);
         return NULL;
     }
-    PyObject *made = Py_None;
-    Py_INCREF(made);
-    if (fast != Py_None) {
-        PyObject *argt = PyTuple_New(nargs - 1);
-        if (argt != NULL) {
-            for (Py_ssize_t i = 1; i < nargs; i++) {
-                Py_INCREF(args[i]);
-                PyTuple_SET_ITEM(argt, i - 1, args[i]);
-            }
-            PyObject *fargs[2] = {argt, config};
-            Py_SETREF(made, PyObject_Vectorcall(fast, fargs, 2, NULL));
-            Py_DECREF(argt);
-        } else {
-            Py_CLEAR(made);
-        }
+    if (config != NULL) { /* (else the reference makes it, and caches it) */
+        Py_INCREF(config);
+        if (is_tile && PyTuple_CheckExact(fasts))
+            made = try_fast(((PyTupleObject *)fasts)->ob_item, PyTuple_GET_SIZE(fasts), args, nargs, config);
+        else if (!is_tile && fasts != Py_None)
+            made = try_fast(&fasts, 1, args, nargs, config);
+        else
+            made = Py_NewRef(Py_None);
+        Py_DECREF(config);
+        Py_DECREF(fasts);
+        if (made != Py_None) return made; /* (the launch, or NULL: a fast path raised) */
+        Py_DECREF(made);
+    } else {
+        Py_DECREF(fasts);
     }
-    Py_DECREF(fast);
-    Py_DECREF(config);
-    if (made != Py_None) return made; /* (the launch, or NULL: the fast path raised, as in the reference) */
-    Py_DECREF(made);
 reference:
     return PyObject_Vectorcall(self->reference, args, nargsf, kwnames);
 }
@@ -195,7 +228,9 @@ PyObject *launch_method(PyObject *module, PyObject *args) {
         intern(&n_shared_mem, "shared_mem") < 0 || intern(&n_cluster, "cluster") < 0 ||
         intern(&n_cooperative, "cooperative") < 0 || intern(&n_pdl, "pdl") < 0)
         return NULL;
-    if ((g_zero = PyLong_FromLong(0)) == NULL) return NULL;
+    if ((g_zero = PyLong_FromLong(0)) == NULL || (g_one = PyLong_FromLong(1)) == NULL ||
+        intern(&n_fast, "_fast") < 0)
+        return NULL;
     if ((g_config_globals = PyModule_GetDict(config_module)) == NULL) return NULL;
     Py_INCREF(g_config_globals);
     Py_INCREF(kernel_type);

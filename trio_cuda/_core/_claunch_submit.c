@@ -7,8 +7,9 @@
       policy's choice (``policy.choose``), else ``scope._pick`` (which raises
       the reference's errors);
    2. the loaded function: the launch's ``ready`` pair when it is this
-      scope's; for a fresh SIMT launch of the shape its kernel was last
-      checked in, the loaded function, kept as ``ready`` (what
+      scope's; for a fresh launch of the shape its kernel was last checked
+      in (a SIMT kernel, or a tile specialisation whose check does not run
+      per launch), the loaded function, kept as ``ready`` (what
       ``KernelTable.function_for`` does then); else that method;
    3. the next id, and the Submission, made as its __init__ makes it;
    4. the leases, as ``take_launch_leases`` takes them: ``take_whole`` (the
@@ -45,7 +46,7 @@ static const char *const sub_names[N_SUB] = {"scope",  "stream", "id",       "op
 static Py_ssize_t sub_off[N_SUB];
 static PyObject *g_enqueuing, *g_in_flight, *g_empty, *g_tll, *g_scope_globals, *g_submit_globals;
 static PyObject *n_tll, *n_fast, *n_take_whole, *n_rest, *n_pick, *n_check_choice, *n_choose, *n_function_for, *n_launch,
-    *n_finish, *n_flush, *n_notify, *n_trace_error, *n_trace_submit, *n_timing_mark, *n_submitted;
+    *n_finish, *n_flush, *n_notify, *n_per_launch, *n_trace_error, *n_trace_submit, *n_timing_mark, *n_submitted;
 
 /* The stream ``op`` goes to (a new reference), as ``_pick`` chooses it. */
 static PyObject *pick(PyObject *scope, PyObject *op, PyObject *stream) {
@@ -93,8 +94,15 @@ static PyObject *last_checked(PyObject *kernels, PyObject *prepared) {
         return NULL;
     PyObject *tile = read_slot(kernel, &r_k_tile);
     if (tile == NULL) return NULL;
-    Py_DECREF(tile);
-    if (tile != Py_None) return NULL; /* (a tile launch's check prepares its lists: per launch) */
+    if (tile != Py_None) { /* (a tile launch with lists has them prepared by its check: per launch) */
+        PyObject *per_launch = PyObject_GetAttr(tile, n_per_launch);
+        Py_DECREF(tile);
+        int yes = per_launch ? PyObject_IsTrue(per_launch) : -1;
+        Py_XDECREF(per_launch);
+        if (yes) return NULL; /* (-1: the error is set) */
+    } else {
+        Py_DECREF(tile);
+    }
     PyObject *table = read_slot(kernels, &r_kt_last);
     if (table == NULL) return NULL;
     PyObject *functions = read_slot(kernels, &r_kt_functions);
@@ -490,7 +498,7 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
         intern(&n_finish, "finish") < 0 || intern(&n_flush, "flush") < 0 ||
         intern(&n_notify, "notify_submitted") < 0 || intern(&n_trace_error, "trace_error") < 0 ||
         intern(&n_trace_submit, "trace_submit") < 0 || intern(&n_timing_mark, "timing_mark") < 0 ||
-        intern(&n_submitted, "submitted") < 0)
+        intern(&n_submitted, "submitted") < 0 || intern(&n_per_launch, "per_launch_check") < 0)
         return NULL;
     g_submit_ready = 1;
     Py_RETURN_NONE;

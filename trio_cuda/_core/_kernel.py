@@ -128,6 +128,13 @@ class TileCode(Protocol):
     @property
     def kind(self) -> Literal["kernel", "specialisation"]: ...
 
+    @property
+    def per_launch_check(self) -> bool:
+        """Whether a backend's check of a launch of it depends on the launch
+        itself (a specialisation with list arguments prepares them there),
+        so the scope checks each launch rather than each launch shape."""
+        ...
+
     def ready(self, backend: str, cc: tuple[int, int]) -> bool:
         """Whether :meth:`prepare` has nothing left to do (no compile needed)."""
         ...

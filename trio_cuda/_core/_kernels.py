@@ -62,9 +62,10 @@ class KernelTable:
         #: the driver loads kernels in a worker thread (``load``)
         self.load_in_thread = driver.capabilities.load_in_thread
         self.functions: dict[Kernel, object] = {}
-        #: (kernel, config, plan) of SIMT launches checked against this device
+        #: (kernel, config, plan) of launches checked against this device (each
+        #: but those of tile specialisations whose check runs per launch)
         self.checked: set[tuple[Kernel, object, object]] = set()
-        #: the (config, plan) of each SIMT kernel's last checked launch: a
+        #: the (config, plan) of each such kernel's last checked launch: a
         #: fresh launch of the same shape is found by identity, unhashed
         self.last_checked: dict[Kernel, tuple[object, object]] = {}
 
@@ -162,9 +163,10 @@ class KernelTable:
         config = prepared.config
         plan = prepared.plan
         # What the checks read is the kernel, the config and the parameter
-        # plan (configs are interned, compared by identity); a tile launch's
-        # check also prepares its list arguments, so it runs per launch.
-        if kernel.tile is None:
+        # plan (configs are interned, compared by identity); a tile launch
+        # with list arguments has them prepared by its check: it runs per launch.
+        tile = kernel.tile
+        if tile is None or not tile.per_launch_check:
             last = self.last_checked.get(kernel)
             if last is not None and last[0] is config and last[1] is plan:
                 return

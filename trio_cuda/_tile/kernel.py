@@ -192,6 +192,8 @@ class TileKernel:
     specialisations by signature."""
 
     kind: Final = "kernel"
+    #: (never launched itself: its specialisations are)
+    per_launch_check: Final = True
 
     def __init__(
         self,
@@ -409,6 +411,8 @@ class TileSpecialisation:
             self.packer = struct.Struct(fmt)
         self.slots = tuple(slots)
         self.has_list = any(s.kind == "list_pointer" for s in slots)
+        #: a backend's check of a launch prepares its list arguments: it runs per launch
+        self.per_launch_check = self.has_list
         self._lock = threading.Lock()
         self._images: dict[str, Any] = {}
         self._checked: set[str] = set()  # the simulator's archs: compiled or skipped
