@@ -34,7 +34,8 @@ def async_on(op: DeviceOp[T], stream: Stream) -> T:
     """
     if type(stream) is not _stream.Stream:
         raise TypeError(f"stream: expected a Stream, got {type(stream).__name__}")
-    return _scope.enqueue_unsafe(op, stream)
+    out: T = _scope.enqueue_unsafe(op, stream)
+    return out
 
 
 @_final.final

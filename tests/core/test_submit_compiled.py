@@ -289,3 +289,73 @@ async def test_fresh_launch_of_last_checked_shape_skips_function_for(monkeypatch
         await gpu.run(other)
         await gpu.run(K.launch(x, y, np.float32(1), grid=1, block=4))  # (no longer the last checked)
         assert len(calls) == 3
+
+
+def _unsafe_program(compiled: bool) -> list[Any]:
+    """``unsafe.async_on`` each way it can go, on one path: the outcomes and
+    the device's record."""
+    record: list[Any] = []
+    saved = _scope.enqueue_unsafe
+    _scope.enqueue_unsafe = saved if compiled else _scope.enqueue_unsafe_py
+
+    async def main() -> None:
+        sim = SimDevice()
+        async with trio_cuda.open_scope(device=sim, streams=2) as gpu:
+            x, y = gpu.zeros(4, "f4"), gpu.zeros(4, "f4")
+            s = gpu.streams[1]
+            await gpu.run(K.launch(x, y, np.float32(0), grid=1, block=4))  # (loaded, settled)
+
+            def attempt(label: str, fn: Callable[[], Any]) -> None:
+                try:
+                    what: Any = repr(fn())
+                except BaseException as exc:
+                    what = (type(exc).__name__, str(exc))
+                record.append((label, what, sim.statistics()))
+
+            attempt(
+                "launch", lambda: trio_cuda.unsafe.async_on(K.launch(x, y, np.float32(1), grid=1, block=4), s)
+            )
+            attempt(
+                "fresh shape",
+                lambda: trio_cuda.unsafe.async_on(K.launch(x, y, np.float32(1), grid=2, block=2), s),
+            )
+            attempt("a fill", lambda: trio_cuda.unsafe.async_on(trio_cuda.ops.fill(x, 2.0), s))
+            attempt("a builder", lambda: trio_cuda.unsafe.async_on(K.builder(), s))  # type: ignore[arg-type]
+            attempt("not an op", lambda: trio_cuda.unsafe.async_on(3, s))  # type: ignore[arg-type]
+            sim.inject_fault("launch_error")
+            attempt(
+                "launch error",
+                lambda: trio_cuda.unsafe.async_on(K.launch(x, y, np.float32(1), grid=1, block=4), s),
+            )
+            op = K.launch(x, y, np.float32(1), grid=1, block=4)
+            thread = await trio.to_thread.run_sync(_outcome_of, lambda: trio_cuda.unsafe.async_on(op, s))
+            record.append(("from a thread", thread))
+            await trio.testing.wait_all_tasks_blocked()
+        attempt("after the exit", lambda: trio_cuda.unsafe.async_on(op, s))
+        record.append(("exit", sim.violations, sim.live_allocations))
+
+    try:
+        run_bounded(main, limit=20.0)
+    finally:
+        _scope.enqueue_unsafe = saved
+    return record
+
+
+def _outcome_of(fn: Callable[[], Any]) -> Any:
+    try:
+        return repr(fn())
+    except BaseException as exc:
+        return (type(exc).__name__, str(exc))
+
+
+@compiled_only
+def test_compiled_and_python_async_on_agree() -> None:
+    assert _scope.enqueue_unsafe is not _scope.enqueue_unsafe_py
+    compiled, python = _unsafe_program(True), _unsafe_program(False)
+    assert compiled == python
+    outcomes = {r[0]: r[1] for r in compiled}
+    assert outcomes["launch"].startswith("<DeviceArray")
+    assert outcomes["a builder"][0] == outcomes["not an op"][0] == "TypeError"
+    assert outcomes["launch error"][0] == "LaunchError"
+    assert outcomes["from a thread"][0] == "RuntimeError"
+    assert outcomes["after the exit"][0] == "ScopeClosedError"

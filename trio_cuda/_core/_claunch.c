@@ -186,6 +186,8 @@ static PyMethodDef module_methods[] = {
      "configure_submit(env): the types, slots and modules submit_launch reads (once per process)."},
     {"submit_launch", (PyCFunction)(void (*)(void))submit_launch, METH_FASTCALL,
      "submit_launch(scope, op, stream) -> Submission: ResourceScope._submit_launch."},
+    {"enqueue_unsafe", (PyCFunction)(void (*)(void))enqueue_unsafe, METH_FASTCALL,
+     "enqueue_unsafe(op, stream) -> output: unsafe.async_on, compiled for a lone kernel launch."},
     {"configure_scan", configure_scan, METH_O,
      "configure_scan(env): the types, slots and module scan reads (once per process)."},
     {"scan", scan, METH_O, "scan(completion) -> bool: Completion.scan (True when a host step ran)."},

@@ -122,6 +122,7 @@ PyObject *retire_done(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 /* _claunch_submit.c */
 PyObject *configure_submit(PyObject *module, PyObject *env);
 PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *enqueue_unsafe(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* _claunch_scan.c */
 PyObject *configure_scan(PyObject *module, PyObject *env);

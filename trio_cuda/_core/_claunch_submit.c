@@ -34,7 +34,7 @@
 static int g_submit_ready;
 static PyTypeObject *t_scope, *t_stream, *t_sub;
 static SlotRef r_sc_functions, r_sc_kernels, r_sc_next_id, r_sc_driver, r_sc_completion, r_sc_policy,
-    r_sc_streams, r_sc_tracer, r_sc_trace_timing;
+    r_sc_streams, r_sc_tracer, r_sc_trace_timing, r_sc_closing, r_sc_thread;
 static SlotRef r_st_scope, r_st_handle, r_st_in_flight, r_st_unmarked;
 static SlotRef r_c_in_flight, r_c_unflushed, r_c_batch, r_c_driver;
 static SlotRef r_sub_error, r_sub_observed, r_sub_dirty, r_sub_output, r_sub_state;
@@ -46,7 +46,7 @@ static const char *const sub_names[N_SUB] = {"scope",  "stream", "id",       "op
 static Py_ssize_t sub_off[N_SUB];
 static PyObject *g_enqueuing, *g_in_flight, *g_empty, *g_tll, *g_scope_globals, *g_submit_globals;
 static PyObject *n_tll, *n_fast, *n_take_whole, *n_rest, *n_pick, *n_check_choice, *n_choose, *n_function_for, *n_launch,
-    *n_finish, *n_flush, *n_notify, *n_per_launch, *n_trace_error, *n_trace_submit, *n_timing_mark, *n_submitted;
+    *n_finish, *n_flush, *n_notify, *n_per_launch, *n_check_open, *n_async_on, *g_enqueue_py, *n_trace_error, *n_trace_submit, *n_timing_mark, *n_submitted;
 
 /* The stream ``op`` goes to (a new reference), as ``_pick`` chooses it. */
 static PyObject *pick(PyObject *scope, PyObject *op, PyObject *stream) {
@@ -420,6 +420,68 @@ out:
     return result;
 }
 
+/* enqueue_unsafe(op, stream): ``unsafe.async_on`` of a lone kernel launch,
+   as the scope module's ``enqueue_unsafe_py`` does it: the scope open and
+   used from its thread (else ``scope._check_open``, which raises the
+   reason), the loaded function (step 2 above), the driver's launch, and the
+   launch's output. No lease, owner or marker. Anything else is that
+   function's. */
+PyObject *enqueue_unsafe(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "enqueue_unsafe(op, stream)");
+        return NULL;
+    }
+    if (!g_submit_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "enqueue_unsafe: configure_submit() first");
+        return NULL;
+    }
+    PyObject *op = args[0], *stream = args[1];
+    PyObject *scope = Py_TYPE(op) == g_launch_type && Py_TYPE(stream) == t_stream ? read_slot(stream, &r_st_scope)
+                                                                                   : NULL;
+    if (scope == NULL || Py_TYPE(scope) != t_scope) {
+        if (PyErr_Occurred()) return NULL;
+        Py_XDECREF(scope);
+        return PyObject_Vectorcall(g_enqueue_py, args, 2, NULL);
+    }
+    PyObject *prepared = NULL, *function = NULL, *driver = NULL, *handle = NULL, *r = NULL, *result = NULL;
+    PyObject *closing = read_slot(scope, &r_sc_closing);
+    PyObject *thread = closing ? read_slot(scope, &r_sc_thread) : NULL;
+    if (thread == NULL) goto out;
+    int ok = PyObject_IsTrue(closing);
+    if (ok < 0) goto out;
+    ok = !ok && PyLong_CheckExact(thread) && PyLong_AsUnsignedLong(thread) == PyThread_get_thread_ident();
+    if (PyErr_Occurred()) goto out;
+    if (!ok && (r = PyObject_CallMethodOneArg(scope, n_check_open, n_async_on)) == NULL) goto out;
+    prepared = *(PyObject **)((char *)op + g_launch_off[0]);
+    if (prepared == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "prepared");
+        goto out;
+    }
+    Py_INCREF(prepared);
+    if ((function = function_for(scope, prepared)) == NULL) goto out;
+    if ((driver = read_slot(scope, &r_sc_driver)) == NULL || (handle = read_slot(stream, &r_st_handle)) == NULL)
+        goto out;
+    Py_XDECREF(r);
+    PyObject *argv[4] = {driver, handle, function, prepared};
+    r = PyObject_VectorcallMethod(n_launch, argv, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (r == NULL) goto out;
+    result = *(PyObject **)((char *)op + g_launch_off[3]);
+    if (result == NULL)
+        PyErr_SetString(PyExc_AttributeError, "_output");
+    else
+        Py_INCREF(result);
+out:
+    Py_DECREF(scope);
+    Py_XDECREF(closing);
+    Py_XDECREF(thread);
+    Py_XDECREF(prepared);
+    Py_XDECREF(function);
+    Py_XDECREF(driver);
+    Py_XDECREF(handle);
+    Py_XDECREF(r);
+    return result;
+}
+
 static int intern(PyObject **out, const char *name) { return (*out = PyUnicode_InternFromString(name)) ? 0 : -1; }
 
 /* configure_submit(env): after configure_leases() and configure_retire(). */
@@ -436,7 +498,8 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
     if (take(env, "ResourceScope", (PyObject **)&t_scope) < 0 || take(env, "Stream", (PyObject **)&t_stream) < 0 ||
         take(env, "Submission", (PyObject **)&t_sub) < 0 || take(env, "ENQUEUING", &g_enqueuing) < 0 ||
         take(env, "IN_FLIGHT", &g_in_flight) < 0 || take(env, "take_launch_leases", &g_tll) < 0 ||
-        take(env, "scope_module", &scope_mod) < 0 || take(env, "submit_module", &submit_mod) < 0)
+        take(env, "scope_module", &scope_mod) < 0 || take(env, "submit_module", &submit_mod) < 0 ||
+        take(env, "enqueue_unsafe_py", &g_enqueue_py) < 0)
         return NULL;
     if (!PyType_Check(t_scope) || !PyType_Check(t_stream) || !PyType_Check(t_sub)) {
         PyErr_SetString(PyExc_TypeError, "configure_submit: ResourceScope, Stream and Submission must be types");
@@ -465,6 +528,7 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
                 {tp_scope, "_completion", &r_sc_completion}, {tp_scope, "_policy", &r_sc_policy},
                 {tp_scope, "_streams", &r_sc_streams},     {tp_scope, "_tracer", &r_sc_tracer},
                 {tp_scope, "_trace_timing", &r_sc_trace_timing},
+                {tp_scope, "_closing", &r_sc_closing},     {tp_scope, "_thread", &r_sc_thread},
                 {tp_stream, "_scope", &r_st_scope},        {tp_stream, "handle", &r_st_handle},
                 {tp_stream, "_in_flight", &r_st_in_flight}, {tp_stream, "_unmarked", &r_st_unmarked},
                 {tp_c, "in_flight", &r_c_in_flight},       {tp_c, "unflushed", &r_c_unflushed},
@@ -498,7 +562,8 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
         intern(&n_finish, "finish") < 0 || intern(&n_flush, "flush") < 0 ||
         intern(&n_notify, "notify_submitted") < 0 || intern(&n_trace_error, "trace_error") < 0 ||
         intern(&n_trace_submit, "trace_submit") < 0 || intern(&n_timing_mark, "timing_mark") < 0 ||
-        intern(&n_submitted, "submitted") < 0 || intern(&n_per_launch, "per_launch_check") < 0)
+        intern(&n_submitted, "submitted") < 0 || intern(&n_per_launch, "per_launch_check") < 0 ||
+        intern(&n_check_open, "_check_open") < 0 || intern(&n_async_on, "async_on") < 0)
         return NULL;
     g_submit_ready = 1;
     Py_RETURN_NONE;

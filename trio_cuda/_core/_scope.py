@@ -845,10 +845,11 @@ class ResourceScope(metaclass=NoPublicConstructor):
 
 
 @enable_ki_protection
-def enqueue_unsafe(op: DeviceOp[T], stream: Stream) -> T:
+def enqueue_unsafe_py(op: DeviceOp[T], stream: Stream) -> T:
     """``unsafe.async_on``: enqueue ``op`` on ``stream`` (a Stream, checked
     by the caller) with no lease, owner or marker; only the checks that
-    need no bookkeeping run."""
+    need no bookkeeping run. (``enqueue_unsafe`` is this, or where it was
+    built the compiled one, which does a lone launch itself.)"""
     scope = stream._scope
     if type(op) is KernelLaunch:
         if scope._closing or get_ident() != scope._thread:
@@ -890,11 +891,18 @@ if _compiled.ext is not None:
             "ENQUEUING": SubState.ENQUEUING,
             "IN_FLIGHT": SubState.IN_FLIGHT,
             "take_launch_leases": take_launch_leases,
+            "enqueue_unsafe_py": enqueue_unsafe_py,
             "scope_module": sys.modules[__name__],
             "submit_module": _submit,
         }
     )
     submit_launch = _compiled.ext.submit_launch
+
+#: ``unsafe.async_on``'s enqueue: the compiled one (``_claunch.enqueue_unsafe``)
+#: where it was built, else the Python one
+enqueue_unsafe: Callable[[DeviceOp[Any], Stream], Any] = (
+    enqueue_unsafe_py if _compiled.ext is None else _compiled.ext.enqueue_unsafe
+)
 
 #: the compiled first look of ``run`` at its work (``_claunch.look``); None
 #: where the pure-Python path runs (``observe`` looks; tests turn it off)
