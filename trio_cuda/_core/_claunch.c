@@ -192,7 +192,7 @@ static PyMethodDef module_methods[] = {
      "configure_scan(env): the types, slots and module scan reads (once per process)."},
     {"scan", scan, METH_O, "scan(completion) -> bool: Completion.scan (True when a host step ran)."},
     {"look", (PyCFunction)(void (*)(void))look, METH_FASTCALL,
-     "look(completion, sub) -> bool: an awaiting task's look at its own submission (True: settled)."},
+     "look(completion, sub) -> output, SETTLED or AGAIN: an awaiting task's look at its own submission."},
     {"launch_method", launch_method, METH_VARARGS,
      "launch_method(reference, Kernel, config_module) -> the descriptor standing for Kernel.launch (once per "
      "process)."},

@@ -30,7 +30,8 @@ static SlotRef r_unflushed, r_memory, r_gc_releases, r_driver, r_streams, r_pend
     r_poll_state, r_sub_state, r_host_steps, r_completed, r_by_waiters;
 static PyObject *g_pending_state, *g_done_state, *g_unknown_state, *g_pending_poll, *g_poll_type,
     *g_completion_globals;
-static PyObject *g_in_flight_state, *n_scan_streams, *n_scan, *n_flush;
+static PyObject *g_in_flight_state, *g_again, *g_settled, *n_scan_streams, *n_scan, *n_flush;
+static SlotRef r_sub_error, r_sub_output;
 static PyObject *n_flush_all, *n_unconsumed, *n_sweep, *n_release_pending, *n_poll_marker, *n_popleft,
     *n_run_host_step, *n_retire_done, *n_retire;
 
@@ -97,7 +98,8 @@ done:
 }
 
 /* One stream's completed prefix: 1 if a host step ran, 0 if not, -1 error. */
-static int scan_stream(PyObject *completion, PyObject *stream, PyObject *poll_marker) {
+static int scan_stream(PyObject *completion, PyObject *stream, PyObject *poll_marker, PyObject *known,
+                       PyObject *known_poll) {
     PyObject *pending = read_slot(stream, &r_pending);
     if (pending == NULL) return -1;
     int progressed = 0;
@@ -116,7 +118,8 @@ static int scan_stream(PyObject *completion, PyObject *stream, PyObject *poll_ma
         }
         if (marker != last_ref) { /* a burst shares one marker: poll it once */
             Py_XDECREF(p);
-            p = poll(poll_marker, marker);
+            /* (a marker the caller saw done is done: completion is for good) */
+            p = marker == known ? Py_NewRef(known_poll) : poll(poll_marker, marker);
             Py_SETREF(last_ref, Py_NewRef(marker));
             if (p == NULL) {
                 Py_DECREF(marker);
@@ -182,7 +185,13 @@ fail:
     return -1;
 }
 
-PyObject *scan(PyObject *module, PyObject *completion) {
+static PyObject *scan_known(PyObject *completion, PyObject *known, PyObject *known_poll);
+
+PyObject *scan(PyObject *module, PyObject *completion) { return scan_known(completion, NULL, NULL); }
+
+/* The scan, where ``known`` (or NULL) is a marker the caller polled and
+   found done (``known_poll``): it is not polled again. */
+static PyObject *scan_known(PyObject *completion, PyObject *known, PyObject *known_poll) {
     if (!g_scan_ready) {
         PyErr_SetString(PyExc_RuntimeError, "scan: configure_scan() first");
         return NULL;
@@ -224,7 +233,7 @@ PyObject *scan(PyObject *module, PyObject *completion) {
     int progressed = 0;
     PyObject *stream;
     while ((stream = PyIter_Next(it)) != NULL) {
-        int rc = scan_stream(completion, stream, poll_marker);
+        int rc = scan_stream(completion, stream, poll_marker, known, known_poll);
         Py_DECREF(stream);
         if (rc < 0) break;
         progressed |= rc;
@@ -239,14 +248,29 @@ out:
     return result;
 }
 
-/* look(completion, sub) -> bool: one look of an awaiting task at its own
-   submission, as ``Completion.observe`` looks after a checkpoint: True once
-   it settled. While it is in flight, with no host closure due and its
+/* What awaiting ``sub``, settled, gives (a new reference), where
+   ``outcome`` would give it as it is: no error, and an output that is None
+   or a DeviceArray; else SETTLED (``outcome`` raises or resolves it). */
+static PyObject *settled(PyObject *sub) {
+    PyObject *error = read_slot(sub, &r_sub_error);
+    if (error == NULL) return NULL;
+    Py_DECREF(error);
+    if (error != Py_None) return Py_NewRef(g_settled);
+    PyObject *out = read_slot(sub, &r_sub_output);
+    if (out == NULL || out == Py_None || Py_TYPE(out) == g_array_type) return out;
+    Py_DECREF(out);
+    return Py_NewRef(g_settled);
+}
+
+/* look(completion, sub): one look of an awaiting task at its own
+   submission, as ``Completion.observe`` looks after a checkpoint; once it
+   settled, what awaiting it gives (see ``settled``). While it is in flight, with no host closure due and its
    marker recorded, the marker is polled; once that completed, the scan
    runs (the _completion module's ``scan_streams``, else
    ``completion.scan()``) until it reports no host step, and what it
-   retired counts as retired by waiters. False: the caller waits on
-   (``observe``). Its caller is KI-protected. */
+   retired counts as retired by waiters (a marker seen done is not polled
+   again). AGAIN: the caller waits on (``observe``). Its caller is
+   KI-protected. */
 PyObject *look(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "look(completion, sub)");
@@ -264,16 +288,24 @@ PyObject *look(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *state = read_slot(sub, &r_sub_state);
     if (state == NULL) return NULL;
     Py_DECREF(state);
-    if (state != g_in_flight_state) Py_RETURN_TRUE;
+    if (state != g_in_flight_state) return settled(sub);
     int yes = truthy_slot(completion, &r_host_steps);
     if (yes < 0) return NULL;
-    if (yes) Py_RETURN_FALSE; /* (a host closure is due: only the handoff runs them) */
+    if (yes) return Py_NewRef(g_again); /* (a host closure is due: only the handoff runs them) */
     PyObject *marker = read_slot(sub, &r_sub_marker);
     if (marker == NULL) return NULL;
     PyObject *driver = NULL, *poll_marker = NULL, *p = NULL, *done = NULL, *now = NULL, *result = NULL;
-    if (marker == Py_None) {
-        result = Py_False;
-        goto out;
+    if (marker == Py_None) { /* one marker per stream for this look, as observe records them */
+        Py_DECREF(marker);
+        if (flush_all(completion) < 0) return NULL;
+        if ((state = read_slot(sub, &r_sub_state)) == NULL) return NULL;
+        Py_DECREF(state);
+        if (state != g_in_flight_state) return settled(sub); /* (recording it quarantined it) */
+        if ((marker = read_slot(sub, &r_sub_marker)) == NULL) return NULL;
+        if (marker == Py_None) {
+            result = Py_NewRef(g_again);
+            goto out;
+        }
     }
     if ((driver = read_slot(completion, &r_driver)) == NULL ||
         (poll_marker = PyObject_GetAttr(driver, n_poll_marker)) == NULL || (p = poll(poll_marker, marker)) == NULL)
@@ -281,15 +313,21 @@ PyObject *look(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if ((state = read_slot(p, &r_poll_state)) == NULL) goto out;
     Py_DECREF(state);
     if (state == g_pending_state) {
-        result = Py_False;
+        result = Py_NewRef(g_again);
         goto out;
     }
     if ((done = read_slot(completion, &r_completed)) == NULL) goto out;
     for (;;) {
         PyObject *fn = PyDict_GetItemWithError(g_completion_globals, n_scan_streams); /* (borrowed) */
         if (fn == NULL && PyErr_Occurred()) goto out;
-        PyObject *r = fn != NULL && fn != Py_None ? PyObject_CallOneArg(fn, completion)
-                                                  : PyObject_CallMethodNoArgs(completion, n_scan);
+        PyObject *r;
+        if (fn != NULL && PyCFunction_Check(fn) && PyCFunction_GET_FUNCTION(fn) == (PyCFunction)scan)
+            /* (this module's: a marker seen done is not polled again; any other state is) */
+            r = scan_known(completion, state == g_done_state ? marker : NULL, p);
+        else if (fn != NULL && fn != Py_None)
+            r = PyObject_CallOneArg(fn, completion);
+        else
+            r = PyObject_CallMethodNoArgs(completion, n_scan);
         if (r == NULL) goto out;
         int again = PyObject_IsTrue(r);
         Py_DECREF(r);
@@ -306,7 +344,7 @@ PyObject *look(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (after == NULL || store_slot(completion, &r_by_waiters, after) < 0) goto out;
     if ((state = read_slot(sub, &r_sub_state)) == NULL) goto out;
     Py_DECREF(state);
-    result = state != g_in_flight_state ? Py_True : Py_False;
+    result = state != g_in_flight_state ? settled(sub) : Py_NewRef(g_again);
 out:
     Py_DECREF(marker);
     Py_XDECREF(driver);
@@ -314,7 +352,6 @@ out:
     Py_XDECREF(p);
     Py_XDECREF(done);
     Py_XDECREF(now);
-    Py_XINCREF(result);
     return result;
 }
 
@@ -335,7 +372,8 @@ PyObject *configure_scan(PyObject *module, PyObject *env) {
         take(env, "Stream", &stream_type) < 0 || take(env, "Submission", &sub_type) < 0 ||
         take(env, "MemoryTable", &table_type) < 0 || take(env, "Poll", &g_poll_type) < 0 ||
         take(env, "PENDING", &g_pending_state) < 0 || take(env, "DONE", &g_done_state) < 0 ||
-        take(env, "UNKNOWN", &g_unknown_state) < 0 || take(env, "IN_FLIGHT", &g_in_flight_state) < 0 || take(env, "PENDING_POLL", &g_pending_poll) < 0 || take(env, "completion_module", &mod) < 0)
+        take(env, "UNKNOWN", &g_unknown_state) < 0 || take(env, "IN_FLIGHT", &g_in_flight_state) < 0 ||
+        take(env, "AGAIN", &g_again) < 0 || take(env, "SETTLED", &g_settled) < 0 || take(env, "PENDING_POLL", &g_pending_poll) < 0 || take(env, "completion_module", &mod) < 0)
         return NULL;
     if (!PyType_Check(t_completion) || !PyType_Check(t_host_step) || !PyType_Check(g_poll_type)) {
         PyErr_SetString(PyExc_TypeError, "configure_scan: Completion, HostStep and Poll must be types");
@@ -354,7 +392,8 @@ PyObject *configure_scan(PyObject *module, PyObject *env) {
                 {sub_type, "marker", &r_sub_marker},         {g_poll_type, "state", &r_poll_state},
                 {stream_type, "_unmarked", &r_unmarked},     {sub_type, "state", &r_sub_state},
                 {tp_c, "host_steps", &r_host_steps},         {tp_c, "completed", &r_completed},
-                {tp_c, "by_waiters", &r_by_waiters}};
+                {tp_c, "by_waiters", &r_by_waiters},         {sub_type, "error", &r_sub_error},
+                {sub_type, "output", &r_sub_output}};
     for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
         if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
     if (intern(&n_flush_all, "flush_all") < 0 || intern(&n_unconsumed, "UNCONSUMED") < 0 ||

@@ -28,7 +28,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import trio
 from trio.lowlevel import (
@@ -769,6 +769,11 @@ if _compiled.ext is not None:
     _compiled.ext.configure_retire(Completion, Stream, SubState.DONE)
     retire_done = _compiled.ext.retire_done
 
+#: what ``look`` gives for work still in flight (wait on in ``observe``), and
+#: for settled work whose outcome ``outcome()`` gives (an error, an output to resolve)
+LOOK_AGAIN: Final = object()
+LOOK_SETTLED: Final = object()
+
 #: the compiled ``Completion.scan`` (``_claunch.scan``: the same steps, each
 #: retirement and host step through the methods and ``retire_done`` above);
 #: None where the pure-Python path runs (tests turn it off)
@@ -787,11 +792,16 @@ if _compiled.ext is not None:
             "UNKNOWN": MarkerState.UNKNOWN,
             "IN_FLIGHT": SubState.IN_FLIGHT,
             "PENDING_POLL": _PENDING,
+            "AGAIN": LOOK_AGAIN,
+            "SETTLED": LOOK_SETTLED,
             "completion_module": sys.modules[__name__],
         }
     )
     scan_streams = _compiled.ext.scan
 
 #: the compiled first look of an awaiting task (``_claunch.look``, used by
-#: ``ResourceScope.run``); None where the pure-Python path runs
-look: Callable[[Completion, Submission], bool] | None = None if _compiled.ext is None else _compiled.ext.look
+#: ``ResourceScope.run``): the output of its settled work, LOOK_SETTLED, or
+#: LOOK_AGAIN; None where the pure-Python path runs
+look: Callable[[Completion, Submission], object] | None = None
+if _compiled.ext is not None:
+    look = _compiled.ext.look

@@ -37,7 +37,7 @@ from trio.lowlevel import checkpoint, enable_ki_protection
 
 from . import _compiled, _completion, _submit
 from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_order, normalize_shape
-from ._completion import Completion
+from ._completion import LOOK_AGAIN, LOOK_SETTLED, Completion
 from ._dlpack import UNCONSUMED, sweep_dropped
 from ._driver import DeviceContext, DeviceInfo
 from ._errors import ScopeClosedError
@@ -666,12 +666,12 @@ class ResourceScope(metaclass=NoPublicConstructor):
                 if sub.marker is None and not c.host_steps and not others_runnable():
                     c.flush(sub.stream)
                 await checkpoint()
-                settled = look(c, sub)
+                seen = look(c, sub)
             except BaseException as exc:
                 c.left(sub, exc)
                 raise
-            if settled:
-                return outcome(sub)
+            if seen is not LOOK_AGAIN:
+                return outcome(sub) if seen is LOOK_SETTLED else seen
         await c.observe(sub)
         return outcome(sub)
 
@@ -906,7 +906,7 @@ enqueue_unsafe: Callable[[DeviceOp[Any], Stream], Any] = (
 
 #: the compiled first look of ``run`` at its work (``_claunch.look``); None
 #: where the pure-Python path runs (``observe`` looks; tests turn it off)
-look: Callable[[Completion, Submission], bool] | None = _completion.look
+look: Callable[[Completion, Submission], object] | None = _completion.look
 
 
 class _Alloc(DeviceOp[Any]):
