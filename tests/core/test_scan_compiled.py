@@ -159,3 +159,32 @@ def test_compiled_and_python_scans_agree(traced: bool) -> None:
     assert by_label["after"][2].quarantined > 0
     if traced:
         assert len(by_label["trace"][1]) >= 15
+
+
+@compiled_only
+async def test_prepare_records_a_lone_waiter_s_marker_only() -> None:
+    """``prepare`` (before an awaiting task's first checkpoint) records the
+    marker of a lone waiter's stream, as ``observe`` begins; not with
+    another task runnable, a host closure due, or the marker recorded."""
+    assert _completion.prepare is not None
+    sim = SimDevice(batch_markers=True)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(4, "f4")
+        await gpu.run(ADD.launch(x, np.float32(1), grid=1, block=4))  # (loaded)
+        c = internals.completion_of(gpu)
+        sim.hold()
+        try:
+            sub = internals.submission_of(gpu.submit(ADD.launch(x, np.float32(1), grid=1, block=4)))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.sleep, 0)  # (runnable until it runs)
+                _completion.prepare(c, sub)
+                assert sub.marker is None  # another task is runnable
+            await trio.testing.wait_all_tasks_blocked()
+            _completion.prepare(c, sub)
+            assert sub.marker is not None  # alone: recorded now
+            marker = sub.marker
+            _completion.prepare(c, sub)
+            assert sub.marker is marker  # (recorded once)
+        finally:
+            sim.release()
+    assert sim.violations == []

@@ -77,6 +77,11 @@ def set_look_budget(gpu: Any, budget: Any) -> None:
     gpu._completion.look_budget = budget
 
 
+def completion_of(gpu: Any) -> Any:
+    """The scope's completion component (how its work completes)."""
+    return gpu._completion
+
+
 def submissions_numbered(gpu: Any) -> int:
     """How many submission ids the scope gave out."""
     return gpu._next_id

@@ -191,6 +191,8 @@ static PyMethodDef module_methods[] = {
     {"configure_scan", configure_scan, METH_O,
      "configure_scan(env): the types, slots and module scan reads (once per process)."},
     {"scan", scan, METH_O, "scan(completion) -> bool: Completion.scan (True when a host step ran)."},
+    {"prepare", (PyCFunction)(void (*)(void))prepare, METH_FASTCALL,
+     "prepare(completion, sub): before an awaiting task's first checkpoint, a lone waiter's marker recorded."},
     {"look", (PyCFunction)(void (*)(void))look, METH_FASTCALL,
      "look(completion, sub) -> output, SETTLED or AGAIN: an awaiting task's look at its own submission."},
     {"launch_method", launch_method, METH_VARARGS,

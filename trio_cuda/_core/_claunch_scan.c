@@ -19,8 +19,9 @@
    what runs is what the class and the module hold now. It returns True when
    a host step ran. Its caller, Completion.scan, is KI-protected.
 
-   look(completion, sub) is one look of an awaiting task at its submission,
-   as Completion.observe looks (see it below). */
+   prepare(completion, sub) and look(completion, sub) are what an awaiting
+   task does before and after its first checkpoint, as Completion.observe
+   does them (see them below). */
 
 #include "_claunch.h"
 
@@ -31,7 +32,8 @@ static SlotRef r_unflushed, r_memory, r_gc_releases, r_driver, r_streams, r_pend
 static PyObject *g_pending_state, *g_done_state, *g_unknown_state, *g_pending_poll, *g_poll_type,
     *g_completion_globals;
 static PyObject *g_in_flight_state, *g_again, *g_settled, *n_scan_streams, *n_scan, *n_flush;
-static SlotRef r_sub_error, r_sub_output;
+static SlotRef r_sub_error, r_sub_output, r_sub_stream;
+static PyObject *g_run_context, *n_runner, *n_runq;
 static PyObject *n_flush_all, *n_unconsumed, *n_sweep, *n_release_pending, *n_poll_marker, *n_popleft,
     *n_run_host_step, *n_retire_done, *n_retire;
 
@@ -248,6 +250,43 @@ out:
     return result;
 }
 
+/* prepare(completion, sub): before an awaiting task's first checkpoint, as
+   ``Completion.observe`` begins: a lone waiter (its marker not recorded, no
+   host closure due, no other Trio task runnable) records its stream's
+   marker now (``completion.flush``), so it queues right behind the work.
+   Whether another task is runnable is read from Trio's run queue, as
+   ``_trio_internals.others_runnable`` reads it (where that cannot be read:
+   yes). */
+PyObject *prepare(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !g_scan_ready) {
+        PyErr_SetString(PyExc_TypeError, "prepare(completion, sub), after configure_scan()");
+        return NULL;
+    }
+    PyObject *completion = args[0], *sub = args[1];
+    PyObject *marker = read_slot(sub, &r_sub_marker);
+    if (marker == NULL) return NULL;
+    Py_DECREF(marker);
+    if (marker != Py_None) Py_RETURN_NONE;
+    int yes = truthy_slot(completion, &r_host_steps);
+    if (yes) return yes < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *runner = PyObject_GetAttr(g_run_context, n_runner);
+    PyObject *runq = runner ? PyObject_GetAttr(runner, n_runq) : NULL;
+    Py_XDECREF(runner);
+    if (runq == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+        PyErr_Clear(); /* (another Trio layout: assume busy) */
+        Py_RETURN_NONE;
+    }
+    yes = PyObject_IsTrue(runq);
+    Py_DECREF(runq);
+    if (yes) return yes < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *stream = read_slot(sub, &r_sub_stream);
+    if (stream == NULL) return NULL;
+    PyObject *r = PyObject_CallMethodOneArg(completion, n_flush, stream);
+    Py_DECREF(stream);
+    return r;
+}
+
 /* What awaiting ``sub``, settled, gives (a new reference), where
    ``outcome`` would give it as it is: no error, and an output that is None
    or a DeviceArray; else SETTLED (``outcome`` raises or resolves it). */
@@ -373,7 +412,8 @@ PyObject *configure_scan(PyObject *module, PyObject *env) {
         take(env, "MemoryTable", &table_type) < 0 || take(env, "Poll", &g_poll_type) < 0 ||
         take(env, "PENDING", &g_pending_state) < 0 || take(env, "DONE", &g_done_state) < 0 ||
         take(env, "UNKNOWN", &g_unknown_state) < 0 || take(env, "IN_FLIGHT", &g_in_flight_state) < 0 ||
-        take(env, "AGAIN", &g_again) < 0 || take(env, "SETTLED", &g_settled) < 0 || take(env, "PENDING_POLL", &g_pending_poll) < 0 || take(env, "completion_module", &mod) < 0)
+        take(env, "AGAIN", &g_again) < 0 || take(env, "SETTLED", &g_settled) < 0 ||
+        take(env, "RUN_CONTEXT", &g_run_context) < 0 || take(env, "PENDING_POLL", &g_pending_poll) < 0 || take(env, "completion_module", &mod) < 0)
         return NULL;
     if (!PyType_Check(t_completion) || !PyType_Check(t_host_step) || !PyType_Check(g_poll_type)) {
         PyErr_SetString(PyExc_TypeError, "configure_scan: Completion, HostStep and Poll must be types");
@@ -393,7 +433,7 @@ PyObject *configure_scan(PyObject *module, PyObject *env) {
                 {stream_type, "_unmarked", &r_unmarked},     {sub_type, "state", &r_sub_state},
                 {tp_c, "host_steps", &r_host_steps},         {tp_c, "completed", &r_completed},
                 {tp_c, "by_waiters", &r_by_waiters},         {sub_type, "error", &r_sub_error},
-                {sub_type, "output", &r_sub_output}};
+                {sub_type, "output", &r_sub_output},         {sub_type, "stream", &r_sub_stream}};
     for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
         if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
     if (intern(&n_flush_all, "flush_all") < 0 || intern(&n_unconsumed, "UNCONSUMED") < 0 ||
@@ -401,7 +441,8 @@ PyObject *configure_scan(PyObject *module, PyObject *env) {
         intern(&n_poll_marker, "poll_marker") < 0 || intern(&n_popleft, "popleft") < 0 ||
         intern(&n_run_host_step, "run_host_step") < 0 || intern(&n_retire_done, "retire_done") < 0 ||
         intern(&n_retire, "retire") < 0 || intern(&n_scan_streams, "scan_streams") < 0 ||
-        intern(&n_scan, "scan") < 0 || intern(&n_flush, "flush") < 0)
+        intern(&n_scan, "scan") < 0 || intern(&n_flush, "flush") < 0 || intern(&n_runner, "runner") < 0 ||
+        intern(&n_runq, "runq") < 0)
         return NULL;
     g_scan_ready = 1;
     Py_RETURN_NONE;

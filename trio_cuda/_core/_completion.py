@@ -40,7 +40,7 @@ from trio.lowlevel import (
     wait_task_rescheduled,
 )
 
-from . import _compiled, _memory
+from . import _compiled, _memory, _trio_internals
 from ._array import AllocState
 from ._dlpack import UNCONSUMED, sweep_dropped
 from ._driver import PENDING as _PENDING
@@ -794,6 +794,7 @@ if _compiled.ext is not None:
             "PENDING_POLL": _PENDING,
             "AGAIN": LOOK_AGAIN,
             "SETTLED": LOOK_SETTLED,
+            "RUN_CONTEXT": _trio_internals._RUN_CONTEXT,
             "completion_module": sys.modules[__name__],
         }
     )
@@ -803,5 +804,9 @@ if _compiled.ext is not None:
 #: ``ResourceScope.run``): the output of its settled work, LOOK_SETTLED, or
 #: LOOK_AGAIN; None where the pure-Python path runs
 look: Callable[[Completion, Submission], object] | None = None
+#: what an awaiting task does before its first checkpoint (``_claunch.prepare``:
+#: a lone waiter records its marker, as ``observe`` begins)
+prepare: Callable[[Completion, Submission], None] | None = None
 if _compiled.ext is not None:
     look = _compiled.ext.look
+    prepare = _compiled.ext.prepare

@@ -62,7 +62,6 @@ from ._submit import (
     take_leases,
 )
 from ._trace import Tracer, alloc_args, lease_args, op_name, trace_error, trace_submit
-from ._trio_internals import others_runnable
 
 if TYPE_CHECKING:
     from ._graph import CudaGraph
@@ -655,16 +654,21 @@ class ResourceScope(metaclass=NoPublicConstructor):
         if self._extensions.exports_releasing:  # an access after a consumer released an export
             await self._extensions.finish_export_releases()
         if lone is not None and not (self._closing or self._enqueuing or get_ident() != self._thread):
-            sub = self._submit_launch(lone, stream)  # (``_submit`` raises the reasons otherwise)
+            # (``_submit`` raises the reasons otherwise; this function is KI-protected)
+            sub = (
+                self._submit_launch(lone, stream)
+                if submit_launch is None
+                else submit_launch(self, lone, stream)
+            )
         else:
             sub = self._submit(op, stream, "run")
         c = self._completion
-        if look is not None and c.tracer is None:
-            # ``observe``'s first look, without its frame (compiled): settled
-            # work returns now; anything else waits on in ``observe``
+        if look is not None and prepare is not None and c.tracer is None:
+            # ``observe``'s beginning and first look, without its frame
+            # (compiled): settled work returns now; anything else waits on in
+            # ``observe``
             try:
-                if sub.marker is None and not c.host_steps and not others_runnable():
-                    c.flush(sub.stream)
+                prepare(c, sub)
                 await checkpoint()
                 seen = look(c, sub)
             except BaseException as exc:
@@ -907,6 +911,7 @@ enqueue_unsafe: Callable[[DeviceOp[Any], Stream], Any] = (
 #: the compiled first look of ``run`` at its work (``_claunch.look``); None
 #: where the pure-Python path runs (``observe`` looks; tests turn it off)
 look: Callable[[Completion, Submission], object] | None = _completion.look
+prepare: Callable[[Completion, Submission], None] | None = _completion.prepare
 
 
 class _Alloc(DeviceOp[Any]):
