@@ -174,12 +174,15 @@ async def test_prepare_records_a_lone_waiter_s_marker_only() -> None:
         c = internals.completion_of(gpu)
         sim.hold()
         try:
-            sub = internals.submission_of(gpu.submit(ADD.launch(x, np.float32(1), grid=1, block=4)))
+            launch = ADD.launch(x, np.float32(1), grid=1, block=4)
             async with trio.open_nursery() as nursery:
+                sub = internals.submit_unwatched(gpu, launch)  # (as run() submits: the handoff not woken)
                 nursery.start_soon(trio.sleep, 0)  # (runnable until it runs)
                 _completion.prepare(c, sub)
                 assert sub.marker is None  # another task is runnable
             await trio.testing.wait_all_tasks_blocked()
+            sub = internals.submit_unwatched(gpu, launch)
+            assert sub.marker is None
             _completion.prepare(c, sub)
             assert sub.marker is not None  # alone: recorded now
             marker = sub.marker

@@ -77,6 +77,11 @@ def set_look_budget(gpu: Any, budget: Any) -> None:
     gpu._completion.look_budget = budget
 
 
+def submit_unwatched(gpu: Any, launch: Any) -> Any:
+    """Submit a lone launch as ``run`` does (the handoff is not woken); its submission."""
+    return gpu._submit_launch(launch, None)
+
+
 def completion_of(gpu: Any) -> Any:
     """The scope's completion component (how its work completes)."""
     return gpu._completion
