@@ -279,7 +279,7 @@ class Completion:
 
     # ------------------------------------------------------------------ waiters
     @enable_ki_protection
-    async def observe(self, sub: Submission) -> None:
+    async def observe(self, sub: Submission, t0: float = 0.0) -> None:
         """Wait until ``sub`` settled: the waiter's side of rule 10.
 
         The waiter checkpoints while the GPU runs (a lone waiter records its
@@ -294,8 +294,9 @@ class Completion:
         the handoff takes over, when its marker is still pending after that,
         when a host closure is due, or when it is cancelled (the submission
         stays retained; the handoff retires it). A traced scope records the
-        wait (``trace_await``)."""
-        t0 = perf_counter() if self.tracer is not None else 0.0
+        wait (``trace_await``), from ``t0`` where the caller began it."""
+        if self.tracer is not None and not t0:
+            t0 = perf_counter()
         try:
             if sub.marker is None and not self.host_steps and not others_runnable():
                 self.flush(sub.stream)

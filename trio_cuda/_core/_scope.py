@@ -29,6 +29,7 @@ import math
 import sys
 from _thread import get_ident
 from collections.abc import Callable
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import numpy as np
@@ -663,21 +664,28 @@ class ResourceScope(metaclass=NoPublicConstructor):
         else:
             sub = self._submit(op, stream, "run")
         c = self._completion
-        if look is not None and prepare is not None and c.tracer is None:
-            # ``observe``'s beginning and first look, without its frame
-            # (compiled): settled work returns now; anything else waits on in
-            # ``observe``
-            try:
-                prepare(c, sub)
-                await checkpoint()
-                seen = look(c, sub)
-            except BaseException as exc:
-                c.left(sub, exc)
-                raise
-            if seen is not LOOK_AGAIN:
-                return outcome(sub) if seen is LOOK_SETTLED else seen
-        await c.observe(sub)
-        return outcome(sub)
+        if look is None or prepare is None:
+            await c.observe(sub)
+            return outcome(sub)
+        # ``observe``'s beginning and first look, without its frame
+        # (compiled): settled work returns now; anything else waits on in
+        # ``observe``. A traced scope records the wait, as there.
+        t0 = perf_counter() if c.tracer is not None else 0.0
+        try:
+            prepare(c, sub)
+            await checkpoint()
+            seen = look(c, sub)
+        except BaseException as exc:
+            c.left(sub, exc)
+            if t0:
+                c.trace_await(sub, t0)
+            raise
+        if seen is LOOK_AGAIN:
+            await c.observe(sub, t0)
+            return outcome(sub)
+        if t0:
+            c.trace_await(sub, t0)
+        return outcome(sub) if seen is LOOK_SETTLED else seen
 
     # ------------------------------------------------------------------ graphs
     async def capture(self, op: DeviceOp[T], *, stream: Stream | None = None) -> CudaGraph[T]:
