@@ -160,13 +160,13 @@ def launch_path_line(driver_answers: bool) -> str:
 
 
 def launch_making_line() -> str:
-    """``info``'s line on how launches are made: the compiled builder and
-    typed-launch fast path, or the pure-Python ones. Never raises."""
+    """``info``'s line on how launches are made, submitted and awaited: the
+    compiled paths, or the pure-Python ones. Never raises."""
     try:
         from ._core import _compiled
 
         if _compiled.ext is not None:
-            how = "compiled (the launch builder, the typed-launch fast path, lease taking and retirement)"
+            how = "compiled (Kernel.launch, the launch builder, submission, awaiting and retirement)"
         elif _compiled.pure_requested():
             how = "pure Python (TRIO_CUDA_PURE is set)"
         else:

@@ -120,8 +120,7 @@ def test_info_says_how_launches_are_made():
     assert line in info_lines()
     if _compiled.ext is not None:
         assert line == (
-            "launch making: compiled (the launch builder, the typed-launch fast path, "
-            "lease taking and retirement)"
+            "launch making: compiled (Kernel.launch, the launch builder, submission, awaiting and retirement)"
         )
     else:
         assert line.startswith("launch making: pure Python (")
