@@ -9,6 +9,8 @@ from __future__ import annotations as _annotations  # (aliased: this module expo
 
 import typing
 
+import trio as _trio
+
 from ._core import _array, _final, _scope, _stream
 
 if typing.TYPE_CHECKING:
@@ -23,6 +25,7 @@ if typing.TYPE_CHECKING:
 __all__ = ["CudaView", "async_on", "cuda_view"]
 
 
+@_trio.lowlevel.enable_ki_protection  # (the driver's launch, called from the compiled path, inherits it)
 def async_on(op: DeviceOp[T], stream: Stream) -> T:
     """Enqueue ``op`` on ``stream`` synchronously and return its output.
 

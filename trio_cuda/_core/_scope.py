@@ -57,7 +57,7 @@ from ._submit import (
     EnqueueContext,
     Submission,
     SubState,
-    UnsafeEnqueue,
+    enqueue_unsafe_py,
     preflight,
     take_launch_leases,
     take_leases,
@@ -854,38 +854,6 @@ class ResourceScope(metaclass=NoPublicConstructor):
         for s in self._streams:
             driver.destroy_stream(s.handle)
         driver.close()
-
-
-@enable_ki_protection
-def enqueue_unsafe_py(op: DeviceOp[T], stream: Stream) -> T:
-    """``unsafe.async_on``: enqueue ``op`` on ``stream`` (a Stream, checked
-    by the caller) with no lease, owner or marker; only the checks that
-    need no bookkeeping run. (``enqueue_unsafe`` is this, or where it was
-    built the compiled one, which does a lone launch itself.)"""
-    scope = stream._scope
-    if type(op) is KernelLaunch:
-        if scope._closing or get_ident() != scope._thread:
-            scope._check_open("async_on")
-        prepared = op.prepared
-        ready = prepared.ready  # ``KernelTable.function_for``, inline when it hits
-        if ready is not None and ready[0] is scope._functions:
-            fn = ready[1]
-        else:
-            fn = scope._kernels.function_for(prepared)
-        scope._driver.launch(stream.handle, fn, prepared)
-        return op._output  # type: ignore[return-value]
-    if not isinstance(op, DeviceOp):
-        from ._builder import LaunchBuilder
-
-        if isinstance(op, LaunchBuilder):
-            raise TypeError(
-                "op: a LaunchBuilder is inert and cannot be scheduled; call .finalize_unchecked() first"
-            )
-        raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
-    scope._check_open("async_on")
-    scope._kernels.load_static(op)
-    out: Any = op._enqueue(UnsafeEnqueue(scope, stream))
-    return out  # type: ignore[no-any-return]
 
 
 #: the compiled ``_submit_launch`` (``_claunch.submit_launch``);

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import enum
 import functools
+from _thread import get_ident
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, TypeVar, final
 
 import numpy as np
 import trio
@@ -37,14 +38,18 @@ from ._crosscopy import cross_scope_copy
 from ._driver import Finisher, Gate, Marker, MarkerState
 from ._errors import AccessConflictError, CompletionUnknownError, KernelArgumentError
 from ._extent import Extent, array_extent, describe, overlaps
+from ._launch import KernelLaunch
 from ._leases import candidates, record_lease
 from ._ops import OPAQUE as OPAQUE
 from ._ops import RUN, Access, DeviceOp, HostResult, StopPreflight
 
 if TYPE_CHECKING:
-    from ._launch import KernelLaunch, PreparedLaunch
+    from ._launch import PreparedLaunch
     from ._scope import ResourceScope
     from ._stream import Stream
+
+
+T = TypeVar("T")
 
 
 class SubState(enum.Enum):
@@ -785,3 +790,35 @@ def _order_conflicts(
     if waits:
         _issue_waits(scope, stream, sub, waits, what)
     return True
+
+
+@trio.lowlevel.enable_ki_protection
+def enqueue_unsafe_py(op: DeviceOp[T], stream: Stream) -> T:
+    """``unsafe.async_on``: enqueue ``op`` on ``stream`` (a Stream, checked
+    by the caller) with no lease, owner or marker; only the checks that
+    need no bookkeeping run. (``enqueue_unsafe`` is this, or where it was
+    built the compiled one, which does a lone launch itself.)"""
+    scope = stream._scope
+    if type(op) is KernelLaunch:
+        if scope._closing or get_ident() != scope._thread:
+            scope._check_open("async_on")
+        prepared = op.prepared
+        ready = prepared.ready  # ``KernelTable.function_for``, inline when it hits
+        if ready is not None and ready[0] is scope._functions:
+            fn = ready[1]
+        else:
+            fn = scope._kernels.function_for(prepared)
+        scope._driver.launch(stream.handle, fn, prepared)
+        return op._output  # type: ignore[return-value]
+    if not isinstance(op, DeviceOp):
+        from ._builder import LaunchBuilder
+
+        if isinstance(op, LaunchBuilder):
+            raise TypeError(
+                "op: a LaunchBuilder is inert and cannot be scheduled; call .finalize_unchecked() first"
+            )
+        raise TypeError(f"op: expected a DeviceOp, got {type(op).__name__}")
+    scope._check_open("async_on")
+    scope._kernels.load_static(op)
+    out: Any = op._enqueue(UnsafeEnqueue(scope, stream))
+    return out  # type: ignore[no-any-return]
