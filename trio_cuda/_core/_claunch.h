@@ -88,6 +88,11 @@ static inline int as_u64(PyObject *obj, unsigned long long *out) {
 }
 
 int make_slot_ref(PyObject *type, const char *name, SlotRef *out);
+
+/* *out = the interned string ``name``: 0, or -1 (error set). */
+static inline int intern(PyObject **out, const char *name) {
+    return (*out = PyUnicode_InternFromString(name)) ? 0 : -1;
+}
 /* In a function with an ``int rc`` and a ``done:`` label: decline (rc 0:
    nothing was changed, the Python path decides) or fail (rc -1: an error
    is set). */

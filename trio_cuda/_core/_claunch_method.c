@@ -206,8 +206,6 @@ static PyType_Spec method_spec = {
     method_slots,
 };
 
-static int intern(PyObject **out, const char *name) { return (*out = PyUnicode_InternFromString(name)) ? 0 : -1; }
-
 /* launch_method(reference, Kernel, config_module): once per process. */
 PyObject *launch_method(PyObject *module, PyObject *args) {
     PyObject *reference, *kernel_type, *config_module;

@@ -394,8 +394,6 @@ out:
     return result;
 }
 
-static int intern(PyObject **out, const char *name) { return (*out = PyUnicode_InternFromString(name)) ? 0 : -1; }
-
 /* configure_scan(env): once per process, after configure(). */
 PyObject *configure_scan(PyObject *module, PyObject *env) {
     if (!PyDict_Check(env)) {

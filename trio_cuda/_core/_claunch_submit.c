@@ -482,8 +482,6 @@ out:
     return result;
 }
 
-static int intern(PyObject **out, const char *name) { return (*out = PyUnicode_InternFromString(name)) ? 0 : -1; }
-
 /* configure_submit(env): after configure_leases() and configure_retire(). */
 PyObject *configure_submit(PyObject *module, PyObject *env) {
     if (!PyDict_Check(env)) {
