@@ -191,3 +191,58 @@ async def test_prepare_records_a_lone_waiter_s_marker_only() -> None:
         finally:
             sim.release()
     assert sim.violations == []
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+async def test_cancelled_at_run_s_first_checkpoint(compiled: bool) -> None:
+    """Cancelled at the checkpoint ``run`` makes before its first look (the
+    work held in flight): ``Cancelled`` at once, the leases still held, and
+    once the device goes on everything retires, nothing leaked."""
+    if compiled and _scope.look is None:
+        pytest.skip("the compiled paths are not in use")
+    saved = _scope.look
+    _scope.look = saved if compiled else None
+    try:
+        sim = SimDevice()
+        async with trio_cuda.open_scope(device=sim) as gpu:
+            x = gpu.zeros(4, "f4")
+            await gpu.run(ADD.launch(x, np.float32(1), grid=1, block=4))
+            sim.hold()
+            with trio.move_on_after(0.01) as cs:
+                await gpu.run(ADD.launch(x, np.float32(1), grid=1, block=4))
+            assert cs.cancelled_caught
+            st = gpu.statistics()
+            assert (st.in_flight, st.leases_held) == (1, 1)
+            sim.release()
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.fail_after(5):
+                assert (await gpu.to_host(x)).tolist() == [2.0] * 4
+            assert gpu.statistics().in_flight == 0
+        assert sim.violations == []
+        assert sim.live_allocations == []
+    finally:
+        _scope.look = saved
+
+
+async def test_run_from_another_trio_run_in_a_worker_thread_is_refused() -> None:
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(4, "f4")
+        op = ADD.launch(x, np.float32(1), grid=1, block=4)
+
+        def elsewhere() -> object:
+            async def main() -> object:
+                return await gpu.run(op)
+
+            try:
+                return trio.run(main)
+            except Exception as exc:
+                return exc
+
+        await trio.testing.wait_all_tasks_blocked()
+        before = (gpu.statistics(), sim.statistics())
+        got = await trio.to_thread.run_sync(elsewhere)
+        assert isinstance(got, RuntimeError), got
+        assert (gpu.statistics(), sim.statistics()) == before  # nothing enqueued or retained
+        await gpu.run(op)
+    assert sim.violations == []

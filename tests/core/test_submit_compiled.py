@@ -64,6 +64,10 @@ def _record(gpu: Any, sim: SimDevice, what: Any) -> tuple[Any, ...]:
     )
 
 
+def _interrupt(streams: Any) -> Any:
+    raise KeyboardInterrupt
+
+
 def _scenario(compiled: bool, traced: bool) -> list[tuple[Any, ...]]:
     """Each way a lone launch's submission can go: its record on one path
     (traced: with the trace's events, their times left out)."""
@@ -103,6 +107,7 @@ def _scenario(compiled: bool, traced: bool) -> list[tuple[Any, ...]]:
                 ("policy gives an int", lambda streams: 3),
                 ("policy gives another scope's stream", lambda streams: other.streams[0]),
                 ("policy raises", lambda streams: 1 / 0),
+                ("policy raises KeyboardInterrupt", _interrupt),
             ]:
                 give[0] = bad
                 attempt(label, lambda: gpu.submit(op))
@@ -166,6 +171,7 @@ def test_compiled_and_python_submissions_agree_on_every_outcome(traced: bool) ->
     assert outcomes["policy gives an int"][0] == "TypeError"
     assert outcomes["policy gives another scope's stream"][0] == "ValueError"
     assert outcomes["policy raises"][0] == "ZeroDivisionError"
+    assert outcomes["policy raises KeyboardInterrupt"][0] == "KeyboardInterrupt"
     assert outcomes["stream of another scope"][0] == "ValueError"
     assert outcomes["stream not a stream"][0] == "TypeError"
     assert outcomes["launch error"][0] == "LaunchError"

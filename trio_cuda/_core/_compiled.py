@@ -1,6 +1,7 @@
 """The optional compiled hot paths of a kernel launch (``_claunch``): making
-it (the builder, the typed-launch fast path), and the common cases of taking
-its leases and retiring it.
+it (``Kernel.launch``, the builder, the typed-launch fast path), submitting
+it (and ``unsafe.async_on``), an awaiting task's first look, the scan, and
+the common cases of taking its leases and retiring it.
 
 Invariants:
 
@@ -13,8 +14,10 @@ Invariants:
   ``test_lease_paths.py`` compare them over random programs).
 * ``_claunch`` is configured here, once, with the types and constants its
   paths read; the builder and the kernels ask it for their paths
-  (``make_base``, ``typed``), and the submission and completion modules
-  configure and take theirs (``take_whole``, ``retire_done``).
+  (``make_base``, ``typed``, ``launch_method``), and the submission, scope
+  and completion modules configure and take theirs (``take_whole``,
+  ``submit_launch``, ``enqueue_unsafe``, ``retire_done``, ``scan``,
+  ``prepare``, ``look``).
 """
 
 from __future__ import annotations
