@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -631,18 +632,42 @@ async def test_cuda_array_interface_export_and_import():
 @gpu
 @needs_cuda
 async def test_dropping_every_handle_while_a_long_kernel_runs_frees_nothing_early():
+    # The check is only meaningful while the kernel still spins. A slow host
+    # (a full gc.collect() late in a big test process, a sanitizer) can outlast
+    # the spin, so an inconclusive round runs again with a longer spin.
+    spin_ms = 300 if not SANITIZER else 1000
+    rounds = []
+    for _ in range(4):
+        elapsed_ms = await _drop_handles_while_spinning(spin_ms)
+        rounds.append((spin_ms, round(elapsed_ms)))
+        if elapsed_ms < 0.7 * spin_ms:
+            print(f"spin rounds (spin ms, check ms): {rounds}")
+            return
+        spin_ms *= 4
+    pytest.fail(f"the host never checked within the kernel's spin (spin ms, check ms): {rounds}")
+
+
+async def _drop_handles_while_spinning(spin_ms: float) -> float:
+    """Drop every handle of a spinning kernel's arrays; check nothing is freed.
+    Returns how long after the launch the check ran (ms): the check failing
+    inside the spin is a failure; a check after it proves nothing."""
     async with trio_cuda.open_scope(device="cuda", streams=2) as g:
         x = await g.to_device(np.full(N, 41.0, F4))
         y = g.empty(N, F4)
         z = g.empty(N, F4)
         s = g.streams[0]
-        g.submit(spin_add(300 if not SANITIZER else 1000, x, y, 1.0), stream=s)  # reads x late
+        t0 = time.monotonic()
+        g.submit(spin_add(spin_ms, x, y, 1.0), stream=s)  # reads x late
         g.submit(ops.copy(z, y), stream=s)
         before = g.statistics().live_allocations
         del x, y
         gc.collect()
         await trio.sleep(0.05)
-        assert g.statistics().live_allocations == before  # still leased by the kernel
+        live = g.statistics().live_allocations
+        elapsed_ms = (time.monotonic() - t0) * 1e3
+        if elapsed_ms < 0.7 * spin_ms:
+            msg = f"freed {before - live} of {before}, {elapsed_ms:.0f} ms into a {spin_ms} ms spin"
+            assert live == before, msg
         # try to get the memory reused with other values while the kernel spins
         junk = [g.full(N, 999.0, F4) for _ in range(4)]
         got = await g.to_host(z)
@@ -656,6 +681,7 @@ async def test_dropping_every_handle_while_a_long_kernel_runs_frees_nothing_earl
             while g.statistics().live_allocations:  # noqa: ASYNC110 - polling the GPU's retirement
                 await trio.sleep(0.01)
         assert g.statistics().live_allocations == 0, (g.statistics(), list(internals.allocation_records(g)))
+    return elapsed_ms
 
 
 async def test_exporting_memory_another_scope_is_writing_orders_after_that_write(sim):
