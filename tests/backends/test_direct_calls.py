@@ -246,11 +246,14 @@ steps = st.lists(
 )
 
 
-async def _run_program(program: list[tuple[str, int, int, int, int]], *, pure: bool) -> tuple[Any, ...]:
+async def _run_program(
+    program: list[tuple[str, int, int, int, int]], *, pure: bool, hot: bool = True
+) -> tuple[Any, ...]:
     direct.reset(pure=pure)
+    direct.HOT = hot
     try:
         async with trio_cuda.open_scope(device="cuda", streams=4) as gpu:
-            uses_direct = internals.uses_direct_calls(gpu)
+            uses_direct = (internals.uses_direct_calls(gpu), internals.uses_hot_methods(gpu))
             arrs = [await gpu.to_device(np.arange(257, dtype=np.float32) * (i + 1)) for i in range(3)]
             s = gpu.streams
             futs = []
@@ -269,6 +272,7 @@ async def _run_program(program: list[tuple[str, int, int, int, int]], *, pure: b
         return uses_direct, out, stats.completed, stats.in_flight
     finally:
         direct.reset()
+        direct.HOT = True
 
 
 @pytest.mark.gpu
@@ -277,13 +281,16 @@ async def _run_program(program: list[tuple[str, int, int, int, int]], *, pure: b
 @settings(max_examples=25, deadline=None)
 @given(program=steps)
 def test_both_paths_agree_on_random_programs(program: list[tuple[str, int, int, int, int]]) -> None:
+    """Direct calls with the compiled hot methods, direct calls without
+    them, and the wrappers: the same arrays and statistics."""
     on, got_direct, done_d, left_d = trio.run(lambda: _run_program(program, pure=False))
+    cold, got_cold, done_c, left_c = trio.run(lambda: _run_program(program, pure=False, hot=False))
     off, got_pure, done_p, left_p = trio.run(lambda: _run_program(program, pure=True))
-    assert on
-    assert not off
-    for a, b in zip(got_direct, got_pure, strict=True):
-        np.testing.assert_array_equal(a, b)
-    assert (done_d, left_d) == (done_p, left_p)
+    assert (on, cold, off) == ((True, True), (True, False), (False, False))
+    for a, b, c in zip(got_direct, got_cold, got_pure, strict=True):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, c)
+    assert (done_d, left_d) == (done_c, left_c) == (done_p, left_p)
     assert left_d == 0
 
 

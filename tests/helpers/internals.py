@@ -313,3 +313,10 @@ def conflict_mode(gpu: Any) -> Any:
 def uses_direct_calls(scope: Any) -> bool:
     """Whether ``scope``'s CUDA context launches through the direct driver calls."""
     return scope._driver._kernels._direct is not None
+
+
+def uses_hot_methods(scope: Any) -> bool:
+    """Whether ``scope``'s CUDA context launches, records and polls markers
+    through the compiled hot methods (``direct.hot_methods``)."""
+    d = scope._driver
+    return all(type(m).__name__.startswith("Hot") for m in (d.launch, d.record_marker, d.poll_marker))

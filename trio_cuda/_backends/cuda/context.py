@@ -28,7 +28,10 @@ Invariants:
   ``poll_marker``, ``notify_submitted``, ``wait_for_progress`` and
   ``timing_mark`` are the components' bound methods, set on the instance at
   construction (shadowing the delegating methods of the class, which do the
-  same thing one call later). Two reads take one attribute hop more than
+  same thing one call later). With direct driver calls, ``launch``,
+  ``record_marker`` and ``poll_marker`` are their compiled forms
+  (:func:`.direct.hot_methods`), which call those bound methods for all but
+  the common case. Two reads take one attribute hop more than
   when the context was one object: the sticky error of ``poll_marker`` on a
   pending marker (through the state) and the stream check of a launch's
   first enqueue (through the table).
@@ -47,6 +50,7 @@ import numpy as np
 from ..._core._driver import Capabilities, Finisher, Gate, Marker, Poll, StreamHandle
 from ..._core._errors import CudaError
 from .. import _common
+from . import direct
 from . import primary as _primary
 from .bindings import cu
 from .completion import CompletionWaiter
@@ -154,10 +158,15 @@ class CudaContext:
             device_timing=True,
         )
         # The hot path: the components' own bound methods, so that no call is
-        # added (they shadow the delegating methods of the class, below).
-        self.launch = kernels.launch  # type: ignore[method-assign]
-        self.record_marker = table.record_marker  # type: ignore[method-assign]
-        self.poll_marker = table.poll_marker  # type: ignore[method-assign]
+        # added (they shadow the delegating methods of the class, below);
+        # with direct driver calls, the compiled forms of three of them.
+        hot = direct.hot_methods(kernels, table)
+        if hot is not None:
+            self.launch, self.record_marker, self.poll_marker = hot  # type: ignore[method-assign]
+        else:
+            self.launch = kernels.launch  # type: ignore[method-assign]
+            self.record_marker = table.record_marker  # type: ignore[method-assign]
+            self.poll_marker = table.poll_marker  # type: ignore[method-assign]
         self.notify_submitted = table.notify_submitted  # type: ignore[method-assign]
         self.wait_for_progress = self._completion.wait_for_progress  # type: ignore[method-assign]
         self.timing_mark = timing.mark  # type: ignore[method-assign]

@@ -9,7 +9,11 @@ Invariants:
   set (to anything but ``0``). Contexts read it when they open; tests may
   reset it between scopes (:func:`reset`).
 * Both paths make the same driver calls with the same arguments, and return
-  the same ``CUresult``; only the Python in between differs. A direct call is
+  the same ``CUresult``; only the Python in between differs. With direct
+  calls, the context's ``launch``, ``record_marker`` and ``poll_marker`` are
+  compiled (:func:`hot_methods`, unless :data:`HOT` is off): each makes its
+  Python method's steps for the common case and calls that method for the
+  rest. A direct call is
   prepared once (a launch per launch and stream, a flag write per stream)
   from plain integers; the caller keeps the function, stream and argument
   memory alive, as it does for the wrappers' arguments.
@@ -35,6 +39,9 @@ log = logging.getLogger("trio_cuda")
 #: ``_v2`` ABI of ``cuStreamWriteValue32``, the one cuda.bindings calls)
 _API_VERSION = 12000
 _UNDECIDED: Any = object()
+#: whether a context with direct calls takes the compiled hot methods
+#: (:func:`hot_methods`); read when a context opens (tests and A/Bs turn it off)
+HOT = True
 _entries: Any = _UNDECIDED
 
 
@@ -127,3 +134,24 @@ def packed_offsets(slots: Any) -> bytes | None:
     if any(slot.align > 16 for slot in slots):
         return None
     return struct.pack(f"={len(slots)}I", *(slot.offset for slot in slots))
+
+
+def hot_methods(kernels: Any, table: Any) -> tuple[Any, Any, Any] | None:
+    """The compiled ``launch``, ``record_marker`` and ``poll_marker`` of a
+    context (``kernels`` a :class:`~.launch.Kernels`, ``table`` its
+    :class:`~.streams.StreamTable`), or None: the Python methods (no direct
+    calls, or :data:`HOT` off). Each calls its Python method, the
+    reference, for anything but the common case: a launch prepared on its
+    stream or a plain launch's first enqueue; an eager flag write on a
+    stream of the table; a plain marker's flag read."""
+    if _ext is None or not HOT or kernels._direct is None:
+        return None
+    from ..._core._driver import DONE, PENDING
+    from . import primary
+    from .launch import CudaFunction
+    from .streams import CudaMarker, CudaStream
+
+    launch = _ext.HotLaunch(kernels, kernels.launch, table, CudaStream, CudaFunction, primary, kernels._direct)
+    record = _ext.HotRecord(table, table.record_marker, CudaStream, CudaMarker, primary)
+    poll = _ext.HotPoll(table, table.poll_marker, CudaStream, CudaMarker, DONE, PENDING)
+    return launch, record, poll
