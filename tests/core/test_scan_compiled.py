@@ -246,3 +246,78 @@ async def test_run_from_another_trio_run_in_a_worker_thread_is_refused() -> None
         assert (gpu.statistics(), sim.statistics()) == before  # nothing enqueued or retained
         await gpu.run(op)
     assert sim.violations == []
+
+
+class _FailingMarkers:
+    """A driver whose ``record_marker`` raises; everything else is the real one's."""
+
+    def __init__(self, driver: Any, exc: BaseException) -> None:
+        self._driver, self._exc = driver, exc
+
+    def record_marker(self, stream: Any) -> Any:
+        raise self._exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._driver, name)
+
+
+@compiled_only
+@pytest.mark.parametrize("how", ["prepare", "Completion.flush"])
+async def test_a_marker_that_cannot_be_recorded_quarantines_as_flush_does(how: str) -> None:
+    """``prepare``'s compiled flush and ``Completion.flush``: a driver whose
+    ``record_marker`` raises leaves the lone waiter's submission
+    quarantined (its completion cannot be established), the same way; a
+    KeyboardInterrupt is raised on after that, not swallowed (and the exit
+    does not wait for work nothing would retire)."""
+    sim = SimDevice(batch_markers=True)
+    results = []
+    with trio.fail_after(20), pytest.raises(BaseExceptionGroup) as group:  # (the unknown completion surfaces at exit)
+        async with trio_cuda.open_scope(device=sim) as gpu:
+            x = gpu.zeros(4, "f4")
+            await gpu.run(ADD.launch(x, np.float32(1), grid=1, block=4))  # (loaded)
+            c = internals.completion_of(gpu)
+            real = c.driver
+            for exc in (RuntimeError("no marker"), KeyboardInterrupt()):
+                y = gpu.zeros(4, "f4")
+                await trio.testing.wait_all_tasks_blocked()  # (a lone waiter: prepare records)
+                sub = internals.submit_unwatched(gpu, ADD.launch(y, np.float32(1), grid=1, block=4))
+                c.driver = _FailingMarkers(real, exc)
+                try:
+                    if isinstance(exc, KeyboardInterrupt):
+                        with pytest.raises(KeyboardInterrupt):
+                            _completion.prepare(c, sub) if how == "prepare" else c.flush(sub.stream)
+                    else:
+                        _completion.prepare(c, sub) if how == "prepare" else c.flush(sub.stream)
+                finally:
+                    c.driver = real
+                results.append((sub.state.name, type(sub.error).__name__, sub.marker))
+            results.append(gpu.statistics().quarantined)
+    assert results[0] == results[1] == ("QUARANTINED", "CompletionUnknownError", None)
+    assert results[2] == 2
+    assert [type(e).__name__ for e in group.value.exceptions] == ["CompletionUnknownError"] * 2
+    assert sim.violations == []
+
+
+@compiled_only
+async def test_prepare_calls_an_overridden_flush(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled flush makes ``Completion.flush``'s steps only while the
+    class holds that function."""
+    calls: list[Any] = []
+    original = _completion.Completion.flush
+
+    def flush(self: Any, s: Any) -> None:
+        calls.append(s)
+        original(self, s)
+
+    monkeypatch.setattr(_completion.Completion, "flush", flush)
+    sim = SimDevice(batch_markers=True)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(4, "f4")
+        await gpu.run(ADD.launch(x, np.float32(1), grid=1, block=4))
+        c = internals.completion_of(gpu)
+        await trio.testing.wait_all_tasks_blocked()
+        calls.clear()
+        sub = internals.submit_unwatched(gpu, ADD.launch(x, np.float32(1), grid=1, block=4))
+        _completion.prepare(c, sub)
+        assert calls == [sub.stream] and sub.marker is not None
+    assert sim.violations == []

@@ -34,6 +34,7 @@ static PyObject *g_pending_state, *g_done_state, *g_unknown_state, *g_pending_po
 static PyObject *g_in_flight_state, *g_again, *g_settled, *n_scan_streams, *n_scan, *n_flush;
 static SlotRef r_sub_error, r_sub_output, r_sub_stream;
 static PyObject *g_run_context, *n_runner, *n_runq;
+static PyObject *g_flush_fn, *n_handle, *n_record_marker, *n_quarantine_submission, *n_extend;
 static PyObject *n_flush_all, *n_unconsumed, *n_sweep, *n_release_pending, *n_poll_marker, *n_popleft,
     *n_run_host_step, *n_retire_done, *n_retire;
 
@@ -64,6 +65,80 @@ static PyObject *poll(PyObject *poll_marker, PyObject *marker) {
 /* ``completion.flush_all()``: a marker after each stream's unmarked
    submissions (``completion.flush(s)``, called for the streams that have
    some: it does nothing for the others). 0, or -1 (error set). */
+/* ``completion.flush(s)``: the steps of Completion.flush where the class
+   holds that function still (else the method): the stream's unmarked
+   submissions get one marker (``driver.record_marker(s.handle)``) and join
+   its pending queue; an exception recording it quarantines each
+   (``quarantine_submission``), and a BaseException is raised on. 0, or -1
+   (error set). */
+static int flush_stream(PyObject *completion, PyObject *s) {
+    PyObject *fn = PyObject_GetAttr((PyObject *)Py_TYPE(completion), n_flush);
+    if (fn == NULL) return -1;
+    Py_DECREF(fn);
+    if (fn != g_flush_fn) {
+        PyObject *r = PyObject_CallMethodOneArg(completion, n_flush, s);
+        Py_XDECREF(r);
+        return r ? 0 : -1;
+    }
+    PyObject *subs = read_slot(s, &r_unmarked);
+    if (subs == NULL) return -1;
+    int rc = -1, some = PyObject_IsTrue(subs);
+    PyObject *fresh = NULL, *driver = NULL, *handle = NULL, *marker = NULL, *pending = NULL;
+    if (some <= 0) {
+        rc = some;
+        goto done;
+    }
+    if ((fresh = PyList_New(0)) == NULL || store_slot(s, &r_unmarked, fresh) < 0) {
+        fresh = NULL; /* (stolen) */
+        goto done;
+    }
+    fresh = NULL;
+    if ((driver = read_slot(completion, &r_driver)) == NULL || (handle = PyObject_GetAttr(s, n_handle)) == NULL)
+        goto done;
+    marker = PyObject_CallMethodOneArg(driver, n_record_marker, handle);
+    if (marker == NULL) { /* quarantined; a BaseException is raised on */
+        int base = !PyErr_ExceptionMatches(PyExc_Exception);
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyErr_NormalizeException(&type, &exc, &tb);
+        if (tb != NULL) PyException_SetTraceback(exc, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        PyObject *it = PyObject_GetIter(subs), *sub;
+        while (it != NULL && (sub = PyIter_Next(it)) != NULL) {
+            PyObject *r = PyObject_CallMethodObjArgs(completion, n_quarantine_submission, sub, exc, NULL);
+            Py_DECREF(sub);
+            if (r == NULL) break;
+            Py_DECREF(r);
+        }
+        Py_XDECREF(it);
+        if (base && !PyErr_Occurred()) {
+            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        }
+        Py_DECREF(exc);
+        rc = PyErr_Occurred() ? -1 : 0;
+        goto done;
+    }
+    PyObject *it = PyObject_GetIter(subs), *sub;
+    while (it != NULL && (sub = PyIter_Next(it)) != NULL) {
+        int bad = store_slot(sub, &r_sub_marker, Py_NewRef(marker)) < 0;
+        Py_DECREF(sub);
+        if (bad) break;
+    }
+    Py_XDECREF(it);
+    if (it == NULL || PyErr_Occurred() || (pending = read_slot(s, &r_pending)) == NULL) goto done;
+    PyObject *r = PyObject_CallMethodOneArg(pending, n_extend, subs);
+    Py_XDECREF(r);
+    rc = r ? 0 : -1;
+done:
+    Py_DECREF(subs);
+    Py_XDECREF(driver);
+    Py_XDECREF(handle);
+    Py_XDECREF(marker);
+    Py_XDECREF(pending);
+    return rc;
+}
+
 static int flush_all(PyObject *completion) {
     PyObject *streams = read_slot(completion, &r_unflushed);
     if (streams == NULL) return -1;
@@ -87,11 +162,7 @@ static int flush_all(PyObject *completion) {
         int some = PyObject_IsTrue(unmarked);
         Py_DECREF(unmarked);
         if (some < 0) goto done;
-        if (some) {
-            PyObject *r = PyObject_CallMethodOneArg(completion, n_flush, s);
-            if (r == NULL) goto done;
-            Py_DECREF(r);
-        }
+        if (some && flush_stream(completion, s) < 0) goto done;
     }
     rc = 0;
 done:
@@ -282,9 +353,9 @@ PyObject *prepare(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (yes) return yes < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *stream = read_slot(sub, &r_sub_stream);
     if (stream == NULL) return NULL;
-    PyObject *r = PyObject_CallMethodOneArg(completion, n_flush, stream);
+    int rc = flush_stream(completion, stream);
     Py_DECREF(stream);
-    return r;
+    return rc < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 /* What awaiting ``sub``, settled, gives (a new reference), where
@@ -411,7 +482,8 @@ PyObject *configure_scan(PyObject *module, PyObject *env) {
         take(env, "PENDING", &g_pending_state) < 0 || take(env, "DONE", &g_done_state) < 0 ||
         take(env, "UNKNOWN", &g_unknown_state) < 0 || take(env, "IN_FLIGHT", &g_in_flight_state) < 0 ||
         take(env, "AGAIN", &g_again) < 0 || take(env, "SETTLED", &g_settled) < 0 ||
-        take(env, "RUN_CONTEXT", &g_run_context) < 0 || take(env, "PENDING_POLL", &g_pending_poll) < 0 || take(env, "completion_module", &mod) < 0)
+        take(env, "RUN_CONTEXT", &g_run_context) < 0 || take(env, "PENDING_POLL", &g_pending_poll) < 0 || take(env, "completion_module", &mod) < 0 ||
+        take(env, "flush", &g_flush_fn) < 0)
         return NULL;
     if (!PyType_Check(t_completion) || !PyType_Check(t_host_step) || !PyType_Check(g_poll_type)) {
         PyErr_SetString(PyExc_TypeError, "configure_scan: Completion, HostStep and Poll must be types");
@@ -440,7 +512,9 @@ PyObject *configure_scan(PyObject *module, PyObject *env) {
         intern(&n_run_host_step, "run_host_step") < 0 || intern(&n_retire_done, "retire_done") < 0 ||
         intern(&n_retire, "retire") < 0 || intern(&n_scan_streams, "scan_streams") < 0 ||
         intern(&n_scan, "scan") < 0 || intern(&n_flush, "flush") < 0 || intern(&n_runner, "runner") < 0 ||
-        intern(&n_runq, "runq") < 0)
+        intern(&n_runq, "runq") < 0 || intern(&n_handle, "handle") < 0 ||
+        intern(&n_record_marker, "record_marker") < 0 ||
+        intern(&n_quarantine_submission, "quarantine_submission") < 0 || intern(&n_extend, "extend") < 0)
         return NULL;
     g_scan_ready = 1;
     Py_RETURN_NONE;

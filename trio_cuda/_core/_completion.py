@@ -249,16 +249,21 @@ class Completion:
     @enable_ki_protection
     def flush(self, s: Stream) -> None:
         """Record one completion marker after the stream's unmarked
-        submissions. If that fails, their completion cannot be established."""
+        submissions. If that fails, their completion cannot be established:
+        they are quarantined (and a BaseException is raised on)."""
         subs = s._unmarked
         if not subs:
             return
         s._unmarked = []
         try:
             marker = self.driver.record_marker(s.handle)
-        except Exception as exc:
+        except BaseException as exc:
+            # (taken off the unmarked list: without this, nothing would ever
+            # retire them, and the exit would wait for them for good)
             for sub in subs:
                 self.quarantine_submission(sub, exc)
+            if not isinstance(exc, Exception):
+                raise
             return
         for sub in subs:
             sub.marker = marker
@@ -797,6 +802,7 @@ if _compiled.ext is not None:
             "SETTLED": LOOK_SETTLED,
             "RUN_CONTEXT": _trio_internals._RUN_CONTEXT,
             "completion_module": sys.modules[__name__],
+            "flush": Completion.flush,
         }
     )
     scan_streams = _compiled.ext.scan
