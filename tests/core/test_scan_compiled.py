@@ -271,7 +271,8 @@ async def test_a_marker_that_cannot_be_recorded_quarantines_as_flush_does(how: s
     does not wait for work nothing would retire)."""
     sim = SimDevice(batch_markers=True)
     results = []
-    with trio.fail_after(20), pytest.raises(BaseExceptionGroup) as group:  # (the unknown completion surfaces at exit)
+    # (the unknown completion surfaces at the exit)
+    with trio.fail_after(20), pytest.raises(BaseExceptionGroup) as group:
         async with trio_cuda.open_scope(device=sim) as gpu:
             x = gpu.zeros(4, "f4")
             await gpu.run(ADD.launch(x, np.float32(1), grid=1, block=4))  # (loaded)
@@ -319,5 +320,6 @@ async def test_prepare_calls_an_overridden_flush(monkeypatch: pytest.MonkeyPatch
         calls.clear()
         sub = internals.submit_unwatched(gpu, ADD.launch(x, np.float32(1), grid=1, block=4))
         _completion.prepare(c, sub)
-        assert calls == [sub.stream] and sub.marker is not None
+        assert calls == [sub.stream]
+        assert sub.marker is not None
     assert sim.violations == []

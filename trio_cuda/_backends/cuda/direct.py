@@ -151,7 +151,8 @@ def hot_methods(kernels: Any, table: Any) -> tuple[Any, Any, Any] | None:
     from .launch import CudaFunction
     from .streams import CudaMarker, CudaStream
 
-    launch = _ext.HotLaunch(kernels, kernels.launch, table, CudaStream, CudaFunction, primary, kernels._direct)
+    entry = kernels._direct
+    launch = _ext.HotLaunch(kernels, kernels.launch, table, CudaStream, CudaFunction, primary, entry)
     record = _ext.HotRecord(table, table.record_marker, CudaStream, CudaMarker, primary)
     poll = _ext.HotPoll(table, table.poll_marker, CudaStream, CudaMarker, DONE, PENDING)
     return launch, record, poll
