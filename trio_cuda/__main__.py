@@ -151,7 +151,7 @@ def launch_path_line(driver_answers: bool) -> str:
         elif not driver_answers:
             path = "direct driver calls where a CUDA driver answers (the compiled extension is built)"
         elif direct.entries() is not None:
-            path = "direct driver calls (the compiled extension)"
+            path = "direct driver calls (the compiled extension: launch, marker record and poll)"
         else:
             path = "cuda.bindings wrappers (the driver gave no entry points for direct calls)"
     except Exception as exc:  # pragma: no cover - a broken install

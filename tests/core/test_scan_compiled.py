@@ -323,3 +323,82 @@ async def test_prepare_calls_an_overridden_flush(monkeypatch: pytest.MonkeyPatch
         assert calls == [sub.stream]
         assert sub.marker is not None
     assert sim.violations == []
+
+
+def _spy_begin(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record what ``run``'s compiled start returned: "Submission" or "NoneType"."""
+    saved = _scope.begin
+    assert saved is not None
+    got: list[str] = []
+
+    def spy(*args: Any) -> Any:
+        r = saved(*args)
+        got.append(type(r).__name__)
+        return r
+
+    monkeypatch.setattr(_scope, "begin", spy)
+    return got
+
+
+@compiled_only
+async def test_run_begins_compiled_only_where_its_checks_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``begin`` submits a lone launch of a loaded kernel, untraced and not
+    cancelled; everything else is left to run's Python code (nothing
+    submitted, no cancel point counted twice), and the outcome is the same."""
+    got = _spy_begin(monkeypatch)
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(4, "f4")
+        await gpu.run(ADD.launch(x, np.float32(1), grid=1, block=4))  # (its first use: loads it)
+        assert await gpu.run(ADD.launch(x, np.float32(1), grid=1, block=4)) is x
+        await gpu.run(ops.fill(x, 5.0))  # not a launch
+        submitted = gpu.statistics().submitted
+        with trio.CancelScope() as cs:
+            cs.cancel()
+            await gpu.run(ADD.launch(x, np.float32(1), grid=1, block=4))  # pre-cancelled
+        assert cs.cancelled_caught
+        assert gpu.statistics().submitted == submitted  # (really not submitted)
+        task = trio.lowlevel.current_task()
+        points = task._cancel_points  # type: ignore[attr-defined]
+        with trio.testing.assert_checkpoints():
+            await gpu.run(ADD.launch(x, np.float32(1), grid=1, block=4))
+        assert task._cancel_points == points + 2  # type: ignore[attr-defined]  # (as Python: if_cancelled + checkpoint)
+        assert (await gpu.to_host(x)).tolist() == [6.0] * 4
+    assert got[1:] == ["Submission", "NoneType", "NoneType", "Submission"]
+    trace = trio_cuda.trace.Trace()
+    async with trio_cuda.open_scope(device=sim, trace=trace) as traced:
+        y = traced.zeros(4, "f4")
+        await traced.run(ADD.launch(y, np.float32(1), grid=1, block=4))
+        await traced.run(ADD.launch(y, np.float32(1), grid=1, block=4))
+    assert got[-1] == "NoneType"  # (traced: Python records the wait)
+    assert sim.violations == []
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+async def test_a_keyboard_interrupt_recording_run_s_marker(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt out of the lone waiter's marker (``prepare``, in
+    ``begin`` or in run's Python code): raised from ``run``, the submission
+    quarantined (its completion unknown), and the exit does not hang."""
+    if compiled and _scope.begin is None:
+        pytest.skip("the compiled paths are not in use")
+    if not compiled:
+        monkeypatch.setattr(_scope, "begin", None)
+    sim = SimDevice(batch_markers=True)
+    with trio.fail_after(20), pytest.raises(BaseExceptionGroup) as group:
+        async with trio_cuda.open_scope(device=sim) as gpu:
+            x = gpu.zeros(4, "f4")
+            await gpu.run(ADD.launch(x, np.float32(1), grid=1, block=4))
+            c = internals.completion_of(gpu)
+            real = c.driver
+            await trio.testing.wait_all_tasks_blocked()
+            c.driver = _FailingMarkers(real, KeyboardInterrupt())
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    await gpu.run(ADD.launch(x, np.float32(1), grid=1, block=4))
+            finally:
+                c.driver = real
+            assert gpu.statistics().quarantined == 1
+    assert [type(e).__name__ for e in group.value.exceptions] == ["CompletionUnknownError"]
+    assert sim.violations == []

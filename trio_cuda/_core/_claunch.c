@@ -193,6 +193,8 @@ static PyMethodDef module_methods[] = {
     {"scan", scan, METH_O, "scan(completion) -> bool: Completion.scan (True when a host step ran)."},
     {"prepare", (PyCFunction)(void (*)(void))prepare, METH_FASTCALL,
      "prepare(completion, sub): before an awaiting task's first checkpoint, a lone waiter's marker recorded."},
+    {"begin", (PyCFunction)(void (*)(void))begin, METH_FASTCALL,
+     "begin(scope, op, stream) -> Submission | None: ResourceScope.run's steps up to its first checkpoint."},
     {"look", (PyCFunction)(void (*)(void))look, METH_FASTCALL,
      "look(completion, sub) -> output, SETTLED or AGAIN: an awaiting task's look at its own submission."},
     {"launch_method", launch_method, METH_VARARGS,

@@ -134,6 +134,7 @@ PyObject *configure_scan(PyObject *module, PyObject *env);
 PyObject *scan(PyObject *module, PyObject *completion);
 PyObject *look(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *prepare(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* _claunch_method.c */
 PyObject *launch_method(PyObject *module, PyObject *args);

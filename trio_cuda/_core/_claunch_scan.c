@@ -21,7 +21,9 @@
 
    prepare(completion, sub) and look(completion, sub) are what an awaiting
    task does before and after its first checkpoint, as Completion.observe
-   does them (see them below). */
+   does them (see them below); a stream's marker is recorded with
+   Completion.flush's steps (flush_stream). begin(scope, op, stream) is
+   ResourceScope.run's start for a lone launch, up to that checkpoint. */
 
 #include "_claunch.h"
 
@@ -518,4 +520,188 @@ PyObject *configure_scan(PyObject *module, PyObject *env) {
         return NULL;
     g_scan_ready = 1;
     Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ begin */
+
+static PyObject *g_scope_globals, *n_b_task, *n_b_left, *n_b_submit_launch, *n_b_prepare, *n_b_look;
+
+static int begin_names(void) {
+    return intern(&n_b_task, "task") < 0 || intern(&n_b_left, "left") < 0 ||
+                   intern(&n_b_submit_launch, "submit_launch") < 0 || intern(&n_b_prepare, "prepare") < 0 ||
+                   intern(&n_b_look, "look") < 0
+               ? -1
+               : 0;
+}
+
+/* Whether the scope module's global ``name`` is this module's function ``fn``. */
+static int is_ours(PyObject *name, PyCFunction fn) {
+    PyObject *f = PyDict_GetItemWithError(g_scope_globals, name); /* (borrowed) */
+    return f != NULL && PyCFunction_Check(f) && PyCFunction_GET_FUNCTION(f) == fn;
+}
+
+/* The slots may_begin reads, found on first use from the objects' types
+   (read_slot falls back to getattr for any other type; a field that is
+   not a slot is always read through getattr). */
+enum {
+    B_FUNCTIONS, B_KERNELS, B_EXTENSIONS, B_CLOSING, B_ENQUEUING, B_THREAD, B_COMPLETION, /* the scope's */
+    B_LOAD_IN_THREAD, B_TILE, B_EXPORTS_RELEASING, B_TRACER,                              /* others' */
+    B_CANCEL_STATUS, B_RUNNER, B_CANCEL_POINTS, B_EFFECTIVELY_CANCELLED, B_MAIN_TASK, B_KI_PENDING, /* Trio's */
+    N_B
+};
+static SlotRef b_ref[N_B];
+static int b_made[N_B];
+
+/* Slot ``i`` (named ``name``) of ``obj``, a new reference; NULL (error set). */
+static PyObject *b_read(PyObject *obj, int i, const char *name) {
+    if (!b_made[i]) {
+        if (make_slot_ref((PyObject *)Py_TYPE(obj), name, &b_ref[i]) < 0) {
+            PyErr_Clear();
+            b_ref[i].type = NULL; /* (not a slot: getattr) */
+            if ((b_ref[i].name = PyUnicode_InternFromString(name)) == NULL) return NULL;
+        }
+        b_made[i] = 1;
+    }
+    return read_slot(obj, &b_ref[i]);
+}
+
+/* Slot ``i`` of ``obj``, truthy: 1, 0, or -1 (error set). */
+static int b_true(PyObject *obj, int i, const char *name) {
+    PyObject *v = b_read(obj, i, name);
+    if (v == NULL) return -1;
+    int yes = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return yes;
+}
+
+/* Every check ``run`` makes before it submits a lone launch, and Trio's
+   ``checkpoint_if_cancelled``: 1 where all pass (*completion: the scope's
+   Completion, a new reference; the task's count of cancel points moved, as
+   Trio moves it), 0 where run's Python code decides (nothing changed; an
+   error on the way counts as that), -1 (error set) where the count could
+   not be moved. */
+static int may_begin(PyObject *scope, PyObject *op, PyObject **completion) {
+    int rc = 0;
+    PyObject *v = NULL, *kernel, *task = NULL, *runner = NULL, *c = NULL;
+#define NO_IF(cond)                 \
+    do {                            \
+        int x_ = (cond);            \
+        if (x_ != 0) goto declined; \
+    } while (0)
+    if (g_scope_globals == NULL) {
+        PyObject *name = PyUnicode_FromString("trio_cuda._core._scope");
+        PyObject *m = name ? PyImport_GetModule(name) : NULL;
+        Py_XDECREF(name);
+        if (m == NULL) goto declined;
+        g_scope_globals = Py_NewRef(PyModule_GetDict(m));
+        Py_DECREF(m);
+    }
+    NO_IF(!is_ours(n_b_submit_launch, (PyCFunction)submit_launch) || !is_ours(n_b_prepare, (PyCFunction)prepare) ||
+          !is_ours(n_b_look, (PyCFunction)look));
+    PyObject *prepared = *(PyObject **)((char *)op + g_launch_off[0]);
+    NO_IF(prepared == NULL || Py_TYPE(prepared) != g_prepared_type);
+    kernel = *(PyObject **)((char *)prepared + g_prepared_off[0]);
+    NO_IF(kernel == NULL);
+    NO_IF((v = b_read(scope, B_FUNCTIONS, "_functions")) == NULL);
+    int known = PyDict_CheckExact(v) ? PyDict_Contains(v, kernel) : -1;
+    Py_CLEAR(v);
+    NO_IF(known < 0);
+    if (!known) { /* (run loads it first where the scope loads in a thread, or a tile kernel) */
+        NO_IF((v = b_read(scope, B_KERNELS, "_kernels")) == NULL);
+        NO_IF(b_true(v, B_LOAD_IN_THREAD, "load_in_thread"));
+        Py_CLEAR(v);
+        NO_IF((v = b_read(kernel, B_TILE, "tile")) == NULL || v != Py_None);
+        Py_CLEAR(v);
+    }
+    NO_IF((v = b_read(scope, B_EXTENSIONS, "_extensions")) == NULL);
+    NO_IF(b_true(v, B_EXPORTS_RELEASING, "exports_releasing"));
+    Py_CLEAR(v);
+    NO_IF(b_true(scope, B_CLOSING, "_closing") || b_true(scope, B_ENQUEUING, "_enqueuing"));
+    NO_IF((v = b_read(scope, B_THREAD, "_thread")) == NULL || !PyLong_CheckExact(v) ||
+          PyLong_AsUnsignedLong(v) != PyThread_get_thread_ident());
+    Py_CLEAR(v);
+    NO_IF((c = b_read(scope, B_COMPLETION, "_completion")) == NULL || Py_TYPE(c) != t_completion);
+    NO_IF((v = b_read(c, B_TRACER, "tracer")) == NULL || v != Py_None);
+    Py_CLEAR(v);
+    /* trio.lowlevel.checkpoint_if_cancelled, where it would not checkpoint */
+    NO_IF(g_run_context == NULL || g_run_context == Py_None);
+    NO_IF((task = PyObject_GetAttr(g_run_context, n_b_task)) == NULL);
+    NO_IF((v = b_read(task, B_CANCEL_STATUS, "_cancel_status")) == NULL);
+    NO_IF(b_true(v, B_EFFECTIVELY_CANCELLED, "effectively_cancelled"));
+    Py_CLEAR(v);
+    NO_IF((runner = b_read(task, B_RUNNER, "_runner")) == NULL || (v = b_read(runner, B_MAIN_TASK, "main_task")) == NULL);
+    if (v == task) NO_IF(b_true(runner, B_KI_PENDING, "ki_pending"));
+    Py_CLEAR(v);
+    NO_IF((v = b_read(task, B_CANCEL_POINTS, "_cancel_points")) == NULL || !PyLong_CheckExact(v));
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *more = one ? PyNumber_Add(v, one) : NULL;
+    Py_XDECREF(one);
+    if (more == NULL || store_slot(task, &b_ref[B_CANCEL_POINTS], more) < 0) {
+        rc = -1;
+        goto done;
+    }
+    *completion = Py_NewRef(c);
+    rc = 1;
+    goto done;
+declined:
+    PyErr_Clear();
+done:
+#undef NO_IF
+    Py_XDECREF(v);
+    Py_XDECREF(task);
+    Py_XDECREF(runner);
+    Py_XDECREF(c);
+    return rc;
+}
+
+/* begin(scope, op, stream): what ``ResourceScope.run`` does for a lone
+   launch up to its first checkpoint, where every check it makes first
+   passes (see may_begin): the submission (``submit_launch``) and an
+   awaiting task's first step (``prepare``; should that raise,
+   ``completion.left(sub, exc)`` first, as run does). The Submission, or
+   None: run's Python code decides (a cancellation due included: it raises
+   it). Its caller is KI-protected. */
+PyObject *begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "begin(scope, op, stream)");
+        return NULL;
+    }
+    if (!g_scan_ready || !g_configured || Py_TYPE(args[1]) != g_launch_type) Py_RETURN_NONE;
+    if (n_b_look == NULL && begin_names() < 0) return NULL;
+    PyObject *c = NULL;
+    int may = may_begin(args[0], args[1], &c);
+    if (may <= 0) return may < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *sub = submit_launch(module, args, 3);
+    if (sub == NULL) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    PyObject *pa[2] = {c, sub};
+    PyObject *r = prepare(module, pa, 2);
+    if (r == NULL) {
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyErr_NormalizeException(&type, &exc, &tb);
+        if (tb != NULL) PyException_SetTraceback(exc, tb);
+        PyObject *left = PyObject_CallMethodObjArgs(c, n_b_left, sub, exc, NULL);
+        if (left == NULL) { /* (the new error, with the first as its context) */
+            PyObject *t2, *v2, *tb2;
+            PyErr_Fetch(&t2, &v2, &tb2);
+            PyErr_NormalizeException(&t2, &v2, &tb2);
+            if (tb2 != NULL) PyException_SetTraceback(v2, tb2);
+            PyException_SetContext(v2, exc); /* (steals exc) */
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            PyErr_Restore(t2, v2, tb2);
+        } else {
+            Py_DECREF(left);
+            PyErr_Restore(type, exc, tb);
+        }
+        Py_DECREF(sub);
+        Py_DECREF(c);
+        return NULL;
+    }
+    Py_DECREF(r);
+    Py_DECREF(c);
+    return sub;
 }

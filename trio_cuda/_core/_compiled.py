@@ -1,7 +1,8 @@
 """The optional compiled hot paths of a kernel launch (``_claunch``): making
 it (``Kernel.launch``, the builder, the typed-launch fast path), submitting
-it (and ``unsafe.async_on``), an awaiting task's first look, the scan, and
-the common cases of taking its leases and retiring it.
+it (and ``unsafe.async_on``), ``run``'s start up to its first checkpoint,
+an awaiting task's first look, the scan with its marker recording, and the
+common cases of taking its leases and retiring it.
 
 Invariants:
 
@@ -17,7 +18,7 @@ Invariants:
   (``make_base``, ``typed``, ``launch_method``), and the submission, scope
   and completion modules configure and take theirs (``take_whole``,
   ``submit_launch``, ``enqueue_unsafe``, ``retire_done``, ``scan``,
-  ``prepare``, ``look``).
+  ``prepare``, ``look``, ``begin``).
 """
 
 from __future__ import annotations

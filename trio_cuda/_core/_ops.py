@@ -506,3 +506,15 @@ def resolve_output(out: object) -> object:
 #: ops of several pieces: under ``conflicts="error"`` they are preflighted
 #: (see ``_submit.Preflight``) so that no piece is enqueued if one conflicts
 COMPOSITE = frozenset({_Then, _Map, _Zip, _Shared})
+
+
+class _Alloc(DeviceOp[Any]):
+    """What a scheduling policy is asked to place for an allocation (never submitted)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "allocation"
+
+
+ALLOC_OP = _Alloc()

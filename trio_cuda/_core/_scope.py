@@ -49,7 +49,7 @@ from ._kernel import Kernel
 from ._kernels import KernelTable
 from ._launch import KernelLaunch
 from ._memory import MemoryTable
-from ._ops import COMPOSITE, Access, DeviceOp, HostResult, _Copy, _Fill, _ZeroBytes
+from ._ops import ALLOC_OP, COMPOSITE, Access, DeviceOp, HostResult, _Copy, _Fill, _ZeroBytes
 from ._policy import SchedulingPolicy
 from ._statistics import ScopeStatistics
 from ._stream import Stream
@@ -343,9 +343,9 @@ class ResourceScope(metaclass=NoPublicConstructor):
         dt = normalize_dtype(dtype)
         layout = normalize_order(order)
         nbytes = math.prod(shp) * dt.itemsize
-        s = self._pick(_ALLOC_OP, stream)
+        s = self._pick(ALLOC_OP, stream)
         ptr = self._driver.alloc(nbytes, s.handle)
-        arr = self._adopt(self._memory.new(ptr, nbytes), shp, dt, layout, s, _ALLOC_OP, "empty", track=True)
+        arr = self._adopt(self._memory.new(ptr, nbytes), shp, dt, layout, s, ALLOC_OP, "empty", track=True)
         return arr, s
 
     def _adopt(
@@ -437,7 +437,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
             order = "F" if host.flags.f_contiguous and not host.flags.c_contiguous else "C"
         elif order not in ("C", "F"):
             raise ValueError(f"to_device: order: expected 'C', 'F' or 'K', got {order!r}")
-        s = self._pick(_ALLOC_OP, stream)
+        s = self._pick(ALLOC_OP, stream)
         arr = self.empty(host.shape, host.dtype, order=order, stream=s)
         try:
             fut: DeviceFuture[DeviceArray] = self.submit(_Copy(arr, host), stream=s)
@@ -644,37 +644,43 @@ class ResourceScope(metaclass=NoPublicConstructor):
         chapter). A single kernel launch whose kernel this scope has not
         loaded yet is loaded first, as :meth:`load` does (off the loop on a
         real GPU)."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        lone = op if type(op) is KernelLaunch else None
-        if lone is not None:
-            kernel = lone.prepared.kernel
-            if kernel not in self._functions and (self._kernels.load_in_thread or kernel.tile is not None):
-                await self._kernels.load((kernel,))
-        elif isinstance(op, DeviceOp):
-            await self._kernels.load_tile_kernels(op)
-        if self._extensions.exports_releasing:  # an access after a consumer released an export
-            await self._extensions.finish_export_releases()
-        if lone is not None and not (self._closing or self._enqueuing or get_ident() != self._thread):
-            # (``_submit`` raises the reasons otherwise; this function is KI-protected)
-            sub = (
-                self._submit_launch(lone, stream)
-                if submit_launch is None
-                else submit_launch(self, lone, stream)
-            )
-        else:
-            sub = self._submit(op, stream, "run")
+        # (compiled: a lone launch's steps to its first checkpoint; else (a cancellation due too) below)
+        sub = begin(self, op, stream) if begin is not None else None
+        began = sub is not None
         c = self._completion
-        if look is None or prepare is None:
-            await c.observe(sub)
-            return outcome(sub)
-        # ``observe``'s beginning and first look, without its frame
-        # (compiled): settled work returns now; anything else waits on in
-        # ``observe``. A traced scope records the wait, as there.
+        if sub is None:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            lone = op if type(op) is KernelLaunch else None
+            if lone is not None:
+                kernel = lone.prepared.kernel
+                if kernel not in self._functions and (
+                    self._kernels.load_in_thread or kernel.tile is not None
+                ):
+                    await self._kernels.load((kernel,))
+            elif isinstance(op, DeviceOp):
+                await self._kernels.load_tile_kernels(op)
+            if self._extensions.exports_releasing:  # an access after a consumer released an export
+                await self._extensions.finish_export_releases()
+            if lone is not None and not (self._closing or self._enqueuing or get_ident() != self._thread):
+                # (``_submit`` raises the reasons otherwise; this function is KI-protected)
+                sub = (
+                    self._submit_launch(lone, stream)
+                    if submit_launch is None
+                    else submit_launch(self, lone, stream)
+                )
+            else:
+                sub = self._submit(op, stream, "run")
+            if look is None or prepare is None:
+                await c.observe(sub)
+                return outcome(sub)
+        # ``observe``'s beginning and first look, without its frame (compiled): settled
+        # work returns now; anything else waits on in ``observe``. A traced scope records the wait.
         t0 = perf_counter() if c.tracer is not None else 0.0
         try:
-            prepare(c, sub)
+            if not began:
+                prepare(c, sub)  # type: ignore[misc]
             await checkpoint()
-            seen = look(c, sub)
+            seen = look(c, sub)  # type: ignore[misc]
         except BaseException as exc:
             c.left(sub, exc)
             if t0:
@@ -859,22 +865,21 @@ class ResourceScope(metaclass=NoPublicConstructor):
 #: the compiled ``_submit_launch`` (``_claunch.submit_launch``);
 #: None where the pure-Python path runs (tests turn it off)
 submit_launch: Callable[[ResourceScope, KernelLaunch, Stream | None], Submission] | None = None
+_Begin = Callable[[ResourceScope, DeviceOp[Any], Stream | None], Submission | None]
 if _compiled.ext is not None:
+    _names = (
+        "ResourceScope",
+        "Stream",
+        "Submission",
+        "Completion",
+        "KernelTable",
+        "Kernel",
+        "take_launch_leases",
+    )
     _compiled.ext.configure_submit(
-        {
-            "ResourceScope": ResourceScope,
-            "Stream": Stream,
-            "Submission": Submission,
-            "Completion": Completion,
-            "KernelTable": KernelTable,
-            "Kernel": Kernel,
-            "ENQUEUING": SubState.ENQUEUING,
-            "IN_FLIGHT": SubState.IN_FLIGHT,
-            "take_launch_leases": take_launch_leases,
-            "enqueue_unsafe_py": enqueue_unsafe_py,
-            "scope_module": sys.modules[__name__],
-            "submit_module": _submit,
-        }
+        {name: globals()[name] for name in (*_names, "enqueue_unsafe_py")}
+        | {"ENQUEUING": SubState.ENQUEUING, "IN_FLIGHT": SubState.IN_FLIGHT}
+        | {"scope_module": sys.modules[__name__], "submit_module": _submit}
     )
     submit_launch = _compiled.ext.submit_launch
 
@@ -888,13 +893,6 @@ enqueue_unsafe: Callable[[DeviceOp[Any], Stream], Any] = (
 #: where the pure-Python path runs (``observe`` looks; tests turn it off)
 look: Callable[[Completion, Submission], object] | None = _completion.look
 prepare: Callable[[Completion, Submission], None] | None = _completion.prepare
-
-
-class _Alloc(DeviceOp[Any]):
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "allocation"
-
-
-_ALLOC_OP = _Alloc()
+#: ``run``'s steps for a lone launch up to its first checkpoint, compiled (``_claunch.begin``,
+#: while the three above are the compiled ones); None where the pure-Python path runs
+begin: _Begin | None = None if _compiled.ext is None else _compiled.ext.begin
