@@ -392,3 +392,25 @@ def test_launches_with_modes_take_the_python_method(modes: dict[str, Any]) -> No
     launch(s, f, lp)
     assert calls == [(s, f, lp)]
     assert (lp.cache, setup.dev.log) == ({}, [])
+
+
+def test_the_hot_methods_take_part_in_garbage_collection() -> None:
+    """Each holds its table (and kernels) strongly and reports them to the
+    collector, so a cycle through a context (which holds them) is freed."""
+    import weakref
+
+    setup = Setup(hot=True)
+    assert {id(setup.kernels), id(setup.table)} <= {id(o) for o in gc.get_referents(setup.launch)}
+    assert id(setup.table) in {id(o) for o in gc.get_referents(setup.record)}
+    assert id(setup.table) in {id(o) for o in gc.get_referents(setup.poll)}
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.methods = direct.hot_methods(setup.kernels, setup.table)  # type: ignore[attr-defined]
+    setup.kernels.functions[holder] = None  # type: ignore[index]  # a cycle: kernels -> holder -> HotLaunch -> kernels
+    gone = weakref.ref(holder)
+    del holder, setup
+    gc.collect()
+    assert gone() is None

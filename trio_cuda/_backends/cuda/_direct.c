@@ -353,6 +353,7 @@ static PyObject *fail(PyObject *state_owner, int err, PyObject *call) {
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
+    void *entry; /* (HotLaunch's) */
     PyObject *table, *fallback, *stream_type, *marker_type, *primary;
     PyObject *d_stream, *d_seq, *d_event; /* the marker type's slot descriptors */
 } HotRecordObject;
@@ -400,29 +401,30 @@ static PyObject *HotRecord_new(PyTypeObject *type, PyObject *args, PyObject *kwa
     return (PyObject *)self;
 }
 
-static int HotRecord_traverse(PyObject *op, visitproc visit, void *arg) {
-    HotRecordObject *self = (HotRecordObject *)op;
-    Py_VISIT(self->table);
-    Py_VISIT(self->fallback);
-    Py_VISIT(self->stream_type);
-    Py_VISIT(self->marker_type);
-    Py_VISIT(self->primary);
-    Py_VISIT(self->d_stream);
-    Py_VISIT(self->d_seq);
-    Py_VISIT(self->d_event);
+/* The three hot types share their head; their object fields come last,
+   one after another, from ``first`` on. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    void *entry;
+    PyObject *first;
+} HotHead;
+
+static Py_ssize_t hot_refs(PyObject *op) {
+    return (Py_TYPE(op)->tp_basicsize - (Py_ssize_t)offsetof(HotHead, first)) / (Py_ssize_t)sizeof(PyObject *);
+}
+
+static int Hot_traverse(PyObject *op, visitproc visit, void *arg) {
+    PyObject **f = &((HotHead *)op)->first;
+    for (Py_ssize_t i = 0, n = hot_refs(op); i < n; i++)
+        Py_VISIT(f[i]);
     return 0;
 }
 
-static int HotRecord_clear(PyObject *op) {
-    HotRecordObject *self = (HotRecordObject *)op;
-    Py_CLEAR(self->table);
-    Py_CLEAR(self->fallback);
-    Py_CLEAR(self->stream_type);
-    Py_CLEAR(self->marker_type);
-    Py_CLEAR(self->primary);
-    Py_CLEAR(self->d_stream);
-    Py_CLEAR(self->d_seq);
-    Py_CLEAR(self->d_event);
+static int Hot_clear(PyObject *op) {
+    PyObject **f = &((HotHead *)op)->first;
+    for (Py_ssize_t i = 0, n = hot_refs(op); i < n; i++)
+        Py_CLEAR(f[i]);
     return 0;
 }
 
@@ -534,8 +536,8 @@ static PyTypeObject HotRecordType = {
     .tp_new = HotRecord_new,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(HotRecordObject, vectorcall),
-    .tp_traverse = HotRecord_traverse,
-    .tp_clear = HotRecord_clear,
+    .tp_traverse = Hot_traverse,
+    .tp_clear = Hot_clear,
     .tp_dealloc = Hot_dealloc,
 };
 
@@ -544,6 +546,7 @@ static PyTypeObject HotRecordType = {
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
+    void *entry; /* (HotLaunch's) */
     PyObject *table, *fallback, *stream_type, *marker_type, *done, *pending;
 } HotPollObject;
 
@@ -571,28 +574,6 @@ static PyObject *HotPoll_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     self->pending = Py_NewRef(pending);
     self->vectorcall = HotPoll_vectorcall;
     return (PyObject *)self;
-}
-
-static int HotPoll_traverse(PyObject *op, visitproc visit, void *arg) {
-    HotPollObject *self = (HotPollObject *)op;
-    Py_VISIT(self->table);
-    Py_VISIT(self->fallback);
-    Py_VISIT(self->stream_type);
-    Py_VISIT(self->marker_type);
-    Py_VISIT(self->done);
-    Py_VISIT(self->pending);
-    return 0;
-}
-
-static int HotPoll_clear(PyObject *op) {
-    HotPollObject *self = (HotPollObject *)op;
-    Py_CLEAR(self->table);
-    Py_CLEAR(self->fallback);
-    Py_CLEAR(self->stream_type);
-    Py_CLEAR(self->marker_type);
-    Py_CLEAR(self->done);
-    Py_CLEAR(self->pending);
-    return 0;
 }
 
 /* The flag's value: ``stream.mv[stream.slot]`` read through the buffer
@@ -680,8 +661,8 @@ static PyTypeObject HotPollType = {
     .tp_new = HotPoll_new,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(HotPollObject, vectorcall),
-    .tp_traverse = HotPoll_traverse,
-    .tp_clear = HotPoll_clear,
+    .tp_traverse = Hot_traverse,
+    .tp_clear = Hot_clear,
     .tp_dealloc = Hot_dealloc,
 };
 
@@ -690,8 +671,8 @@ static PyTypeObject HotPollType = {
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
-    PyObject *kernels, *fallback, *table, *stream_type, *function_type, *primary;
     launch_fn entry;
+    PyObject *kernels, *fallback, *table, *stream_type, *function_type, *primary;
 } HotLaunchObject;
 
 static PyObject *HotLaunch_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames);
@@ -726,28 +707,6 @@ static PyObject *HotLaunch_new(PyTypeObject *type, PyObject *args, PyObject *kwa
     self->entry = (launch_fn)entry;
     self->vectorcall = HotLaunch_vectorcall;
     return (PyObject *)self;
-}
-
-static int HotLaunch_traverse(PyObject *op, visitproc visit, void *arg) {
-    HotLaunchObject *self = (HotLaunchObject *)op;
-    Py_VISIT(self->kernels);
-    Py_VISIT(self->fallback);
-    Py_VISIT(self->table);
-    Py_VISIT(self->stream_type);
-    Py_VISIT(self->function_type);
-    Py_VISIT(self->primary);
-    return 0;
-}
-
-static int HotLaunch_clear(PyObject *op) {
-    HotLaunchObject *self = (HotLaunchObject *)op;
-    Py_CLEAR(self->kernels);
-    Py_CLEAR(self->fallback);
-    Py_CLEAR(self->table);
-    Py_CLEAR(self->stream_type);
-    Py_CLEAR(self->function_type);
-    Py_CLEAR(self->primary);
-    return 0;
 }
 
 /* Three ints of tuple ``t`` into d[0..2]: 1, or 0 (not so; no error set). */
@@ -963,8 +922,8 @@ static PyTypeObject HotLaunchType = {
     .tp_new = HotLaunch_new,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(HotLaunchObject, vectorcall),
-    .tp_traverse = HotLaunch_traverse,
-    .tp_clear = HotLaunch_clear,
+    .tp_traverse = Hot_traverse,
+    .tp_clear = Hot_clear,
     .tp_dealloc = Hot_dealloc,
 };
 
