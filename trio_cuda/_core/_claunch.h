@@ -89,6 +89,19 @@ static inline int as_u64(PyObject *obj, unsigned long long *out) {
 
 int make_slot_ref(PyObject *type, const char *name, SlotRef *out);
 
+/* The exception being raised, normalised, its traceback attached (a new
+   reference); the error indicator cleared. Raise it again with
+   ``PyErr_SetObject((PyObject *)Py_TYPE(exc), exc)``. */
+static inline PyObject *take_raised(void) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
 /* *out = the interned string ``name``: 0, or -1 (error set). */
 static inline int intern(PyObject **out, const char *name) {
     return (*out = PyUnicode_InternFromString(name)) ? 0 : -1;

@@ -53,14 +53,9 @@ static int truthy_slot(PyObject *obj, SlotRef *ref) {
 static PyObject *poll(PyObject *poll_marker, PyObject *marker) {
     PyObject *p = PyObject_CallOneArg(poll_marker, marker);
     if (p != NULL || !PyErr_ExceptionMatches(PyExc_Exception)) return p;
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (tb != NULL) PyException_SetTraceback(value, tb);
+    PyObject *value = take_raised();
     p = PyObject_CallFunctionObjArgs(g_poll_type, g_unknown_state, value, NULL);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(tb);
+    Py_DECREF(value);
     return p;
 }
 
@@ -100,12 +95,7 @@ static int flush_stream(PyObject *completion, PyObject *s) {
     marker = PyObject_CallMethodOneArg(driver, n_record_marker, handle);
     if (marker == NULL) { /* quarantined; a BaseException is raised on */
         int base = !PyErr_ExceptionMatches(PyExc_Exception);
-        PyObject *type, *exc, *tb;
-        PyErr_Fetch(&type, &exc, &tb);
-        PyErr_NormalizeException(&type, &exc, &tb);
-        if (tb != NULL) PyException_SetTraceback(exc, tb);
-        Py_XDECREF(type);
-        Py_XDECREF(tb);
+        PyObject *exc = take_raised();
         PyObject *it = PyObject_GetIter(subs), *sub;
         while (it != NULL && (sub = PyIter_Next(it)) != NULL) {
             PyObject *r = PyObject_CallMethodObjArgs(completion, n_quarantine_submission, sub, exc, NULL);
@@ -679,23 +669,17 @@ PyObject *begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *pa[2] = {c, sub};
     PyObject *r = prepare(module, pa, 2);
     if (r == NULL) {
-        PyObject *type, *exc, *tb;
-        PyErr_Fetch(&type, &exc, &tb);
-        PyErr_NormalizeException(&type, &exc, &tb);
-        if (tb != NULL) PyException_SetTraceback(exc, tb);
+        PyObject *exc = take_raised();
         PyObject *left = PyObject_CallMethodObjArgs(c, n_b_left, sub, exc, NULL);
         if (left == NULL) { /* (the new error, with the first as its context) */
-            PyObject *t2, *v2, *tb2;
-            PyErr_Fetch(&t2, &v2, &tb2);
-            PyErr_NormalizeException(&t2, &v2, &tb2);
-            if (tb2 != NULL) PyException_SetTraceback(v2, tb2);
-            PyException_SetContext(v2, exc); /* (steals exc) */
-            Py_XDECREF(type);
-            Py_XDECREF(tb);
-            PyErr_Restore(t2, v2, tb2);
+            PyObject *later = take_raised();
+            PyException_SetContext(later, exc); /* (steals exc) */
+            PyErr_SetObject((PyObject *)Py_TYPE(later), later);
+            Py_DECREF(later);
         } else {
             Py_DECREF(left);
-            PyErr_Restore(type, exc, tb);
+            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+            Py_DECREF(exc);
         }
         Py_DECREF(sub);
         Py_DECREF(c);
