@@ -342,8 +342,8 @@ def _spy_begin(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @compiled_only
 async def test_run_begins_compiled_only_where_its_checks_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``begin`` submits a lone launch of a loaded kernel, untraced and not
-    cancelled; everything else is left to run's Python code (nothing
+    """``begin`` submits a lone launch of a loaded kernel, not cancelled,
+    traced or not; everything else is left to run's Python code (nothing
     submitted, no cancel point counted twice), and the outcome is the same."""
     got = _spy_begin(monkeypatch)
     sim = SimDevice()
@@ -370,7 +370,9 @@ async def test_run_begins_compiled_only_where_its_checks_pass(monkeypatch: pytes
         y = traced.zeros(4, "f4")
         await traced.run(ADD.launch(y, np.float32(1), grid=1, block=4))
         await traced.run(ADD.launch(y, np.float32(1), grid=1, block=4))
-    assert got[-1] == "NoneType"  # (traced: Python records the wait)
+    assert got[-2:] == ["Submission", "Submission"]  # (traced too: run records the wait)
+    waits = [e for e in trace.events if e.cat == "await"]
+    assert [e.args["outcome"] for e in waits] == ["ok", "ok"]
     assert sim.violations == []
 
 

@@ -535,7 +535,7 @@ static int is_ours(PyObject *name, PyCFunction fn) {
    not a slot is always read through getattr). */
 enum {
     B_FUNCTIONS, B_KERNELS, B_EXTENSIONS, B_CLOSING, B_ENQUEUING, B_THREAD, B_COMPLETION, /* the scope's */
-    B_LOAD_IN_THREAD, B_TILE, B_EXPORTS_RELEASING, B_TRACER,                              /* others' */
+    B_LOAD_IN_THREAD, B_TILE, B_EXPORTS_RELEASING,                                        /* others' */
     B_CANCEL_STATUS, B_RUNNER, B_CANCEL_POINTS, B_EFFECTIVELY_CANCELLED, B_MAIN_TASK, B_KI_PENDING, /* Trio's */
     N_B
 };
@@ -611,8 +611,6 @@ static int may_begin(PyObject *scope, PyObject *op, PyObject **completion) {
           PyLong_AsUnsignedLong(v) != PyThread_get_thread_ident());
     Py_CLEAR(v);
     NO_IF((c = b_read(scope, B_COMPLETION, "_completion")) == NULL || Py_TYPE(c) != t_completion);
-    NO_IF((v = b_read(c, B_TRACER, "tracer")) == NULL || v != Py_None);
-    Py_CLEAR(v);
     /* trio.lowlevel.checkpoint_if_cancelled, where it would not checkpoint */
     NO_IF(g_run_context == NULL || g_run_context == Py_None);
     NO_IF((task = PyObject_GetAttr(g_run_context, n_b_task)) == NULL);
