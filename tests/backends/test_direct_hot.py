@@ -102,7 +102,8 @@ class Device:
             params: Any,
             extra: Any,
         ) -> int:
-            argv = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+            # (read through plain addresses: ctypes.cast keeps a cycle per call)
+            argv = [ctypes.c_void_p.from_address(params + 8 * i).value for i in range(len(slots))]
             args = tuple(ctypes.string_at(argv[i], slot.size) for i, slot in enumerate(slots))
             self.log.append(("launch", fn, (gx, gy, gz), (bx, by, bz), smem, s, args, extra))
             err, self.launch_err = self.launch_err, 0
@@ -324,22 +325,43 @@ def test_the_hot_methods_follow_the_switch_and_the_direct_calls() -> None:
 
 
 def test_hot_methods_do_not_leak() -> None:
-    """Reference counts: many calls of each path leave no objects behind."""
+    """Reference counts and memory: many calls of each path leave nothing
+    behind (not the objects they read, nor the ints they make)."""
+    import sys
+    import tracemalloc
+
     setup = Setup(hot=True)
     s, f = setup.streams[1], setup.functions[1]
-    program = [("launch", 1, i, 1) for i in range(8)] + [("record", 1, 0, 0), ("poll", 1, 0, 0)]
-    run(setup, program)
-    gc.collect()
-    before = len(gc.get_objects())
-    for _ in range(200):
-        for lp in setup.launches:
-            setup.launch(s, f, lp)
-        setup.poll(setup.record(s))
-    setup.markers.clear()
-    setup.dev.log.clear()
-    setup.dev.queued.clear()
-    gc.collect()
-    assert len(gc.get_objects()) - before < 50
+    run(setup, [("launch", 1, i, 1) for i in range(10)] + [("record", 1, 0, 0), ("poll", 1, 0, 0)])
+    prepared = [v[2] for lp in setup.launches for k, v in lp.cache.items() if k == s.key]
+    assert len(prepared) == len(setup.launches)  # (each enqueued again: a prepared call)
+    held = (s.write, f, f.packed, setup.table, setup.kernels, s, *setup.launches, *prepared)
+    held += tuple(lp.cache for lp in setup.launches)
+
+    def rounds(n: int) -> None:
+        for _ in range(n):
+            fresh = K.launch(np.int32(1), 0.5, np.int8(1), np.int16(1), grid=2, block=32).prepared
+            setup.launch(s, f, fresh)  # (a first enqueue, from the packed parameters)
+            for lp in setup.launches:
+                setup.launch(s, f, lp)
+            setup.dev.complete(len(setup.dev.queued))
+            setup.poll(setup.record(s))
+            setup.dev.log.clear()
+
+    rounds(20)
+    counts = [sys.getrefcount(o) for o in held]
+    tracemalloc.start()
+    try:
+        rounds(20)
+        gc.collect()  # (the stand-in's ctypes objects are collected in cycles)
+        before = tracemalloc.get_traced_memory()[0]
+        rounds(2000)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert [sys.getrefcount(o) for o in held] == counts
+    assert grown < 16_000, grown  # (a leaked int per call would be 2000 x 28 bytes and more)
 
 
 def test_several_devices_take_the_python_methods(monkeypatch: pytest.MonkeyPatch) -> None:
