@@ -404,3 +404,42 @@ async def test_a_keyboard_interrupt_recording_run_s_marker(
             assert gpu.statistics().quarantined == 1
     assert [type(e).__name__ for e in group.value.exceptions] == ["CompletionUnknownError"]
     assert sim.violations == []
+
+
+@compiled_only
+async def test_run_s_compiled_start_and_look_leak_nothing() -> None:
+    """Many awaited launches through ``begin``, ``prepare``'s flush and
+    ``look``: the objects they read keep their reference counts, and memory
+    does not grow."""
+    import gc
+    import sys
+    import tracemalloc
+
+    sim = SimDevice(batch_markers=True, trace_limit=0)  # (no record of each command)
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        x = gpu.zeros(4, "f4")
+        op = ADD.launch(x, np.float32(1), grid=1, block=4)
+        for _ in range(50):
+            await gpu.run(op)
+        c = internals.completion_of(gpu)
+        task = trio.lowlevel.current_task()
+        held = (c, gpu, op, x, c.driver, gpu.streams[0], task, task._runner)  # type: ignore[attr-defined]
+        await trio.testing.wait_all_tasks_blocked()
+        gc.collect()
+        counts = [sys.getrefcount(o) for o in held]
+        tracemalloc.start()
+        try:
+            for _ in range(50):
+                await gpu.run(op)
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in range(2000):
+                await gpu.run(op)
+            await trio.testing.wait_all_tasks_blocked()
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert [sys.getrefcount(o) for o in held] == counts
+        assert grown < 16_000, grown  # (a leaked int per run would be 2000 x 28 bytes and more)
+    assert sim.violations == []
