@@ -24,7 +24,7 @@ setup(
             "trio_cuda._backends.cuda._direct",
             ["trio_cuda/_backends/cuda/_direct.c"],
             optional=True,
-            extra_compile_args=["-O2"],
+            extra_compile_args=["-O2", "-fvisibility=hidden"],  # (only PyInit exported: no clash with libc names)
         ),
         Extension(
             "trio_cuda._core._claunch",
@@ -35,11 +35,12 @@ setup(
                 "trio_cuda/_core/_claunch_leases.c",
                 "trio_cuda/_core/_claunch_submit.c",
                 "trio_cuda/_core/_claunch_scan.c",
+                "trio_cuda/_core/_claunch_step.c",
                 "trio_cuda/_core/_claunch_method.c",
             ],
             depends=["trio_cuda/_core/_claunch.h"],
             optional=True,
-            extra_compile_args=["-O2"],
+            extra_compile_args=["-O2", "-fvisibility=hidden"],  # (only PyInit exported: no clash with libc names)
         ),
     ]
 )

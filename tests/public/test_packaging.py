@@ -174,10 +174,11 @@ def _names(requirements: list[str]) -> set[str]:
 def test_dependencies_are_what_the_package_imports() -> None:
     """The library's own dependencies: cuda-bindings (trio_cuda imports only ``cuda.bindings``,
     so neither the cuda-python metapackage nor cuda-core), no tqdm (the demo extra's); cuda.tile
-    only in trio_cuda/_tile, from the tile extra."""
+    only in trio_cuda/_tile, from the tile extra; outcome (Trio's own), which the awaiting
+    step reads."""
     project = PYPROJECT["project"]
     required = _names(project["dependencies"])
-    assert required == {"trio", "attrs", "numpy", "cuda-bindings", "sniffio"}, required
+    assert required == {"trio", "attrs", "numpy", "cuda-bindings", "sniffio", "outcome"}, required
     cuda_imports = set()
     tile_imports = set()
     for path in (ROOT / "trio_cuda").rglob("*.py"):

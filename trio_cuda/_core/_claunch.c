@@ -195,6 +195,11 @@ static PyMethodDef module_methods[] = {
      "prepare(completion, sub): before an awaiting task's first checkpoint, a lone waiter's marker recorded."},
     {"begin", (PyCFunction)(void (*)(void))begin, METH_FASTCALL,
      "begin(scope, op, stream) -> Submission | None: ResourceScope.run's steps up to its first checkpoint."},
+    {"configure_step", configure_step, METH_VARARGS,
+     "configure_step(trap, Value, CHECK): what Trio's checkpoint yields and gets back (once per process)."},
+    {"step", (PyCFunction)(void (*)(void))make_step, METH_FASTCALL,
+     "step(completion, sub) -> awaitable: Trio's checkpoint, then look(completion, sub) (CHECK: a cancellation "
+     "may be due)."},
     {"look", (PyCFunction)(void (*)(void))look, METH_FASTCALL,
      "look(completion, sub) -> output, SETTLED or AGAIN: an awaiting task's look at its own submission."},
     {"launch_method", launch_method, METH_VARARGS,

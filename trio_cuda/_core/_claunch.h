@@ -2,7 +2,8 @@
    configuration (_claunch.c), the launch builder (_claunch_builder.c), the
    typed-launch fast path (_claunch_typed.c), a launch's leases
    (_claunch_leases.c), its submission (_claunch_submit.c), the
-   retirement of what completed (_claunch_scan.c) and Kernel.launch
+   retirement of what completed (_claunch_scan.c), an awaiting task's
+   checkpoint and look (_claunch_step.c) and Kernel.launch
    (_claunch_method.c). */
 
 #ifndef TRIO_CUDA_CLAUNCH_H
@@ -148,6 +149,11 @@ PyObject *scan(PyObject *module, PyObject *completion);
 PyObject *look(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *prepare(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+int cancel_point(void);
+
+/* _claunch_step.c */
+PyObject *configure_step(PyObject *module, PyObject *args);
+PyObject *make_step(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* _claunch_method.c */
 PyObject *launch_method(PyObject *module, PyObject *args);

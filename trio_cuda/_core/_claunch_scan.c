@@ -564,6 +564,45 @@ static int b_true(PyObject *obj, int i, const char *name) {
     return yes;
 }
 
+/* Trio's cancel point at the calling task, past its schedule point (what
+   ``trio.lowlevel.checkpoint`` does after its yield, and
+   ``checkpoint_if_cancelled``): 1 where no cancellation is due (the task's
+   count of cancel points moved, as Trio moves it); 0 where one is due, or
+   Trio's state could not be read (nothing changed, no error set: Trio's own
+   function decides); -1 (error set) where the count could not be moved. */
+int cancel_point(void) {
+    int rc = 0;
+    PyObject *v = NULL, *task = NULL, *runner = NULL;
+#define NO_IF(cond)                 \
+    do {                            \
+        int x_ = (cond);            \
+        if (x_ != 0) goto declined; \
+    } while (0)
+    if (n_b_task == NULL && begin_names() < 0) goto declined;
+    NO_IF(g_run_context == NULL || g_run_context == Py_None);
+    NO_IF((task = PyObject_GetAttr(g_run_context, n_b_task)) == NULL);
+    NO_IF((v = b_read(task, B_CANCEL_STATUS, "_cancel_status")) == NULL);
+    NO_IF(b_true(v, B_EFFECTIVELY_CANCELLED, "effectively_cancelled"));
+    Py_CLEAR(v);
+    NO_IF((runner = b_read(task, B_RUNNER, "_runner")) == NULL || (v = b_read(runner, B_MAIN_TASK, "main_task")) == NULL);
+    if (v == task) NO_IF(b_true(runner, B_KI_PENDING, "ki_pending"));
+    Py_CLEAR(v);
+    NO_IF((v = b_read(task, B_CANCEL_POINTS, "_cancel_points")) == NULL || !PyLong_CheckExact(v));
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *more = one ? PyNumber_Add(v, one) : NULL;
+    Py_XDECREF(one);
+    rc = more == NULL || store_slot(task, &b_ref[B_CANCEL_POINTS], more) < 0 ? -1 : 1;
+    goto done;
+declined:
+    PyErr_Clear();
+done:
+#undef NO_IF
+    Py_XDECREF(v);
+    Py_XDECREF(task);
+    Py_XDECREF(runner);
+    return rc;
+}
+
 /* Every check ``run`` makes before it submits a lone launch, and Trio's
    ``checkpoint_if_cancelled``: 1 where all pass (*completion: the scope's
    Completion, a new reference; the task's count of cancel points moved, as
@@ -572,7 +611,7 @@ static int b_true(PyObject *obj, int i, const char *name) {
    not be moved. */
 static int may_begin(PyObject *scope, PyObject *op, PyObject **completion) {
     int rc = 0;
-    PyObject *v = NULL, *kernel, *task = NULL, *runner = NULL, *c = NULL;
+    PyObject *v = NULL, *kernel, *c = NULL;
 #define NO_IF(cond)                 \
     do {                            \
         int x_ = (cond);            \
@@ -612,22 +651,12 @@ static int may_begin(PyObject *scope, PyObject *op, PyObject **completion) {
     Py_CLEAR(v);
     NO_IF((c = b_read(scope, B_COMPLETION, "_completion")) == NULL || Py_TYPE(c) != t_completion);
     /* trio.lowlevel.checkpoint_if_cancelled, where it would not checkpoint */
-    NO_IF(g_run_context == NULL || g_run_context == Py_None);
-    NO_IF((task = PyObject_GetAttr(g_run_context, n_b_task)) == NULL);
-    NO_IF((v = b_read(task, B_CANCEL_STATUS, "_cancel_status")) == NULL);
-    NO_IF(b_true(v, B_EFFECTIVELY_CANCELLED, "effectively_cancelled"));
-    Py_CLEAR(v);
-    NO_IF((runner = b_read(task, B_RUNNER, "_runner")) == NULL || (v = b_read(runner, B_MAIN_TASK, "main_task")) == NULL);
-    if (v == task) NO_IF(b_true(runner, B_KI_PENDING, "ki_pending"));
-    Py_CLEAR(v);
-    NO_IF((v = b_read(task, B_CANCEL_POINTS, "_cancel_points")) == NULL || !PyLong_CheckExact(v));
-    PyObject *one = PyLong_FromLong(1);
-    PyObject *more = one ? PyNumber_Add(v, one) : NULL;
-    Py_XDECREF(one);
-    if (more == NULL || store_slot(task, &b_ref[B_CANCEL_POINTS], more) < 0) {
+    int point = cancel_point();
+    if (point < 0) {
         rc = -1;
         goto done;
     }
+    NO_IF(!point);
     *completion = Py_NewRef(c);
     rc = 1;
     goto done;
@@ -636,8 +665,6 @@ declined:
 done:
 #undef NO_IF
     Py_XDECREF(v);
-    Py_XDECREF(task);
-    Py_XDECREF(runner);
     Py_XDECREF(c);
     return rc;
 }

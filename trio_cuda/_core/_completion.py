@@ -26,10 +26,11 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Final
 
+import outcome
 import trio
 from trio.lowlevel import (
     Abort,
@@ -817,3 +818,13 @@ prepare: Callable[[Completion, Submission], None] | None = None
 if _compiled.ext is not None:
     look = _compiled.ext.look
     prepare = _compiled.ext.prepare
+
+#: what ``step`` gives where a cancellation may be due: Trio's own checkpoint decides
+LOOK_CHECK: Final = object()
+#: an awaiting task's checkpoint and first look as one awaitable (``_claunch.step``:
+#: ``await checkpoint(); look(c, sub)`` without Trio's checkpoint frames, or LOOK_CHECK);
+#: None where the pure-Python path runs, or Trio's checkpoint message was not found
+step: Callable[[Completion, Submission], Awaitable[object]] | None = None
+if _compiled.ext is not None and (_trap := _trio_internals.checkpoint_message()) is not None:
+    _compiled.ext.configure_step(_trap, outcome.Value, LOOK_CHECK)
+    step = _compiled.ext.step

@@ -28,7 +28,7 @@ import logging
 import math
 import sys
 from _thread import get_ident
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -38,7 +38,7 @@ from trio.lowlevel import checkpoint, enable_ki_protection
 
 from . import _compiled, _completion, _submit
 from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_order, normalize_shape
-from ._completion import LOOK_AGAIN, LOOK_SETTLED, Completion
+from ._completion import LOOK_AGAIN, LOOK_CHECK, LOOK_SETTLED, Completion
 from ._dlpack import UNCONSUMED, sweep_dropped
 from ._driver import DeviceContext, DeviceInfo
 from ._errors import ScopeClosedError
@@ -663,11 +663,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
                 await self._extensions.finish_export_releases()
             if lone is not None and not (self._closing or self._enqueuing or get_ident() != self._thread):
                 # (``_submit`` raises the reasons otherwise; this function is KI-protected)
-                sub = (
-                    self._submit_launch(lone, stream)
-                    if submit_launch is None
-                    else submit_launch(self, lone, stream)
-                )
+                sub = (submit_launch or ResourceScope._submit_launch)(self, lone, stream)
             else:
                 sub = self._submit(op, stream, "run")
             if look is None or prepare is None:
@@ -679,8 +675,10 @@ class ResourceScope(metaclass=NoPublicConstructor):
         try:
             if not began:
                 prepare(c, sub)  # type: ignore[misc]
-            await checkpoint()
-            seen = look(c, sub)  # type: ignore[misc]
+            seen = LOOK_CHECK if step is None else await step(c, sub)  # (compiled: checkpoint + look)
+            if seen is LOOK_CHECK:  # (a cancellation may be due: Trio's checkpoint decides)
+                await checkpoint()
+                seen = look(c, sub)  # type: ignore[misc]
         except BaseException as exc:
             c.left(sub, exc)
             if t0:
@@ -893,6 +891,8 @@ enqueue_unsafe: Callable[[DeviceOp[Any], Stream], Any] = (
 #: where the pure-Python path runs (``observe`` looks; tests turn it off)
 look: Callable[[Completion, Submission], object] | None = _completion.look
 prepare: Callable[[Completion, Submission], None] | None = _completion.prepare
+#: ``run``'s checkpoint and first look in one awaitable (``_claunch.step``), or None
+step: Callable[[Completion, Submission], Awaitable[object]] | None = _completion.step
 #: ``run``'s steps for a lone launch up to its first checkpoint, compiled (``_claunch.begin``,
 #: while the three above are the compiled ones); None where the pure-Python path runs
 begin: _Begin | None = None if _compiled.ext is None else _compiled.ext.begin

@@ -6,7 +6,9 @@ first on every await of a future:
 
 * how many tasks are runnable now (:func:`runnable_tasks`, and the hot-path
   :func:`others_runnable`);
-* which Trio run the calling thread is in (:func:`current_run`).
+* which Trio run the calling thread is in (:func:`current_run`);
+* what a checkpoint yields to Trio's run loop (:func:`checkpoint_message`), so
+  that compiled code can make the same schedule point without Trio's frames.
 
 Both read ``trio._core._run.GLOBAL_RUN_CONTEXT``, a ``threading.local`` whose
 ``runner`` attribute is the calling thread's ``Runner`` while ``trio.run`` runs
@@ -36,7 +38,14 @@ from typing import Any, Final
 
 import trio
 
-__all__ = ["CHECKED_TRIO", "INTERNALS_FOUND", "current_run", "others_runnable", "runnable_tasks"]
+__all__ = [
+    "CHECKED_TRIO",
+    "INTERNALS_FOUND",
+    "checkpoint_message",
+    "current_run",
+    "others_runnable",
+    "runnable_tasks",
+]
 
 #: the Trio versions (lowest, highest ``major.minor``) these internals were checked against
 CHECKED_TRIO: Final = ((0, 28), (0, 35))
@@ -88,3 +97,22 @@ def current_run() -> object:
         return trio.lowlevel.current_trio_token()
     except RuntimeError:
         return None
+
+
+def checkpoint_message() -> object | None:
+    """What ``trio.lowlevel.cancel_shielded_checkpoint`` yields to Trio's run
+    loop (which then reschedules the task and sends it ``outcome.Value(None)``),
+    taken by stepping that coroutine once, outside any run; None where it
+    yields nothing, or not the same object each time (another Trio: the
+    compiled step is not used)."""
+    messages = []
+    for _ in range(2):
+        coro = trio.lowlevel.cancel_shielded_checkpoint()  # noqa: ASYNC105 (stepped by hand, never run)
+        try:
+            messages.append(coro.send(None))
+        except BaseException:  # (it finished, or raised: nothing to take)
+            return None
+        finally:
+            coro.close()
+    first, second = messages
+    return first if first is second and first is not None else None
