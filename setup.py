@@ -36,6 +36,7 @@ setup(
                 "trio_cuda/_core/_claunch_submit.c",
                 "trio_cuda/_core/_claunch_scan.c",
                 "trio_cuda/_core/_claunch_step.c",
+                "trio_cuda/_core/_claunch_trace.c",
                 "trio_cuda/_core/_claunch_method.c",
             ],
             depends=["trio_cuda/_core/_claunch.h"],

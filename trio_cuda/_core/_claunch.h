@@ -3,7 +3,8 @@
    typed-launch fast path (_claunch_typed.c), a launch's leases
    (_claunch_leases.c), its submission (_claunch_submit.c), the
    retirement of what completed (_claunch_scan.c), an awaiting task's
-   checkpoint and look (_claunch_step.c) and Kernel.launch
+   checkpoint and look (_claunch_step.c), a trace's records on the awaited
+   path (_claunch_trace.c) and Kernel.launch
    (_claunch_method.c). */
 
 #ifndef TRIO_CUDA_CLAUNCH_H
@@ -150,6 +151,14 @@ PyObject *look(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *prepare(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 int cancel_point(void);
+
+/* _claunch_trace.c */
+PyObject *configure_trace(PyObject *module, PyObject *env);
+int trace_record(PyObject *tr, PyObject *cat, PyObject *name, PyObject *sid, PyObject *stream, PyObject *sub,
+                 PyObject *alloc, PyObject *args);
+PyObject *trace_await(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+int retire_record(PyObject *completion, PyObject *sub);
+int submit_record(PyObject *fn, PyObject *scope, PyObject *tr, PyObject *sub, PyObject *op, PyObject *mark);
 
 /* _claunch_step.c */
 PyObject *configure_step(PyObject *module, PyObject *args);

@@ -20,7 +20,8 @@
    ``Completion.retire`` runs. It does what that method does in that case:
    each lease released, the submission's references dropped, and it settled
    as done with the counters moved; in a traced scope it is recorded first
-   (``completion.trace_retire``, the one call into Python).
+   (``completion.trace_retire``, the one call into Python, compiled where
+   _claunch_trace.c's retire_record takes it).
 
    Neither runs Python code (but the trace's record), so each is atomic
    with respect to other threads and to KeyboardInterrupt; their callers
@@ -277,7 +278,9 @@ PyObject *retire_done(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     if (!untraced) { /* recorded first, as there (an error here changes nothing) */
-        PyObject *r = PyObject_CallMethodOneArg(completion, s_trace_retire, sub);
+        int recorded = retire_record(completion, sub);
+        if (recorded < 0) goto out;
+        PyObject *r = recorded ? Py_NewRef(Py_None) : PyObject_CallMethodOneArg(completion, s_trace_retire, sub);
         if (r == NULL) goto out;
         Py_DECREF(r);
     }

@@ -24,8 +24,9 @@
       (``completion.flush``), and ``driver.notify_submitted()``.
    In a traced scope, the device's time mark is taken before the launch
    where the trace takes them, an error is recorded (``trace_error``), and
-   the launch is recorded (``trace_submit``) before its marker
-   (``completion.submitted``). The Python code called here (the policy, the
+   the launch is recorded (``trace_submit``; compiled by submit_record in
+   _claunch_trace.c where it can be) before its marker and the driver's
+   notice (``Completion.submitted``'s steps). The Python code called here (the policy, the
    function table, the general lease path, the driver, the trace) runs under
    the caller's KI protection. */
 
@@ -46,7 +47,7 @@ static const char *const sub_names[N_SUB] = {"scope",  "stream", "id",       "op
 static Py_ssize_t sub_off[N_SUB];
 static PyObject *g_enqueuing, *g_in_flight, *g_empty, *g_tll, *g_scope_globals, *g_submit_globals;
 static PyObject *n_tll, *n_fast, *n_take_whole, *n_rest, *n_pick, *n_check_choice, *n_choose, *n_function_for, *n_launch,
-    *n_finish, *n_flush, *n_notify, *n_per_launch, *n_check_open, *n_async_on, *g_enqueue_py, *n_trace_error, *n_trace_submit, *n_timing_mark, *n_submitted;
+    *n_finish, *n_flush, *n_notify, *n_per_launch, *n_check_open, *n_async_on, *g_enqueue_py, *n_trace_error, *n_trace_submit, *n_timing_mark;
 
 /* The stream ``op`` goes to (a new reference), as ``_pick`` chooses it. */
 static PyObject *pick(PyObject *scope, PyObject *op, PyObject *stream) {
@@ -277,6 +278,8 @@ static void launch_failed(PyObject *scope, PyObject *sub) {
 
 /* Step 6 (``traced``: without the marker and the driver's notice, which
    come once the launch was recorded): 0, or -1 (error set). */
+static int submitted(PyObject *completion, PyObject *s);
+
 static int launched(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op, int traced) {
     PyObject *output = *(PyObject **)((char *)op + g_launch_off[3]);
     if (output == NULL) {
@@ -292,7 +295,7 @@ static int launched(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op, i
     PyObject *completion = read_slot(scope, &r_sc_completion);
     if (completion == NULL) return -1;
     int rc = -1;
-    PyObject *unmarked = NULL, *unflushed = NULL, *batch = NULL, *driver = NULL, *r = NULL;
+    PyObject *unmarked = NULL, *unflushed = NULL;
     if (bump(s, &r_st_in_flight, 1) < 0 || bump(completion, &r_c_in_flight, 1) < 0) goto done;
     if ((unmarked = read_slot(s, &r_st_unmarked)) == NULL) goto done;
     if (!PyList_Check(unmarked)) {
@@ -308,10 +311,18 @@ static int launched(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op, i
         if (PyList_Append(unflushed, s) < 0) goto done;
     }
     if (PyList_Append(unmarked, sub) < 0) goto done;
-    if (traced) {
-        rc = 0;
-        goto done;
-    }
+    rc = traced ? 0 : submitted(completion, s);
+done:
+    Py_DECREF(completion);
+    Py_XDECREF(unmarked);
+    Py_XDECREF(unflushed);
+    return rc;
+}
+
+/* ``Completion.submitted(s)``'s steps: the marker (unless batched), and the driver told. */
+static int submitted(PyObject *completion, PyObject *s) {
+    int rc = -1;
+    PyObject *batch = NULL, *driver = NULL, *r = NULL;
     if ((batch = read_slot(completion, &r_c_batch)) == NULL) goto done;
     int batched = PyObject_IsTrue(batch);
     if (batched < 0) goto done;
@@ -323,9 +334,6 @@ static int launched(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op, i
     if ((r = PyObject_CallMethodNoArgs(driver, n_notify)) == NULL) goto done;
     rc = 0;
 done:
-    Py_DECREF(completion);
-    Py_XDECREF(unmarked);
-    Py_XDECREF(unflushed);
     Py_XDECREF(batch);
     Py_XDECREF(driver);
     Py_XDECREF(r);
@@ -394,15 +402,16 @@ PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t narg
         }
         PyObject *targv[5] = {scope, tracer, sub, op, mark};
         Py_INCREF(fn);
-        r = PyObject_Vectorcall(fn, targv, 5, NULL);
+        int recorded = submit_record(fn, scope, tracer, sub, op, mark); /* (compiled, where it can) */
+        r = recorded < 0 ? NULL : recorded ? Py_NewRef(Py_None) : PyObject_Vectorcall(fn, targv, 5, NULL);
         Py_DECREF(fn);
         if (r == NULL) goto out;
         Py_CLEAR(r);
         PyObject *completion = read_slot(scope, &r_sc_completion);
         if (completion == NULL) goto out;
-        r = PyObject_CallMethodOneArg(completion, n_submitted, s);
+        int rc = submitted(completion, s);
         Py_DECREF(completion);
-        if (r == NULL) goto out;
+        if (rc < 0) goto out;
     }
     result = sub;
     Py_INCREF(result);
@@ -560,7 +569,7 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
         intern(&n_finish, "finish") < 0 || intern(&n_flush, "flush") < 0 ||
         intern(&n_notify, "notify_submitted") < 0 || intern(&n_trace_error, "trace_error") < 0 ||
         intern(&n_trace_submit, "trace_submit") < 0 || intern(&n_timing_mark, "timing_mark") < 0 ||
-        intern(&n_submitted, "submitted") < 0 || intern(&n_per_launch, "per_launch_check") < 0 ||
+        intern(&n_per_launch, "per_launch_check") < 0 ||
         intern(&n_check_open, "_check_open") < 0 || intern(&n_async_on, "async_on") < 0)
         return NULL;
     g_submit_ready = 1;

@@ -819,6 +819,15 @@ if _compiled.ext is not None:
     look = _compiled.ext.look
     prepare = _compiled.ext.prepare
 
+#: Trio's run context (``_trio_internals``), for the compiled paths configured elsewhere
+RUN_CONTEXT: Final = _trio_internals._RUN_CONTEXT
+
+#: ``Completion.trace_await``, compiled for a plain tracer where the compiled paths are used
+#: (``_claunch.trace_await``: the method itself where the class holds another)
+trace_awaited: Callable[[Completion, Submission, float], None] = (
+    Completion.trace_await if _compiled.ext is None else _compiled.ext.trace_await
+)
+
 #: what ``step`` gives where a cancellation may be due: Trio's own checkpoint decides
 LOOK_CHECK: Final = object()
 #: an awaiting task's checkpoint and first look as one awaitable (``_claunch.step``:

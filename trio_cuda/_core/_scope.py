@@ -38,7 +38,7 @@ from trio.lowlevel import checkpoint, enable_ki_protection
 
 from . import _compiled, _completion, _submit
 from ._array import Allocation, AllocState, DeviceArray, normalize_dtype, normalize_order, normalize_shape
-from ._completion import LOOK_AGAIN, LOOK_CHECK, LOOK_SETTLED, Completion
+from ._completion import LOOK_AGAIN, LOOK_CHECK, LOOK_SETTLED, Completion, trace_awaited
 from ._dlpack import UNCONSUMED, sweep_dropped
 from ._driver import DeviceContext, DeviceInfo
 from ._errors import ScopeClosedError
@@ -682,13 +682,13 @@ class ResourceScope(metaclass=NoPublicConstructor):
         except BaseException as exc:
             c.left(sub, exc)
             if t0:
-                c.trace_await(sub, t0)
+                trace_awaited(c, sub, t0)
             raise
         if seen is LOOK_AGAIN:
             await c.observe(sub, t0)
             return outcome(sub)
         if t0:
-            c.trace_await(sub, t0)
+            trace_awaited(c, sub, t0)
         return outcome(sub) if seen is LOOK_SETTLED else seen
 
     # ------------------------------------------------------------------ graphs
@@ -865,21 +865,21 @@ class ResourceScope(metaclass=NoPublicConstructor):
 submit_launch: Callable[[ResourceScope, KernelLaunch, Stream | None], Submission] | None = None
 _Begin = Callable[[ResourceScope, DeviceOp[Any], Stream | None], Submission | None]
 if _compiled.ext is not None:
-    _names = (
-        "ResourceScope",
-        "Stream",
-        "Submission",
-        "Completion",
-        "KernelTable",
-        "Kernel",
-        "take_launch_leases",
-    )
+    _names = ("ResourceScope", "Stream", "Submission", "Completion", "Kernel")
     _compiled.ext.configure_submit(
-        {name: globals()[name] for name in (*_names, "enqueue_unsafe_py")}
+        {
+            name: globals()[name]
+            for name in (*_names, "KernelTable", "take_launch_leases", "enqueue_unsafe_py")
+        }
         | {"ENQUEUING": SubState.ENQUEUING, "IN_FLIGHT": SubState.IN_FLIGHT}
         | {"scope_module": sys.modules[__name__], "submit_module": _submit}
     )
     submit_launch = _compiled.ext.submit_launch
+    _compiled.ext.configure_trace(  # (a trace's records on the awaited path: _claunch_trace.c)
+        {name: globals()[name] for name in (*_names, "Tracer", "perf_counter", "trace_submit")}
+        | {"trace_await": Completion.trace_await, "trace_retire": Completion.trace_retire}
+        | {"IN_FLIGHT": SubState.IN_FLIGHT, "RUN_CONTEXT": _completion.RUN_CONTEXT}
+    )
 
 #: ``unsafe.async_on``'s enqueue: the compiled one (``_claunch.enqueue_unsafe``)
 #: where it was built, else the Python one
