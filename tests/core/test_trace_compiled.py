@@ -10,6 +10,7 @@ timing, so the retirers are compared as a set)."""
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any
 
@@ -163,6 +164,8 @@ async def test_the_record_is_emit_s() -> None:
             assert tr.recorded == 5
             assert len(tr.ring) == 3
             rings.append([e[1:] for e in tr.ring])
+            if compiled:  # (nothing in it for the garbage collector to visit)
+                assert not any(gc.is_tracked(e) for e in tr.ring)
             assert all(isinstance(e[0], float) for e in tr.ring)
         assert rings[0] == rings[1]
         assert [e[-1]["t0"] for e in rings[0]] == [3.0, 4.0, 2.0]  # (slot 5 % 3 and 4 % 3 overwritten)

@@ -8,7 +8,10 @@
    ``recorded`` moves. Nothing else runs between taking and releasing the
    lock but C code (perf_counter, the tuple, the list), so the record is
    atomic with respect to KeyboardInterrupt, as emit's is; the lock is
-   released on every path.
+   released on every path. An event whose arguments hold nothing the
+   garbage collector tracks is left untracked (as the collector would
+   untrack it at its first pass), so a long trace does not make the
+   collections longer.
 
    Three records use it, each where its Python function is the one the
    class or module holds now (else that function runs, as before):
@@ -54,6 +57,8 @@ int trace_record(PyObject *tr, PyObject *cat, PyObject *name, PyObject *sid, PyO
         (ring = read_slot(tr, &r_ring)) == NULL || (recorded = read_slot(tr, &r_recorded)) == NULL ||
         (limit = read_slot(tr, &r_limit)) == NULL)
         goto release;
+    if (args == Py_None || !PyObject_GC_IsTracked(args)) /* (atomic: nothing a cycle could go through) */
+        PyObject_GC_UnTrack(ev);
     Py_ssize_t n = PyLong_AsSsize_t(recorded), lim = PyLong_AsSsize_t(limit);
     if ((n == -1 || lim == -1) && PyErr_Occurred()) goto release;
     if (!PyList_CheckExact(ring) || lim <= 0) {
@@ -266,6 +271,9 @@ int submit_record(PyObject *fn, PyObject *scope, PyObject *tr, PyObject *sub, Py
         rc = -1;
         goto done;
     }
+    /* (its one container is the plan's cached record, which holds nothing of the trace: no cycle can
+       go through it, so the collector need not visit it; an insertion would track it again) */
+    PyObject_GC_UnTrack(d);
     FAIL_IF_NULL(sid = read_slot(scope, &r_sc_trace_id));
     rc = record_sub(tr, u_submit, name, sid, sub, d);
 done:
