@@ -4,7 +4,8 @@
    (trio_cuda/_core/_scope.py) does for an untraced scope, step for step and
    in its order:
    1. the stream: ``stream`` itself when it is one of the scope's, else the
-      policy's choice (``policy.choose``), else ``scope._pick`` (which raises
+      policy's choice (``policy.choose``; the least-loaded stream, compiled,
+      where the default policies would find it), else ``scope._pick`` (which raises
       the reference's errors);
    2. the loaded function: the launch's ``ready`` pair when it is this
       scope's; for a fresh launch of the shape its kernel was last checked
@@ -49,6 +50,78 @@ static PyObject *g_enqueuing, *g_in_flight, *g_empty, *g_tll, *g_scope_globals, 
 static PyObject *n_tll, *n_fast, *n_take_whole, *n_rest, *n_pick, *n_check_choice, *n_choose, *n_function_for, *n_launch,
     *n_finish, *n_flush, *n_notify, *n_per_launch, *n_check_open, *n_async_on, *g_enqueue_py, *n_trace_error, *n_trace_submit, *n_timing_mark;
 
+static PyTypeObject *t_follow, *t_least;
+static PyObject *g_follow_choose, *g_least_choose;
+static SlotRef r_al_writers;
+
+/* The in-flight count of stream ``s`` into *out: 1, or 0 (not an exact int; no error set). */
+static int load_of(PyObject *s, long *out) {
+    PyObject *v = read_slot(s, &r_st_in_flight);
+    if (v == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int ok = PyLong_CheckExact(v);
+    *out = ok ? PyLong_AsLong(v) : 0;
+    Py_DECREF(v);
+    if (ok && *out == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        ok = 0;
+    }
+    return ok;
+}
+
+/* The default policies' choice where it is the least-loaded stream, while
+   their classes hold their own ``choose``: ``LeastLoaded``'s always, and
+   ``FollowWriter``'s for a kernel launch none of whose allocations has a
+   writer in flight (as its loop finds none). The stream (a new reference),
+   or NULL with no error set: the policy's method chooses. Read only. */
+static PyObject *least_loaded_choice(PyObject *policy, PyObject *streams, PyObject *op) {
+    PyTypeObject *tp = Py_TYPE(policy);
+    PyObject *own = tp == t_follow ? g_follow_choose : tp == t_least ? g_least_choose : NULL;
+    if (own == NULL) return NULL;
+    PyObject *fn = PyObject_GetAttr((PyObject *)tp, n_choose);
+    Py_XDECREF(fn);
+    if (fn != own) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (tp == t_follow) {
+        PyObject *accesses = Py_TYPE(op) == g_launch_type ? *(PyObject **)((char *)op + g_launch_off[1]) : NULL;
+        if (accesses == NULL || !PyTuple_CheckExact(accesses)) return NULL;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(accesses); i++) {
+            PyObject *pair = PyTuple_GET_ITEM(accesses, i);
+            if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) return NULL;
+            PyObject *arr = PyTuple_GET_ITEM(pair, 0);
+            if (Py_TYPE(arr) != g_array_type) return NULL;
+            PyObject *alloc = read_slot(arr, &g_slot[A_ALLOC]);
+            PyObject *writers = alloc ? read_slot(alloc, &r_al_writers) : NULL;
+            Py_XDECREF(alloc);
+            int some = writers ? PyObject_IsTrue(writers) : -1;
+            Py_XDECREF(writers);
+            if (some != 0) {
+                PyErr_Clear();
+                return NULL;
+            }
+        }
+    }
+    if (!PyTuple_CheckExact(streams) && !PyList_CheckExact(streams)) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(streams);
+    if (n == 0) return NULL;
+    PyObject **items = PySequence_Fast_ITEMS(streams);
+    PyObject *best = items[0];
+    long load, k;
+    if (Py_TYPE(best) != t_stream || !load_of(best, &load)) return NULL;
+    for (Py_ssize_t i = 0; load && i < n; i++) { /* (as _least_loaded: the lowest index on ties) */
+        if (Py_TYPE(items[i]) != t_stream || !load_of(items[i], &k)) return NULL;
+        if (k < load) {
+            best = items[i];
+            load = k;
+        }
+    }
+    return Py_NewRef(best);
+}
+
 /* The stream ``op`` goes to (a new reference), as ``_pick`` chooses it. */
 static PyObject *pick(PyObject *scope, PyObject *op, PyObject *stream) {
     if (Py_TYPE(stream) == t_stream) {
@@ -63,7 +136,8 @@ static PyObject *pick(PyObject *scope, PyObject *op, PyObject *stream) {
     if (stream != Py_None) return PyObject_CallMethodObjArgs(scope, n_pick, op, stream, NULL);
     PyObject *policy = read_slot(scope, &r_sc_policy);
     PyObject *streams = policy ? read_slot(scope, &r_sc_streams) : NULL;
-    PyObject *chosen = streams ? PyObject_CallMethodObjArgs(policy, n_choose, streams, op, NULL) : NULL;
+    PyObject *chosen = streams ? least_loaded_choice(policy, streams, op) : NULL;
+    if (chosen == NULL && streams != NULL) chosen = PyObject_CallMethodObjArgs(policy, n_choose, streams, op, NULL);
     Py_XDECREF(policy);
     Py_XDECREF(streams);
     if (chosen == NULL) return NULL;
@@ -546,6 +620,12 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
                 {tp_kt, "functions", &r_kt_functions},     {tp_k, "tile", &r_k_tile}};
     for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
         if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
+    PyObject *tp_alloc;
+    if (take(env, "Allocation", &tp_alloc) < 0 || make_slot_ref(tp_alloc, "writers", &r_al_writers) < 0 ||
+        take(env, "FollowWriter", (PyObject **)&t_follow) < 0 || take(env, "LeastLoaded", (PyObject **)&t_least) < 0 ||
+        (g_follow_choose = PyObject_GetAttrString((PyObject *)t_follow, "choose")) == NULL ||
+        (g_least_choose = PyObject_GetAttrString((PyObject *)t_least, "choose")) == NULL)
+        return NULL;
     for (int i = 0; i < N_SUB; i++) {
         SlotRef ref;
         if (make_slot_ref(tp_sub, sub_names[i], &ref) < 0) return NULL;

@@ -50,7 +50,7 @@ from ._kernels import KernelTable
 from ._launch import KernelLaunch
 from ._memory import MemoryTable
 from ._ops import ALLOC_OP, COMPOSITE, Access, DeviceOp, HostResult, _Copy, _Fill, _ZeroBytes
-from ._policy import SchedulingPolicy
+from ._policy import FollowWriter, LeastLoaded, SchedulingPolicy
 from ._statistics import ScopeStatistics
 from ._stream import Stream
 from ._submit import (
@@ -867,10 +867,8 @@ _Begin = Callable[[ResourceScope, DeviceOp[Any], Stream | None], Submission | No
 if _compiled.ext is not None:
     _names = ("ResourceScope", "Stream", "Submission", "Completion", "Kernel")
     _compiled.ext.configure_submit(
-        {
-            name: globals()[name]
-            for name in (*_names, "KernelTable", "take_launch_leases", "enqueue_unsafe_py")
-        }
+        {n: globals()[n] for n in (*_names, "KernelTable", "take_launch_leases", "enqueue_unsafe_py")}
+        | {"Allocation": Allocation, "FollowWriter": FollowWriter, "LeastLoaded": LeastLoaded}
         | {"ENQUEUING": SubState.ENQUEUING, "IN_FLIGHT": SubState.IN_FLIGHT}
         | {"scope_module": sys.modules[__name__], "submit_module": _submit}
     )
