@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-import numpy as np
 import outcome
 import pytest
 import trio
@@ -22,8 +21,7 @@ import trio.testing
 import trio_cuda
 from tests.helpers import internals
 from tests.helpers.guard import run_bounded
-from tests.helpers.kernels import stub_source
-from trio_cuda import InOut, Scalar
+from tests.helpers.kernels import add_one
 from trio_cuda._core import _completion, _scope, _trio_internals
 from trio_cuda.testing import SimDevice
 
@@ -33,17 +31,7 @@ step_only = pytest.mark.skipif(
 )
 
 
-def _ref(x: Any, v: Any) -> None:
-    x += v
-
-
-ADD = trio_cuda.Kernel.from_source(
-    stub_source("add"), "add", params=[InOut("f4"), Scalar("f4")], reference=_ref
-)
-
-
-def _launch(x: Any) -> Any:
-    return ADD.launch(x, np.float32(1), grid=1, block=4)
+_launch = add_one
 
 
 def test_checkpoint_message_is_what_trio_s_checkpoint_yields() -> None:
@@ -77,11 +65,7 @@ async def test_the_step_by_hand() -> None:
     assert _completion.step is not None
     sim = SimDevice()
     async with trio_cuda.open_scope(device=sim) as gpu:
-        x = gpu.zeros(4, "f4")
-        await gpu.run(_launch(x))
-        c = internals.completion_of(gpu)
-        sub = internals.submit_unwatched(gpu, _launch(x))
-        await trio.testing.wait_all_tasks_blocked()  # (the simulator completed it)
+        x, c, sub = await internals.completed_unwatched(gpu, _launch)  # (completed, not retired)
         task = trio.lowlevel.current_task()
         points = task._cancel_points  # type: ignore[attr-defined]
         it = _completion.step(c, sub).__await__()

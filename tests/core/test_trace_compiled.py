@@ -14,7 +14,6 @@ import gc
 import threading
 from typing import Any
 
-import numpy as np
 import pytest
 import trio
 import trio.testing
@@ -22,8 +21,7 @@ import trio.testing
 import trio_cuda
 from tests.helpers import internals
 from tests.helpers.guard import run_bounded
-from tests.helpers.kernels import stub_source
-from trio_cuda import InOut, Scalar
+from tests.helpers.kernels import add_one
 from trio_cuda._core import _compiled, _completion, _scope, _trace
 from trio_cuda.testing import SimDevice
 
@@ -33,17 +31,7 @@ compiled_only = pytest.mark.skipif(
 )
 
 
-def _ref(x: Any, v: Any) -> None:
-    x += v
-
-
-ADD = trio_cuda.Kernel.from_source(
-    stub_source("add"), "add", params=[InOut("f4"), Scalar("f4")], reference=_ref
-)
-
-
-def _launch(x: Any) -> Any:
-    return ADD.launch(x, np.float32(1), grid=1, block=4)
+_launch = add_one
 
 
 class _Python:
@@ -144,11 +132,7 @@ async def test_the_record_is_emit_s() -> None:
     assert _compiled.ext is not None
     sim = SimDevice()
     async with trio_cuda.open_scope(device=sim) as gpu:
-        x = gpu.zeros(4, "f4")
-        await gpu.run(_launch(x))
-        c = internals.completion_of(gpu)
-        sub = internals.submit_unwatched(gpu, _launch(x))
-        await trio.testing.wait_all_tasks_blocked()
+        _x, c, sub = await internals.completed_unwatched(gpu, _launch)
         rings = []
         for compiled in (True, False):
             tr = _trace.Tracer(limit=3)
@@ -209,11 +193,7 @@ async def test_a_failing_record_releases_the_lock_and_changes_nothing() -> None:
     assert _compiled.ext is not None
     sim = SimDevice()
     async with trio_cuda.open_scope(device=sim) as gpu:
-        x = gpu.zeros(4, "f4")
-        await gpu.run(_launch(x))
-        c = internals.completion_of(gpu)
-        sub = internals.submit_unwatched(gpu, _launch(x))
-        await trio.testing.wait_all_tasks_blocked()
+        _x, c, sub = await internals.completed_unwatched(gpu, _launch)
         tr = _trace.Tracer(limit=3)
         tr.ring = ()  # type: ignore[assignment]  # (not a list)
         c.tracer = tr

@@ -87,6 +87,20 @@ def completion_of(gpu: Any) -> Any:
     return gpu._completion
 
 
+async def completed_unwatched(gpu: Any, make: Any) -> tuple[Any, Any, Any]:
+    """On a fresh array ``x`` of ``gpu`` (four floats), ``make(x)`` awaited
+    once (its kernel loaded), then submitted unwatched and left to complete
+    on a free-running simulator, not retired: (x, the completion, that
+    submission)."""
+    import trio.testing
+
+    x = gpu.zeros(4, "f4")
+    await gpu.run(make(x))
+    sub = submit_unwatched(gpu, make(x))
+    await trio.testing.wait_all_tasks_blocked()
+    return x, completion_of(gpu), sub
+
+
 def submissions_numbered(gpu: Any) -> int:
     """How many submission ids the scope gave out."""
     return gpu._next_id

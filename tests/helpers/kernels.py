@@ -1,5 +1,7 @@
 """Kernels shared by the tests: CUDA C++ for the GPU, NumPy references for the simulator."""
 
+from typing import Any
+
 import numpy as np
 
 import trio_cuda
@@ -72,3 +74,18 @@ def stub_source(name):
     simulator, which runs a kernel's ``reference=`` and only checks that its
     code compiles and defines the kernel."""
     return f'extern "C" __global__ void {name}() {{}}'
+
+
+def _add_reference(x: Any, v: Any) -> None:
+    x += v
+
+
+#: ``x += v`` on the simulator: the kernel of the compiled paths' comparison tests
+ADD_ONE = trio_cuda.Kernel.from_source(
+    stub_source("add"), "add", params=[InOut("f4"), Scalar("f4")], reference=_add_reference
+)
+
+
+def add_one(x: Any) -> Any:
+    """A launch of :data:`ADD_ONE` adding 1 to the four floats of ``x``."""
+    return ADD_ONE.launch(x, np.float32(1), grid=1, block=4)
