@@ -10,7 +10,7 @@ first on every await of a future:
 * what a checkpoint yields to Trio's run loop (:func:`checkpoint_message`), so
   that compiled code can make the same schedule point without Trio's frames.
 
-Both read ``trio._core._run.GLOBAL_RUN_CONTEXT``, a ``threading.local`` whose
+The first two read ``trio._core._run.GLOBAL_RUN_CONTEXT``, a ``threading.local`` whose
 ``runner`` attribute is the calling thread's ``Runner`` while ``trio.run`` runs
 there, and ``Runner.runq``, the deque of runnable tasks (the current task is
 not in it while it runs).
