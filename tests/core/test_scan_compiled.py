@@ -22,8 +22,8 @@ import trio.testing
 import trio_cuda
 from tests.helpers import internals
 from tests.helpers.guard import run_bounded
-from tests.helpers.kernels import stub_source
-from trio_cuda import InOut, Scalar, ops
+from tests.helpers.kernels import ADD_ONE
+from trio_cuda import ops
 from trio_cuda._core import _compiled, _completion, _scope
 from trio_cuda.testing import SimDevice
 
@@ -33,13 +33,7 @@ compiled_only = pytest.mark.skipif(
 )
 
 
-def _ref(x: Any, v: Any) -> None:
-    x += v
-
-
-ADD = trio_cuda.Kernel.from_source(
-    stub_source("add"), "add", params=[InOut("f4"), Scalar("f4")], reference=_ref
-)
+ADD = ADD_ONE
 
 
 def _program(compiled: bool, calls: list[int], traced: bool = False) -> list[Any]:

@@ -564,6 +564,13 @@ static int b_true(PyObject *obj, int i, const char *name) {
     return yes;
 }
 
+/* In cancel_point and may_begin: decline where ``cond`` is nonzero (or -1). */
+#define NO_IF(cond)                 \
+    do {                            \
+        int x_ = (cond);            \
+        if (x_ != 0) goto declined; \
+    } while (0)
+
 /* Trio's cancel point at the calling task, past its schedule point (what
    ``trio.lowlevel.checkpoint`` does after its yield, and
    ``checkpoint_if_cancelled``): 1 where no cancellation is due (the task's
@@ -573,11 +580,6 @@ static int b_true(PyObject *obj, int i, const char *name) {
 int cancel_point(void) {
     int rc = 0;
     PyObject *v = NULL, *task = NULL, *runner = NULL;
-#define NO_IF(cond)                 \
-    do {                            \
-        int x_ = (cond);            \
-        if (x_ != 0) goto declined; \
-    } while (0)
     if (n_b_task == NULL && begin_names() < 0) goto declined;
     NO_IF(g_run_context == NULL || g_run_context == Py_None);
     NO_IF((task = PyObject_GetAttr(g_run_context, n_b_task)) == NULL);
@@ -596,7 +598,6 @@ int cancel_point(void) {
 declined:
     PyErr_Clear();
 done:
-#undef NO_IF
     Py_XDECREF(v);
     Py_XDECREF(task);
     Py_XDECREF(runner);
@@ -612,11 +613,6 @@ done:
 static int may_begin(PyObject *scope, PyObject *op, PyObject **completion) {
     int rc = 0;
     PyObject *v = NULL, *kernel, *c = NULL;
-#define NO_IF(cond)                 \
-    do {                            \
-        int x_ = (cond);            \
-        if (x_ != 0) goto declined; \
-    } while (0)
     if (g_scope_globals == NULL) {
         PyObject *name = PyUnicode_FromString("trio_cuda._core._scope");
         PyObject *m = name ? PyImport_GetModule(name) : NULL;
@@ -663,11 +659,12 @@ static int may_begin(PyObject *scope, PyObject *op, PyObject **completion) {
 declined:
     PyErr_Clear();
 done:
-#undef NO_IF
     Py_XDECREF(v);
     Py_XDECREF(c);
     return rc;
 }
+
+#undef NO_IF
 
 /* begin(scope, op, stream): what ``ResourceScope.run`` does for a lone
    launch up to its first checkpoint, where every check it makes first
