@@ -11,6 +11,7 @@ match the Python path's."""
 from __future__ import annotations
 
 import gc
+import weakref
 from typing import Any
 
 import outcome
@@ -106,13 +107,21 @@ async def test_the_step_by_hand() -> None:
 
 @step_only
 def test_a_step_in_a_cycle_is_collected() -> None:
+    """A step whose references lead back to it is freed by the collector
+    (its sentinel's weak reference dies): it is traversed and cleared."""
     assert _completion.step is not None
-    box: list[Any] = []
+
+    class Sentinel:
+        pass
+
+    sentinel = Sentinel()
+    alive = weakref.ref(sentinel)
+    box: list[Any] = [sentinel]
     s = _completion.step(box, box)
     box.append(s)
-    del s, box
+    del s, box, sentinel
     gc.collect()
-    assert not [o for o in gc.get_objects() if type(o).__name__ == "Step"]
+    assert alive() is None
 
 
 class _AtNextStep(trio.abc.Instrument):
@@ -127,6 +136,13 @@ class _AtNextStep(trio.abc.Instrument):
         if task is self.task and not self.ran:
             self.ran = True
             self.action()
+
+    def __enter__(self) -> _AtNextStep:
+        trio.lowlevel.add_instrument(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        trio.lowlevel.remove_instrument(self)
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
@@ -152,12 +168,8 @@ async def test_cancelled_while_run_s_step_yields(compiled: bool, monkeypatch: py
         sim.hold()
         try:
             points = task._cancel_points  # type: ignore[attr-defined]
-            trio.lowlevel.add_instrument(at_step)
-            try:
-                with cs:
-                    await gpu.run(_launch(x))
-            finally:
-                trio.lowlevel.remove_instrument(at_step)
+            with at_step, cs:
+                await gpu.run(_launch(x))
             moved = task._cancel_points - points  # type: ignore[attr-defined]
             st = gpu.statistics()
         finally:
@@ -203,13 +215,11 @@ def test_a_keyboard_interrupt_due_while_run_s_step_yields(
             at_step = _AtNextStep(task, interrupt)
             sim.hold()
             try:
-                trio.lowlevel.add_instrument(at_step)
-                try:
-                    await gpu.run(_launch(x))
-                except KeyboardInterrupt:
-                    seen.append("KeyboardInterrupt")
-                finally:
-                    trio.lowlevel.remove_instrument(at_step)
+                with at_step:
+                    try:
+                        await gpu.run(_launch(x))
+                    except KeyboardInterrupt:
+                        seen.append("KeyboardInterrupt")
                 seen.append((gpu.statistics().in_flight, gpu.statistics().leases_held))
             finally:
                 sim.release()
