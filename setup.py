@@ -23,6 +23,7 @@ setup(
         Extension(
             "trio_cuda._backends.cuda._direct",
             ["trio_cuda/_backends/cuda/_direct.c"],
+            depends=["trio_cuda/_core/_fastattr.h"],
             optional=True,
             extra_compile_args=["-O2", "-fvisibility=hidden"],  # (only PyInit exported: no clash with libc names)
         ),
@@ -39,7 +40,7 @@ setup(
                 "trio_cuda/_core/_claunch_trace.c",
                 "trio_cuda/_core/_claunch_method.c",
             ],
-            depends=["trio_cuda/_core/_claunch.h"],
+            depends=["trio_cuda/_core/_claunch.h", "trio_cuda/_core/_fastattr.h"],
             optional=True,
             extra_compile_args=["-O2", "-fvisibility=hidden"],  # (only PyInit exported: no clash with libc names)
         ),

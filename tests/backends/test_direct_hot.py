@@ -152,10 +152,11 @@ class Setup:
         if hot:
             methods = direct.hot_methods(kernels, table)
             assert methods is not None
-            self.launch, self.record, self.poll = methods
-            assert [type(m).__name__ for m in methods] == ["HotLaunch", "HotRecord", "HotPoll"]
+            self.launch, self.record, self.poll, self.notify = methods
+            assert [type(m).__name__ for m in methods] == ["HotLaunch", "HotRecord", "HotPoll", "HotNotify"]
         else:
             self.launch, self.record, self.poll = kernels.launch, table.record_marker, table.poll_marker
+            self.notify = table.notify_submitted
         # the launches of the program, fresh per setup (their caches are per setup)
         self.launches = [
             K.launch(
@@ -416,6 +417,63 @@ def test_launches_with_modes_take_the_python_method(modes: dict[str, Any]) -> No
     assert (lp.cache, setup.dev.log) == ({}, [])
 
 
+class _Event:
+    def __init__(self) -> None:
+        self.is_set = False
+
+    def set(self) -> None:
+        self.is_set = True
+
+
+def test_notify_is_the_python_method() -> None:
+    """``HotNotify`` returns at once where no marker is new (the Python
+    method's test), and is the Python method otherwise: the same state
+    after each call, on both."""
+    results = []
+    for hot in (True, False):
+        setup = Setup(hot=hot)
+        table, seen = setup.table, []
+        for new_head, parked in [(False, False), (False, True), (True, True), (True, False), (False, True)]:
+            ev = _Event() if parked else None
+            table.new_head, table.wake_ev = new_head, ev
+            assert setup.notify() is None
+            seen.append((table.new_head, table.wake_ev is None, ev is not None and ev.is_set))
+        results.append(seen)
+    assert results[0] == results[1]
+    assert (False, False, False) in results[0]
+    assert (True, True, True) in results[0]
+
+
+def test_notify_hands_the_rest_to_the_python_method() -> None:
+    from trio_cuda._backends.cuda import _direct  # type: ignore[attr-defined]
+
+    calls: list[tuple[Any, ...]] = []
+
+    def fallback(*args: Any, **kwargs: Any) -> str:
+        calls.append((args, kwargs))
+        return "python"
+
+    setup = Setup(hot=True)
+    notify = _direct.HotNotify(setup.table, fallback)
+    setup.table.new_head = False
+    assert notify() is None
+    assert calls == []
+    setup.table.new_head = True
+    assert notify() == "python"
+    setup.table.new_head = 0  # (falsy, not False: the Python method decides)
+    assert notify() == "python"
+    setup.table.new_head = False
+    assert notify(1, k=2) == "python"  # arguments: the Python method's error to raise
+    assert calls == [((), {}), ((), {}), ((1,), {"k": 2})]
+
+    class NoFlag:
+        __slots__ = ()
+
+    assert _direct.HotNotify(NoFlag(), fallback)() == "python"  # no flag to read
+    with pytest.raises(TypeError):
+        _direct.HotNotify(setup.table)
+
+
 def test_the_hot_methods_take_part_in_garbage_collection() -> None:
     """Each holds its table (and kernels) strongly and reports them to the
     collector, so a cycle through a context (which holds them) is freed."""
@@ -425,6 +483,7 @@ def test_the_hot_methods_take_part_in_garbage_collection() -> None:
     assert {id(setup.kernels), id(setup.table)} <= {id(o) for o in gc.get_referents(setup.launch)}
     assert id(setup.table) in {id(o) for o in gc.get_referents(setup.record)}
     assert id(setup.table) in {id(o) for o in gc.get_referents(setup.poll)}
+    assert id(setup.table) in {id(o) for o in gc.get_referents(setup.notify)}
 
     class Holder:
         pass

@@ -202,3 +202,42 @@ async def test_a_tile_launch_of_a_known_recipe_skips_the_reference(monkeypatch: 
         assert again.prepared.kernel is first.prepared.kernel
         k.launch(x[:128], y[:128], z[:128], grid=16)  # another recipe: the reference makes it
         assert len(calls) == 2
+
+
+@compiled_only
+async def test_the_bound_method() -> None:
+    """``kernel.launch`` read as an attribute (a ``*args`` call reads it so)
+    is bound to the kernel: it shows and behaves as the bound reference,
+    and its common call keeps the arguments' tuple as given."""
+    bound = K.launch
+    assert type(bound).__name__ == "BoundLaunch"
+    assert bound.__self__ is K
+    assert bound.__func__ is Kernel.__dict__["launch"]
+    assert bound == K.launch
+    assert hash(bound) == hash(K.launch)
+    other = Kernel.from_source(stub_source("k"), "k", params=[In("f4"), Out("f4"), Scalar("i4")])
+    assert bound != other.launch
+    assert bound != Kernel.launch.__get__(K)  # (a plain bound method is another kind of object)
+    assert repr(bound) == f"<bound method Kernel.launch of {K!r}>"
+    assert bound.__name__ == "launch"
+    assert bound.__qualname__ == "Kernel.launch"
+    assert bound.__wrapped__.__func__ is Kernel.launch
+    assert bound.__wrapped__.__self__ is K
+    assert pickle.loads(pickle.dumps(bound)).__func__ is Kernel.__dict__["launch"]
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x, y = gpu.zeros(8, "f4"), gpu.zeros(8, "f4")
+        args = (x, y, 8)
+        K.launch(*args, grid=2, block=4)  # (the reference makes the configuration once)
+        made = K.launch(*args, grid=2, block=4)
+        assert made.prepared.values is args  # (the tuple given, not a copy)
+        _same_launch(made, Kernel.launch(K, *args, grid=2, block=4))
+        # keywords the common call does not take, by any spelling, go to the reference
+        name = "".join(["gr", "id"])  # (not interned)
+        _same_launch(K.launch(*args, **{name: 2, "block": 4}), made)
+        with pytest.raises(TypeError, match="colour"):
+            K.launch(*args, grid=2, block=4, colour="red")
+        with pytest.raises(trio_cuda.KernelArgumentError):
+            K.launch(*args[:2], grid=2, block=4)
+        # a first argument that is not a kernel: the reference decides
+        with pytest.raises(AttributeError):
+            Kernel.__dict__["launch"].__get__(object())(*args, grid=2, block=4)

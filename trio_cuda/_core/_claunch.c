@@ -169,7 +169,36 @@ static PyObject *configure(PyObject *module, PyObject *env) {
     Py_RETURN_NONE;
 }
 
+/* fast_getattr and class_holds as tests call them (_fastattr.h). */
+static PyObject *fast_getattr_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyUnicode_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "fast_getattr(obj, name: str)");
+        return NULL;
+    }
+    PyObject *name = Py_NewRef(args[1]);
+    PyUnicode_InternInPlace(&name);
+    PyObject *v = fast_getattr(args[0], name);
+    Py_DECREF(name);
+    return v;
+}
+
+static PyObject *class_holds_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyType_Check(args[0]) || !PyUnicode_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "class_holds(cls: type, name: str, value)");
+        return NULL;
+    }
+    PyObject *name = Py_NewRef(args[1]);
+    PyUnicode_InternInPlace(&name);
+    int yes = class_holds((PyTypeObject *)args[0], name, args[2]);
+    Py_DECREF(name);
+    return PyBool_FromLong(yes);
+}
+
 static PyMethodDef module_methods[] = {
+    {"fast_getattr", (PyCFunction)(void (*)(void))fast_getattr_py, METH_FASTCALL,
+     "fast_getattr(obj, name) -> getattr(obj, name), a slot read through the per-type table (for tests)."},
+    {"class_holds", (PyCFunction)(void (*)(void))class_holds_py, METH_FASTCALL,
+     "class_holds(cls, name, value) -> whether cls's attribute name is value (for tests)."},
     {"configure", configure, METH_O, "configure(env): the types and constants the paths read (once per process)."},
     {"make_base", make_base, METH_VARARGS,
      "make_base(reference, env, docs) -> the builder base type (once per process)."},

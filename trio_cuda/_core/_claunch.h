@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_fastattr.h"
+
 /* A slot of one exact type, read where it is stored: the offset its member
    descriptor gives (what the descriptor's own __get__ reads). */
 typedef struct {
@@ -65,14 +67,22 @@ static inline int store_slot(PyObject *obj, SlotRef *ref, PyObject *value) {
     return 0;
 }
 
-/* obj's int slot ``ref`` plus ``delta`` (stolen into the slot): 0, or -1. */
+/* obj's int slot ``ref`` plus ``delta`` (a small delta; the sum stolen
+   into the slot): 0, or -1. An exact int in C's long range is added in C;
+   anything else by ``+``. */
 static inline int bump(PyObject *obj, SlotRef *ref, long delta) {
-    PyObject *v = read_slot(obj, ref);
+    PyObject *v = read_slot(obj, ref), *sum;
     if (v == NULL) return -1;
-    PyObject *d = PyLong_FromLong(delta);
-    PyObject *sum = d ? PyNumber_Add(v, d) : NULL;
+    int overflow = 1;
+    long x = PyLong_CheckExact(v) ? PyLong_AsLongAndOverflow(v, &overflow) : 0;
+    if (!overflow && x > LONG_MIN / 2 && x < LONG_MAX / 2) {
+        sum = PyLong_FromLong(x + delta);
+    } else {
+        PyObject *d = PyLong_FromLong(delta);
+        sum = d ? PyNumber_Add(v, d) : NULL;
+        Py_XDECREF(d);
+    }
     Py_DECREF(v);
-    Py_XDECREF(d);
     if (sum == NULL) return -1;
     return store_slot(obj, ref, sum);
 }

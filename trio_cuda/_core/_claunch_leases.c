@@ -231,9 +231,14 @@ static int drop_key(PyObject *alloc, SlotRef *ref, PyObject *sub) {
     PyObject *table = read_slot(alloc, ref);
     if (table == NULL) return -1;
     int rc = 0;
-    if (PyDict_CheckExact(table) && PyDict_GET_SIZE(table)) {
-        int has = PyDict_Contains(table, sub);
-        rc = has < 0 ? -1 : has ? PyDict_DelItem(table, sub) : 0;
+    if (PyDict_CheckExact(table) && PyDict_GET_SIZE(table)) { /* (one lookup: popped, or not there) */
+#if PY_VERSION_HEX >= 0x030D0000
+        rc = PyDict_Pop(table, sub, NULL) < 0 ? -1 : 0;
+#else
+        PyObject *was = _PyDict_Pop(table, sub, Py_None);
+        rc = was == NULL ? -1 : 0;
+        Py_XDECREF(was);
+#endif
     }
     Py_DECREF(table);
     return rc;

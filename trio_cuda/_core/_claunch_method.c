@@ -3,9 +3,12 @@
    launch_method(reference, Kernel, config_module) makes the descriptor that
    stands for the reference ``Kernel.launch`` (trio_cuda/_core/_kernel.py) in
    the class. Read on the class it is the reference function itself (its
-   documentation, signature and pickling are the reference's); read on a
-   kernel it is a method, and ``kernel.launch(...)`` calls it without
-   making a bound method (a method descriptor).
+   documentation, signature and pickling are the reference's). A call
+   ``kernel.launch(...)`` calls it without binding it (a method descriptor);
+   read on a kernel otherwise (a call with ``*args``, ``**kwargs``), it is
+   that method bound to the kernel (``BoundLaunch``), whose call takes the
+   arguments' tuple and keywords' dict as given, keeping that tuple for the
+   launch rather than making one.
 
    A call does what the reference does for the common case: keywords among
    grid, block and shared_mem (cluster, cooperative and pdl only at their
@@ -35,15 +38,19 @@ static SlotRef r_tile, r_fast;
 static PyObject *g_config_globals, *n_simple, *n_grid, *n_block, *n_shared_mem, *n_cluster, *n_cooperative, *n_pdl,
     *n_fast, *g_zero, *g_one;
 
-/* ``made``'s fast paths tried in turn on ``args[1:]``: the launch (a new
+/* ``made``'s fast paths tried in turn on the arguments after the kernel:
+   ``argt`` where it is their tuple, else ``args[1:nargs]``. The launch (a new
    reference), None where each declined, NULL on an error. */
-static PyObject *try_fast(PyObject *const *fasts, Py_ssize_t n, PyObject *const *args, Py_ssize_t nargs,
-                          PyObject *config) {
-    PyObject *argt = PyTuple_New(nargs - 1);
-    if (argt == NULL) return NULL;
-    for (Py_ssize_t i = 1; i < nargs; i++) {
-        Py_INCREF(args[i]);
-        PyTuple_SET_ITEM(argt, i - 1, args[i]);
+static PyObject *try_fast(PyObject *const *fasts, Py_ssize_t n, PyObject *argt, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *config) {
+    if (argt != NULL) {
+        Py_INCREF(argt);
+    } else {
+        if ((argt = PyTuple_New(nargs - 1)) == NULL) return NULL;
+        for (Py_ssize_t i = 1; i < nargs; i++) {
+            Py_INCREF(args[i]);
+            PyTuple_SET_ITEM(argt, i - 1, args[i]);
+        }
     }
     PyObject *made = Py_NewRef(Py_None);
     PyObject *fargs[2] = {argt, config};
@@ -56,33 +63,40 @@ static PyObject *try_fast(PyObject *const *fasts, Py_ssize_t n, PyObject *const 
     return made;
 }
 
-static PyObject *method_call(LaunchMethod *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (nargs < 1 || Py_TYPE(args[0]) != t_kernel) goto reference;
-    PyObject *kernel = args[0], *grid = NULL, *block = Py_None, *smem = Py_None;
-    Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    for (Py_ssize_t i = 0; i < nk; i++) {
-        PyObject *name = PyTuple_GET_ITEM(kwnames, i), *value = args[nargs + i];
-        if (name == n_grid)
-            grid = value;
-        else if (name == n_block)
-            block = value;
-        else if (name == n_shared_mem)
-            smem = value;
-        else if (name == n_cluster || name == n_cooperative) {
-            if (value != Py_None && !(name == n_cooperative && value == Py_False)) goto reference;
-        } else if (name != n_pdl || value != Py_False)
-            goto reference; /* (a keyword not interned, too: the reference parses it) */
-    }
-    if (grid == NULL || !PyLong_CheckExact(grid)) goto reference;
+/* The geometry keywords of a call. */
+typedef struct {
+    PyObject *grid, *block, *smem;
+} Geometry;
+
+/* Keyword ``name`` = ``value`` taken into ``g``: 1, or 0 where the common
+   call does not take it (a keyword not interned too: the reference parses it). */
+static int take_keyword(Geometry *g, PyObject *name, PyObject *value) {
+    if (name == n_grid)
+        g->grid = value;
+    else if (name == n_block)
+        g->block = value;
+    else if (name == n_shared_mem)
+        g->smem = value;
+    else if (name == n_cluster || name == n_cooperative)
+        return value == Py_None || (name == n_cooperative && value == Py_False);
+    else
+        return name == n_pdl && value == Py_False;
+    return 1;
+}
+
+/* The common call of ``kernel`` with the arguments after it (``argt`` or
+   ``args[1:nargs]``, see try_fast): the launch (a new reference), None where
+   the reference makes this call, NULL on an error. */
+static PyObject *common_call(PyObject *kernel, PyObject *argt, PyObject *const *args, Py_ssize_t nargs, Geometry g) {
+    if (Py_TYPE(kernel) != t_kernel || g.grid == NULL || !PyLong_CheckExact(g.grid)) Py_RETURN_NONE;
     PyObject *tile = read_slot(kernel, &r_tile);
     if (tile == NULL) return NULL;
-    PyObject *fasts = NULL, *made = NULL;
+    PyObject *fasts = NULL, *made = NULL, *block = g.block, *smem = g.smem;
     int is_tile = tile != Py_None;
     if (is_tile) { /* block, shared memory and the rest are compiled in: none given */
         if (block != Py_None || smem != Py_None) {
             Py_DECREF(tile);
-            goto reference;
+            Py_RETURN_NONE;
         }
         block = g_one;
         smem = g_zero;
@@ -91,7 +105,7 @@ static PyObject *method_call(LaunchMethod *self, PyObject *const *args, size_t n
         if (smem == Py_None) smem = g_zero;
         if (!PyLong_CheckExact(block) || !PyLong_CheckExact(smem)) {
             Py_DECREF(tile);
-            goto reference;
+            Py_RETURN_NONE;
         }
         fasts = read_slot(kernel, &r_fast);
     }
@@ -100,7 +114,7 @@ static PyObject *method_call(LaunchMethod *self, PyObject *const *args, size_t n
     PyObject *configs = PyDict_GetItemWithError(g_config_globals, n_simple); /* (borrowed) */
     PyObject *config = NULL;
     if (configs != NULL && PyDict_CheckExact(configs)) {
-        PyObject *key = PyTuple_Pack(3, grid, block, smem);
+        PyObject *key = PyTuple_Pack(3, g.grid, block, smem);
         if (key == NULL) {
             Py_DECREF(fasts);
             return NULL;
@@ -112,31 +126,191 @@ static PyObject *method_call(LaunchMethod *self, PyObject *const *args, size_t n
         Py_DECREF(fasts);
         return NULL;
     }
-    if (config != NULL) { /* (else the reference makes it, and caches it) */
-        Py_INCREF(config);
-        if (is_tile && PyTuple_CheckExact(fasts))
-            made = try_fast(((PyTupleObject *)fasts)->ob_item, PyTuple_GET_SIZE(fasts), args, nargs, config);
-        else if (!is_tile && fasts != Py_None)
-            made = try_fast(&fasts, 1, args, nargs, config);
-        else
-            made = Py_NewRef(Py_None);
-        Py_DECREF(config);
+    if (config == NULL) { /* (the reference makes it, and caches it) */
         Py_DECREF(fasts);
-        if (made != Py_None) return made; /* (the launch, or NULL: a fast path raised) */
-        Py_DECREF(made);
-    } else {
-        Py_DECREF(fasts);
+        Py_RETURN_NONE;
     }
+    Py_INCREF(config);
+    if (is_tile && PyTuple_CheckExact(fasts))
+        made = try_fast(((PyTupleObject *)fasts)->ob_item, PyTuple_GET_SIZE(fasts), argt, args, nargs, config);
+    else if (!is_tile && fasts != Py_None)
+        made = try_fast(&fasts, 1, argt, args, nargs, config);
+    else
+        made = Py_NewRef(Py_None);
+    Py_DECREF(config);
+    Py_DECREF(fasts);
+    return made;
+}
+
+static PyObject *method_call(LaunchMethod *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) goto reference;
+    Geometry g = {NULL, Py_None, Py_None};
+    Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t i = 0; i < nk; i++)
+        if (!take_keyword(&g, PyTuple_GET_ITEM(kwnames, i), args[nargs + i])) goto reference;
+    PyObject *made = common_call(args[0], NULL, args, nargs, g);
+    if (made != Py_None) return made; /* (the launch, or NULL: a fast path raised) */
+    Py_DECREF(made);
 reference:
     return PyObject_Vectorcall(self->reference, args, nargsf, kwnames);
 }
+
+/* ``kernel.launch`` read as an attribute (a call with ``*args`` or
+   ``**kwargs`` reads it so): the method bound to the kernel, called with the
+   arguments' tuple and keywords' dict as they are given, so that the common
+   call's launch keeps that tuple. It shows itself as the bound reference
+   (``__wrapped__``, its documentation, signature, name and pickling). */
+typedef struct {
+    PyObject_HEAD
+    LaunchMethod *method;
+    PyObject *kernel;
+} BoundLaunch;
+
+static PyTypeObject *t_bound;
+
+static PyObject *bound_call(BoundLaunch *self, PyObject *args, PyObject *kwargs) {
+    Geometry g = {NULL, Py_None, Py_None};
+    PyObject *name, *value, *made, *all;
+    Py_ssize_t pos = 0, n = PyTuple_GET_SIZE(args);
+    if (!PyTuple_CheckExact(args) || (kwargs != NULL && !PyDict_CheckExact(kwargs))) goto reference;
+    while (kwargs != NULL && PyDict_Next(kwargs, &pos, &name, &value))
+        if (!take_keyword(&g, name, value)) goto reference;
+    made = common_call(self->kernel, args, NULL, n + 1, g);
+    if (made != Py_None) return made;
+    Py_DECREF(made);
+reference:
+    if ((all = PyTuple_New(n + 1)) == NULL) return NULL;
+    Py_INCREF(self->kernel);
+    PyTuple_SET_ITEM(all, 0, self->kernel);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_INCREF(PyTuple_GET_ITEM(args, i));
+        PyTuple_SET_ITEM(all, i + 1, PyTuple_GET_ITEM(args, i));
+    }
+    made = PyObject_Call(self->method->reference, all, kwargs);
+    Py_DECREF(all);
+    return made;
+}
+
+static PyObject *bound_wrapped(BoundLaunch *self, void *closure) {
+    return PyMethod_New(self->method->reference, self->kernel);
+}
+
+static PyObject *bound_doc(BoundLaunch *self, void *closure) {
+    return PyObject_GetAttrString(self->method->reference, "__doc__");
+}
+
+static PyObject *bound_getattr(BoundLaunch *self, PyObject *name) {
+    /* __name__, __qualname__, __module__...: the reference's */
+    PyObject *v = PyObject_GenericGetAttr((PyObject *)self, name);
+    if (v != NULL || !PyErr_ExceptionMatches(PyExc_AttributeError)) return v;
+    PyErr_Clear();
+    return PyObject_GetAttr(self->method->reference, name);
+}
+
+static PyObject *bound_reduce(BoundLaunch *self, PyObject *unused) {
+    /* as a bound method pickles: getattr(kernel, name) */
+    PyObject *get = PyDict_GetItemString(PyEval_GetBuiltins(), "getattr"); /* (borrowed) */
+    PyObject *fname = PyObject_GetAttrString(self->method->reference, "__name__");
+    if (get == NULL || fname == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "builtins.getattr is missing");
+        Py_XDECREF(fname);
+        return NULL;
+    }
+    PyObject *out = Py_BuildValue("O(OO)", get, self->kernel, fname);
+    Py_DECREF(fname);
+    return out;
+}
+
+static PyObject *bound_repr(BoundLaunch *self) {
+    PyObject *qual = PyObject_GetAttrString(self->method->reference, "__qualname__");
+    if (qual == NULL) return NULL;
+    PyObject *out = PyUnicode_FromFormat("<bound method %S of %R>", qual, self->kernel);
+    Py_DECREF(qual);
+    return out;
+}
+
+static PyObject *bound_richcompare(PyObject *a, PyObject *b, int op) {
+    /* as bound methods compare: the same function bound to the same object */
+    if ((op != Py_EQ && op != Py_NE) || Py_TYPE(b) != t_bound) Py_RETURN_NOTIMPLEMENTED;
+    BoundLaunch *x = (BoundLaunch *)a, *y = (BoundLaunch *)b;
+    int same = x->method == y->method && x->kernel == y->kernel;
+    return PyBool_FromLong(op == Py_EQ ? same : !same);
+}
+
+static Py_hash_t bound_hash(BoundLaunch *self) {
+    Py_hash_t h = (Py_hash_t)(((uintptr_t)self->kernel >> 4) ^ ((uintptr_t)self->method >> 4));
+    return h == -1 ? -2 : h;
+}
+
+static int bound_traverse(BoundLaunch *self, visitproc visit, void *arg) {
+    Py_VISIT(self->method);
+    Py_VISIT(self->kernel);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int bound_clear(BoundLaunch *self) {
+    Py_CLEAR(self->method);
+    Py_CLEAR(self->kernel);
+    return 0;
+}
+
+static void bound_dealloc(BoundLaunch *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    bound_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyMemberDef bound_members[] = {
+    {"__self__", T_OBJECT, offsetof(BoundLaunch, kernel), READONLY, "the kernel"},
+    {"__func__", T_OBJECT, offsetof(BoundLaunch, method), READONLY, "the method"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef bound_getset[] = {
+    {"__doc__", (getter)bound_doc, NULL, NULL, NULL},
+    {"__wrapped__", (getter)bound_wrapped, NULL, "the reference bound to the kernel", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef bound_methods[] = {
+    {"__reduce__", (PyCFunction)bound_reduce, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot bound_slots[] = {
+    {Py_tp_dealloc, bound_dealloc},   {Py_tp_traverse, bound_traverse},
+    {Py_tp_clear, bound_clear},       {Py_tp_call, bound_call},
+    {Py_tp_getattro, bound_getattr},  {Py_tp_members, bound_members},
+    {Py_tp_getset, bound_getset},     {Py_tp_methods, bound_methods},
+    {Py_tp_repr, bound_repr},         {Py_tp_richcompare, bound_richcompare},
+    {Py_tp_hash, bound_hash},         {0, NULL},
+};
+
+static PyType_Spec bound_spec = {
+    "trio_cuda._core._claunch.BoundLaunch",
+    sizeof(BoundLaunch),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    bound_slots,
+};
 
 static PyObject *method_get(LaunchMethod *self, PyObject *obj, PyObject *type) {
     if (obj == NULL || obj == Py_None) {
         Py_INCREF(self->reference);
         return self->reference;
     }
-    return PyMethod_New((PyObject *)self, obj);
+    BoundLaunch *bound = PyObject_GC_New(BoundLaunch, t_bound);
+    if (bound == NULL) return NULL;
+    Py_INCREF(self);
+    Py_INCREF(obj);
+    bound->method = self;
+    bound->kernel = obj;
+    PyObject_GC_Track(bound);
+    return (PyObject *)bound;
 }
 
 static PyObject *method_call_tuple(LaunchMethod *self, PyObject *args, PyObject *kwargs) {
@@ -233,7 +407,9 @@ PyObject *launch_method(PyObject *module, PyObject *args) {
     Py_INCREF(g_config_globals);
     Py_INCREF(kernel_type);
     t_kernel = (PyTypeObject *)kernel_type;
-    if ((t_method = (PyTypeObject *)PyType_FromSpec(&method_spec)) == NULL) return NULL;
+    if ((t_method = (PyTypeObject *)PyType_FromSpec(&method_spec)) == NULL ||
+        (t_bound = (PyTypeObject *)PyType_FromSpec(&bound_spec)) == NULL)
+        return NULL;
     LaunchMethod *self = PyObject_GC_New(LaunchMethod, t_method);
     if (self == NULL) return NULL;
     Py_INCREF(reference);

@@ -69,10 +69,7 @@ static PyObject *poll(PyObject *poll_marker, PyObject *marker) {
    (``quarantine_submission``), and a BaseException is raised on. 0, or -1
    (error set). */
 static int flush_stream(PyObject *completion, PyObject *s) {
-    PyObject *fn = PyObject_GetAttr((PyObject *)Py_TYPE(completion), n_flush);
-    if (fn == NULL) return -1;
-    Py_DECREF(fn);
-    if (fn != g_flush_fn) {
+    if (!class_holds(Py_TYPE(completion), n_flush, g_flush_fn)) {
         PyObject *r = PyObject_CallMethodOneArg(completion, n_flush, s);
         Py_XDECREF(r);
         return r ? 0 : -1;
@@ -90,7 +87,7 @@ static int flush_stream(PyObject *completion, PyObject *s) {
         goto done;
     }
     fresh = NULL;
-    if ((driver = read_slot(completion, &r_driver)) == NULL || (handle = PyObject_GetAttr(s, n_handle)) == NULL)
+    if ((driver = read_slot(completion, &r_driver)) == NULL || (handle = fast_getattr(s, n_handle)) == NULL)
         goto done;
     marker = PyObject_CallMethodOneArg(driver, n_record_marker, handle);
     if (marker == NULL) { /* quarantined; a BaseException is raised on */
@@ -333,7 +330,7 @@ PyObject *prepare(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     int yes = truthy_slot(completion, &r_host_steps);
     if (yes) return yes < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *runner = PyObject_GetAttr(g_run_context, n_runner);
-    PyObject *runq = runner ? PyObject_GetAttr(runner, n_runq) : NULL;
+    PyObject *runq = runner ? fast_getattr(runner, n_runq) : NULL;
     Py_XDECREF(runner);
     if (runq == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;

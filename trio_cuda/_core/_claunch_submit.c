@@ -80,12 +80,7 @@ static PyObject *least_loaded_choice(PyObject *policy, PyObject *streams, PyObje
     PyTypeObject *tp = Py_TYPE(policy);
     PyObject *own = tp == t_follow ? g_follow_choose : tp == t_least ? g_least_choose : NULL;
     if (own == NULL) return NULL;
-    PyObject *fn = PyObject_GetAttr((PyObject *)tp, n_choose);
-    Py_XDECREF(fn);
-    if (fn != own) {
-        PyErr_Clear();
-        return NULL;
-    }
+    if (!class_holds(tp, n_choose, own)) return NULL;
     if (tp == t_follow) {
         PyObject *accesses = Py_TYPE(op) == g_launch_type ? *(PyObject **)((char *)op + g_launch_off[1]) : NULL;
         if (accesses == NULL || !PyTuple_CheckExact(accesses)) return NULL;

@@ -115,13 +115,6 @@ static int tracer_plain(PyObject *tr) {
     return nvtx == Py_None;
 }
 
-/* Whether the class attribute ``name`` of ``tp`` is ``fn``: 1, 0, -1. */
-static int holds(PyTypeObject *tp, PyObject *name, PyObject *fn) {
-    PyObject *f = PyObject_GetAttr((PyObject *)tp, name);
-    if (f == NULL) return -1;
-    Py_DECREF(f);
-    return f == fn;
-}
 
 /* The calling Trio task (a new reference), or NULL with no error set where it cannot be read. */
 static PyObject *running_task(void) {
@@ -152,7 +145,7 @@ PyObject *trace_await(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int rc = 0;
     PyObject *tr = NULL, *task = NULL, *name = NULL, *state = NULL, *error = NULL, *d = NULL, *sid = NULL;
     if (t_tracer == NULL || Py_TYPE(c) != t_completion_tr) goto done;
-    if ((rc = holds(t_completion_tr, n_trace_await, g_await_fn)) <= 0) goto done;
+    if ((rc = class_holds(t_completion_tr, n_trace_await, g_await_fn)) <= 0) goto done;
     FAIL_IF_NULL(tr = read_slot(c, &r_c_tracer));
     if (tr == Py_None) {
         rc = 1;
@@ -189,7 +182,7 @@ done:
 /* Completion.trace_retire(sub) for work without an error: 1 recorded, 0 declined, -1 error. */
 int retire_record(PyObject *c, PyObject *sub) {
     if (t_tracer == NULL || Py_TYPE(c) != t_completion_tr) return 0;
-    int rc = holds(t_completion_tr, n_trace_retire, g_retire_fn);
+    int rc = class_holds(t_completion_tr, n_trace_retire, g_retire_fn);
     if (rc <= 0) return rc;
     rc = 0;
     PyObject *tr = NULL, *task = NULL, *error = NULL, *v = NULL, *sid = NULL;

@@ -163,7 +163,7 @@ static int typed_array(Entry *e, PyObject *a, unsigned char *arena, PyObject **a
     DECLINE_IF(flag != g_live);
     Py_CLEAR(flag);
     FAIL_IF_NULL(scope = read_slot(alloc, &g_slot[L_SCOPE]));
-    FAIL_IF_NULL(flag = PyObject_GetAttr(scope, s_closed_attr));
+    FAIL_IF_NULL(flag = fast_getattr(scope, s_closed_attr));
     t = PyObject_IsTrue(flag);
     if (t < 0) rc = -1;
     DECLINE_IF(t != 0);

@@ -1,9 +1,9 @@
 /* Direct calls of two CUDA driver entry points, by address: a prepared
    cuLaunchKernel (Launch), a launch from packed parameters (launch_packed) and
-   a prepared cuStreamWriteValue32 (Writer); and the backend's three hot
-   methods made of them (HotLaunch, HotRecord, HotPoll: ``Kernels.launch``,
-   ``StreamTable.record_marker`` and ``StreamTable.poll_marker`` for their
-   common case).
+   a prepared cuStreamWriteValue32 (Writer); and the backend's hot methods
+   (HotLaunch, HotRecord, HotPoll, HotNotify: ``Kernels.launch``,
+   ``StreamTable.record_marker``, ``StreamTable.poll_marker`` and
+   ``StreamTable.notify_submitted`` for their common case).
 
    Invariants:
    - This module knows no CUDA header and links no CUDA library. It calls
@@ -21,13 +21,17 @@
      common case only. Anything else (another type, a mode, a first use, a
      destroyed stream, several devices) calls the Python method, before any
      step has had an effect; a driver error goes to the same Python error
-     path (``_launch_failed``, ``ContextState.fail``). */
+     path (``_launch_failed``, ``ContextState.fail``).
+   - Attributes are read as getattr reads them; a slot through the
+     per-type cache of _fastattr.h. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "../../_core/_fastattr.h"
 
 /* CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, gridDimY,
    gridDimZ, blockDimX, blockDimY, blockDimZ, unsigned int sharedMemBytes,
@@ -318,7 +322,7 @@ static int intern_names(void) {
    missing: the Python method decides); -1: an error other than a missing
    attribute. */
 static int attr_is(PyObject *obj, PyObject *name, PyObject *value) {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *v = fast_getattr(obj, name);
     if (v == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError))
             return -1;
@@ -338,7 +342,7 @@ static int several_devices(PyObject *primary) {
 
 /* ``state.fail(err, call)``: raises (NULL); should it return, its result. */
 static PyObject *fail(PyObject *state_owner, int err, PyObject *call) {
-    PyObject *state = PyObject_GetAttr(state_owner, n_state);
+    PyObject *state = fast_getattr(state_owner, n_state);
     if (state == NULL)
         return NULL;
     PyObject *code = PyLong_FromLong(err);
@@ -401,7 +405,7 @@ static PyObject *HotRecord_new(PyTypeObject *type, PyObject *args, PyObject *kwa
     return (PyObject *)self;
 }
 
-/* The three hot types share their head; their object fields come last,
+/* The hot types share their head; their object fields come last,
    one after another, from ``first`` on. */
 typedef struct {
     PyObject_HEAD
@@ -447,7 +451,7 @@ static int record_here(HotRecordObject *self, PyObject *s, WriterObject **writer
     int many = several_devices(self->primary);
     if (many)
         return many < 0 ? -1 : 0;
-    PyObject *cap = PyObject_GetAttr(self->table, n_capturing);
+    PyObject *cap = fast_getattr(self->table, n_capturing);
     if (cap == NULL)
         return -1;
     Py_DECREF(cap);
@@ -455,14 +459,14 @@ static int record_here(HotRecordObject *self, PyObject *s, WriterObject **writer
         return 0; /* (the Python method refuses it) */
     if ((ok = attr_is(self->table, n_record_events, Py_False)) <= 0)
         return ok;
-    PyObject *mode = PyObject_GetAttr(self->table, n_marker_mode);
+    PyObject *mode = fast_getattr(self->table, n_marker_mode);
     if (mode == NULL)
         return -1;
     ok = PyUnicode_CheckExact(mode) && PyUnicode_Compare(mode, n_eager) == 0;
     Py_DECREF(mode);
     if (!ok)
         return 0;
-    PyObject *w = PyObject_GetAttr(s, n_write);
+    PyObject *w = fast_getattr(s, n_write);
     if (w == NULL)
         return -1;
     Py_DECREF(w); /* (the stream keeps it) */
@@ -485,7 +489,7 @@ static PyObject *HotRecord_vectorcall(PyObject *op, PyObject *const *args, size_
         return PyObject_CallOneArg(self->fallback, s);
     Py_INCREF(w);
     PyObject *seq = NULL, *one = NULL, *marker = NULL, *ret = NULL;
-    PyObject *old = PyObject_GetAttr(s, n_seq);
+    PyObject *old = fast_getattr(s, n_seq);
     if (old == NULL || (one = PyLong_FromLong(1)) == NULL || (seq = PyNumber_Add(old, one)) == NULL)
         goto out;
     unsigned long long v = PyLong_AsUnsignedLongLongMask(seq);
@@ -503,7 +507,7 @@ static PyObject *HotRecord_vectorcall(PyObject *op, PyObject *const *args, size_
     }
     if (PyObject_SetAttr(s, n_seq, seq) < 0)
         goto out;
-    PyObject *watched = PyObject_GetAttr(s, n_watched);
+    PyObject *watched = fast_getattr(s, n_watched);
     int yes = watched ? PyObject_IsTrue(watched) : -1;
     Py_XDECREF(watched);
     if (yes < 0 || (!yes && PyObject_SetAttr(self->table, n_new_head, Py_True) < 0))
@@ -579,10 +583,10 @@ static PyObject *HotPoll_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
 /* The flag's value: ``stream.mv[stream.slot]`` read through the buffer
    protocol (a released view raises as in Python). 1 read, 0 not here, -1. */
 static int read_flag(PyObject *stream, uint32_t *out) {
-    PyObject *mv = PyObject_GetAttr(stream, n_mv);
+    PyObject *mv = fast_getattr(stream, n_mv);
     if (mv == NULL)
         return -1;
-    PyObject *slot = PyObject_GetAttr(stream, n_slot);
+    PyObject *slot = fast_getattr(stream, n_slot);
     if (slot == NULL) {
         Py_DECREF(mv);
         return -1;
@@ -614,7 +618,7 @@ static PyObject *HotPoll_vectorcall(PyObject *op, PyObject *const *args, size_t 
     if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL || Py_TYPE(args[0]) != (PyTypeObject *)self->marker_type)
         return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
     PyObject *marker = args[0];
-    PyObject *s = PyObject_GetAttr(marker, n_stream);
+    PyObject *s = fast_getattr(marker, n_stream);
     if (s == NULL)
         return NULL;
     if (Py_TYPE(s) != (PyTypeObject *)self->stream_type) {
@@ -626,7 +630,7 @@ static PyObject *HotPoll_vectorcall(PyObject *op, PyObject *const *args, size_t 
     Py_DECREF(s);
     if (rc <= 0)
         return rc < 0 ? NULL : PyObject_CallOneArg(self->fallback, marker);
-    PyObject *seq = PyObject_GetAttr(marker, n_seq);
+    PyObject *seq = fast_getattr(marker, n_seq);
     if (seq == NULL)
         return NULL;
     unsigned long long v = PyLong_Check(seq) ? PyLong_AsUnsignedLongLongMask(seq) : (unsigned long long)-1;
@@ -639,8 +643,8 @@ static PyObject *HotPoll_vectorcall(PyObject *op, PyObject *const *args, size_t 
     if ((uint32_t)(flag - (uint32_t)v) < 0x80000000u)
         return Py_NewRef(self->done);
     /* pending, unless the context broke: the Python method says which */
-    PyObject *state = PyObject_GetAttr(self->table, n_state);
-    PyObject *sticky = state ? PyObject_GetAttr(state, n_sticky) : NULL;
+    PyObject *state = fast_getattr(self->table, n_state);
+    PyObject *sticky = state ? fast_getattr(state, n_sticky) : NULL;
     Py_XDECREF(state);
     if (sticky == NULL)
         return NULL;
@@ -661,6 +665,61 @@ static PyTypeObject HotPollType = {
     .tp_new = HotPoll_new,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(HotPollObject, vectorcall),
+    .tp_traverse = Hot_traverse,
+    .tp_clear = Hot_clear,
+    .tp_dealloc = Hot_dealloc,
+};
+
+/* --- HotNotify: StreamTable.notify_submitted, where no marker is new */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    void *entry; /* (unused: the shared head) */
+    PyObject *table, *fallback;
+} HotNotifyObject;
+
+static PyObject *HotNotify_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    HotNotifyObject *self = (HotNotifyObject *)op;
+    if (PyVectorcall_NARGS(nargsf) == 0 && kwnames == NULL) {
+        int idle = attr_is(self->table, n_new_head, Py_False); /* (the Python method's test) */
+        if (idle < 0)
+            return NULL;
+        if (idle)
+            Py_RETURN_NONE;
+    }
+    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+}
+
+static PyObject *HotNotify_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *table, *fallback;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
+        PyErr_SetString(PyExc_TypeError, "HotNotify: takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OO:HotNotify", &table, &fallback))
+        return NULL;
+    if (n_owner == NULL && intern_names() < 0)
+        return NULL;
+    HotNotifyObject *self = (HotNotifyObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->table = Py_NewRef(table);
+    self->fallback = Py_NewRef(fallback);
+    self->vectorcall = HotNotify_vectorcall;
+    return (PyObject *)self;
+}
+
+static PyTypeObject HotNotifyType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "trio_cuda._backends.cuda._direct.HotNotify",
+    .tp_basicsize = sizeof(HotNotifyObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "HotNotify(table, fallback): the stream table's notify_submitted, which returns at once "
+              "where table.new_head is False; anything else calls fallback, the Python method.",
+    .tp_new = HotNotify_new,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(HotNotifyObject, vectorcall),
     .tp_traverse = Hot_traverse,
     .tp_clear = Hot_clear,
     .tp_dealloc = Hot_dealloc,
@@ -730,7 +789,7 @@ static int dims3(PyObject *t, unsigned int *d) {
 /* An attribute that must be an exact int from 0 to 2**64-1: 1, 0 (not so;
    no error set), -1. */
 static int attr_u64(PyObject *obj, PyObject *name, unsigned long long *out) {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *v = fast_getattr(obj, name);
     if (v == NULL)
         return -1;
     int ok = PyLong_CheckExact(v);
@@ -757,7 +816,7 @@ static int launch_first(HotLaunchObject *self, PyObject *s, PyObject *function, 
     unsigned long long addr, handle;
 #define TAKE(var, obj, name)                              \
     do {                                                  \
-        if ((var = PyObject_GetAttr(obj, name)) == NULL) { \
+        if ((var = fast_getattr(obj, name)) == NULL) { \
             rc = -1;                                      \
             goto done;                                    \
         }                                                 \
@@ -838,14 +897,14 @@ static PyObject *HotLaunch_vectorcall(PyObject *op, PyObject *const *args, size_
     if (PyVectorcall_NARGS(nargsf) != 3 || kwnames != NULL || Py_TYPE(args[0]) != (PyTypeObject *)self->stream_type)
         return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
     PyObject *s = args[0], *function = args[1], *launch = args[2];
-    PyObject *cache = PyObject_GetAttr(launch, n_cache), *key = NULL, *result = NULL;
+    PyObject *cache = fast_getattr(launch, n_cache), *key = NULL, *result = NULL;
     if (cache == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError))
             return NULL;
         PyErr_Clear();
         return PyObject_Vectorcall(self->fallback, args, nargsf, NULL);
     }
-    if (!PyDict_CheckExact(cache) || (key = PyObject_GetAttr(s, n_key)) == NULL) {
+    if (!PyDict_CheckExact(cache) || (key = fast_getattr(s, n_key)) == NULL) {
         if (PyErr_Occurred()) {
             Py_DECREF(cache);
             return NULL;
@@ -947,13 +1006,13 @@ static struct PyModuleDef direct_module = {
 
 PyMODINIT_FUNC PyInit__direct(void) {
     if (PyType_Ready(&LaunchType) < 0 || PyType_Ready(&WriterType) < 0 || PyType_Ready(&HotRecordType) < 0 ||
-        PyType_Ready(&HotPollType) < 0 || PyType_Ready(&HotLaunchType) < 0)
+        PyType_Ready(&HotPollType) < 0 || PyType_Ready(&HotLaunchType) < 0 || PyType_Ready(&HotNotifyType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&direct_module);
     if (m == NULL)
         return NULL;
-    PyTypeObject *types[] = {&LaunchType, &WriterType, &HotRecordType, &HotPollType, &HotLaunchType};
-    const char *names[] = {"Launch", "Writer", "HotRecord", "HotPoll", "HotLaunch"};
+    PyTypeObject *types[] = {&LaunchType, &WriterType, &HotRecordType, &HotPollType, &HotLaunchType, &HotNotifyType};
+    const char *names[] = {"Launch", "Writer", "HotRecord", "HotPoll", "HotLaunch", "HotNotify"};
     for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {

@@ -29,9 +29,9 @@ Invariants:
   ``timing_mark`` are the components' bound methods, set on the instance at
   construction (shadowing the delegating methods of the class, which do the
   same thing one call later). With direct driver calls, ``launch``,
-  ``record_marker`` and ``poll_marker`` are their compiled forms
-  (:func:`.direct.hot_methods`), which call those bound methods for all but
-  the common case. Two reads take one attribute hop more than
+  ``record_marker``, ``poll_marker`` and ``notify_submitted`` are their
+  compiled forms (:func:`.direct.hot_methods`), which call those bound
+  methods for all but the common case. Two reads take one attribute hop more than
   when the context was one object: the sticky error of ``poll_marker`` on a
   pending marker (through the state) and the stream check of a launch's
   first enqueue (through the table).
@@ -162,12 +162,12 @@ class CudaContext:
         # with direct driver calls, the compiled forms of three of them.
         hot = direct.hot_methods(kernels, table)
         if hot is not None:
-            self.launch, self.record_marker, self.poll_marker = hot  # type: ignore[method-assign]
+            self.launch, self.record_marker, self.poll_marker, self.notify_submitted = hot  # type: ignore[method-assign]
         else:
             self.launch = kernels.launch  # type: ignore[method-assign]
             self.record_marker = table.record_marker  # type: ignore[method-assign]
             self.poll_marker = table.poll_marker  # type: ignore[method-assign]
-        self.notify_submitted = table.notify_submitted  # type: ignore[method-assign]
+            self.notify_submitted = table.notify_submitted  # type: ignore[method-assign]
         self.wait_for_progress = self._completion.wait_for_progress  # type: ignore[method-assign]
         self.timing_mark = timing.mark  # type: ignore[method-assign]
 

@@ -136,14 +136,15 @@ def packed_offsets(slots: Any) -> bytes | None:
     return struct.pack(f"={len(slots)}I", *(slot.offset for slot in slots))
 
 
-def hot_methods(kernels: Any, table: Any) -> tuple[Any, Any, Any] | None:
-    """The compiled ``launch``, ``record_marker`` and ``poll_marker`` of a
-    context (``kernels`` a :class:`~.launch.Kernels`, ``table`` its
-    :class:`~.streams.StreamTable`), or None: the Python methods (no direct
-    calls, or :data:`HOT` off). Each calls its Python method, the
-    reference, for anything but the common case: a launch prepared on its
-    stream or a plain launch's first enqueue; an eager flag write on a
-    stream of the table; a plain marker's flag read."""
+def hot_methods(kernels: Any, table: Any) -> tuple[Any, Any, Any, Any] | None:
+    """The compiled ``launch``, ``record_marker``, ``poll_marker`` and
+    ``notify_submitted`` of a context (``kernels`` a
+    :class:`~.launch.Kernels`, ``table`` its :class:`~.streams.StreamTable`),
+    or None: the Python methods (no direct calls, or :data:`HOT` off). Each
+    calls its Python method, the reference, for anything but the common
+    case: a launch prepared on its stream or a plain launch's first enqueue;
+    an eager flag write on a stream of the table; a plain marker's flag
+    read; a notification with no new marker to tell of."""
     if _ext is None or not HOT or kernels._direct is None:
         return None
     from ..._core._driver import DONE, PENDING
@@ -155,4 +156,5 @@ def hot_methods(kernels: Any, table: Any) -> tuple[Any, Any, Any] | None:
     launch = _ext.HotLaunch(kernels, kernels.launch, table, CudaStream, CudaFunction, primary, entry)
     record = _ext.HotRecord(table, table.record_marker, CudaStream, CudaMarker, primary)
     poll = _ext.HotPoll(table, table.poll_marker, CudaStream, CudaMarker, DONE, PENDING)
-    return launch, record, poll
+    notify = _ext.HotNotify(table, table.notify_submitted)
+    return launch, record, poll, notify
