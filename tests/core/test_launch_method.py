@@ -241,3 +241,29 @@ async def test_the_bound_method() -> None:
         # a first argument that is not a kernel: the reference decides
         with pytest.raises(AttributeError):
             Kernel.__dict__["launch"].__get__(object())(*args, grid=2, block=4)
+
+
+@compiled_only
+async def test_recent_configurations_are_values() -> None:
+    """The compiled call remembers the last configurations it found in the
+    reference's cache; once that cache is cleared, a remembered one is still
+    the value the reference makes, and a new geometry goes to the reference."""
+    from trio_cuda._core import _config
+
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x, y = gpu.zeros(8, "f4"), gpu.zeros(8, "f4")
+        for g in (5, 6, 5, 7, 5):
+            K.launch(x, y, 8, grid=g, block=3)  # (the reference makes each once; then found)
+        before = K.launch(x, y, 8, grid=5, block=3).prepared.config
+        saved = dict(_config._SIMPLE_CONFIGS)
+        try:
+            _config._SIMPLE_CONFIGS.clear()
+            again = K.launch(x, y, 8, grid=5, block=3)
+            ref = Kernel.launch(K, x, y, 8, grid=5, block=3)
+            assert attrs.astuple(again.prepared.config) == attrs.astuple(ref.prepared.config)
+            assert again.prepared.config is before or again.prepared.config is ref.prepared.config
+            assert again.prepared.arena == ref.prepared.arena
+            fresh = K.launch(x, y, 8, grid=11, block=13)  # never seen: the reference's, cached there
+            assert _config._SIMPLE_CONFIGS[(11, 13, 0)] is fresh.prepared.config
+        finally:
+            _config._SIMPLE_CONFIGS.update(saved)

@@ -168,3 +168,39 @@ async def test_compiled_leases_leak_nothing_and_are_used():
             _submit.take_whole = real
         assert counts() == before
         assert taken == [True] * 250
+
+
+@compiled_only
+async def test_a_tile_array_s_constants_are_packed_once_or_each_call():
+    """A tile array's constants (packed after its pointer) are packed into
+    the arena's start when the launcher is made; one that does not fit its
+    code is packed by each call instead, which declines (the checked path
+    then decides), as before."""
+    ext = _compiled.ext
+    assert ext is not None
+    k = trio_cuda.Kernel.from_source(stub_source("k"), "k", params=[InOut("f4")])
+    dt = np.dtype("f4")
+    from trio_cuda._core._ops import Access
+
+    write = Access.WRITE
+    config = cached_config(1, 1, 0, None, False, False)
+
+    def launcher(*consts: tuple[str, int, int]) -> Any:
+        entry = (5, dt, write, "Q", 0, 0, ((8,), "C", 0, consts))
+        return ext.typed(k, k.plan, 24, (entry,), True)
+
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x = gpu.zeros(8, "f4")
+        if x._alloc.ptr % 16:  # (the entry asks for an address 16-aligned)
+            pytest.skip("the simulator's allocation is not 16-aligned")
+        fits = launcher(("i", 8, 8), ("h", 12, -2), ("Q", 16, 2**64 - 1))((x,), config)
+        assert fits is not None
+        arena = fits.prepared.arena
+        assert arena[:8] == int(x._alloc.ptr + x._offset).to_bytes(8, "little")
+        assert arena[8:] == (8).to_bytes(4, "little") + (-2).to_bytes(2, "little", signed=True) + bytes(2) + (
+            2**64 - 1
+        ).to_bytes(8, "little")
+        assert launcher(("b", 8, 300))((x,), config) is None  # does not fit: declined
+        assert launcher(("b", 8, 300), ("i", 12, 1))((x,), config) is None
+        again = launcher(("i", 8, 8), ("h", 12, -2), ("Q", 16, 2**64 - 1))((x,), config)
+        assert again.prepared.arena == arena  # (each call starts from the same bytes)

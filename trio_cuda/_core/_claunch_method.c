@@ -84,6 +84,44 @@ static int take_keyword(Geometry *g, PyObject *name, PyObject *value) {
     return 1;
 }
 
+/* The configurations found last, by their three ints: ``_SIMPLE_CONFIGS``'
+   entries as the dict gave them (a value: an entry stays right after the
+   dict dropped it, being equal to what ``cached_config`` makes again). */
+#define RECENT 4
+static struct {
+    long grid, block, smem;
+    PyObject *config;
+} recent[RECENT];
+static int recent_next;
+
+/* ``_SIMPLE_CONFIGS[(grid, block, smem)]`` (borrowed; NULL where it has
+   none, or on an error, set). The three are exact ints. */
+static PyObject *found_config(PyObject *grid, PyObject *block, PyObject *smem) {
+    int o1, o2, o3;
+    long gx = PyLong_AsLongAndOverflow(grid, &o1), bx = PyLong_AsLongAndOverflow(block, &o2),
+         sx = PyLong_AsLongAndOverflow(smem, &o3);
+    int small = !(o1 | o2 | o3);
+    if (small)
+        for (int i = 0; i < RECENT; i++)
+            if (recent[i].config != NULL && recent[i].grid == gx && recent[i].block == bx && recent[i].smem == sx)
+                return recent[i].config;
+    PyObject *configs = PyDict_GetItemWithError(g_config_globals, n_simple); /* (borrowed) */
+    if (configs == NULL || !PyDict_CheckExact(configs)) return NULL;
+    PyObject *key = PyTuple_Pack(3, grid, block, smem);
+    if (key == NULL) return NULL;
+    PyObject *config = PyDict_GetItemWithError(configs, key); /* (borrowed) */
+    Py_DECREF(key);
+    if (config != NULL && small) {
+        int i = recent_next;
+        recent_next = (i + 1) % RECENT;
+        Py_XSETREF(recent[i].config, Py_NewRef(config));
+        recent[i].grid = gx;
+        recent[i].block = bx;
+        recent[i].smem = sx;
+    }
+    return config;
+}
+
 /* The common call of ``kernel`` with the arguments after it (``argt`` or
    ``args[1:nargs]``, see try_fast): the launch (a new reference), None where
    the reference makes this call, NULL on an error. */
@@ -100,7 +138,7 @@ static PyObject *common_call(PyObject *kernel, PyObject *argt, PyObject *const *
         }
         block = g_one;
         smem = g_zero;
-        fasts = PyObject_GetAttr(tile, n_fast);
+        fasts = fast_getattr(tile, n_fast);
     } else {
         if (smem == Py_None) smem = g_zero;
         if (!PyLong_CheckExact(block) || !PyLong_CheckExact(smem)) {
@@ -111,17 +149,7 @@ static PyObject *common_call(PyObject *kernel, PyObject *argt, PyObject *const *
     }
     Py_DECREF(tile);
     if (fasts == NULL) return NULL;
-    PyObject *configs = PyDict_GetItemWithError(g_config_globals, n_simple); /* (borrowed) */
-    PyObject *config = NULL;
-    if (configs != NULL && PyDict_CheckExact(configs)) {
-        PyObject *key = PyTuple_Pack(3, g.grid, block, smem);
-        if (key == NULL) {
-            Py_DECREF(fasts);
-            return NULL;
-        }
-        config = PyDict_GetItemWithError(configs, key); /* (borrowed) */
-        Py_DECREF(key);
-    }
+    PyObject *config = found_config(g.grid, block, smem); /* (borrowed) */
     if (PyErr_Occurred()) {
         Py_DECREF(fasts);
         return NULL;

@@ -41,6 +41,8 @@ typedef struct {
     Py_ssize_t size, n;
     int tile; /* a tile recipe: two arrays of one allocation, one written, go to the checked path */
     Entry *entries;
+    unsigned char *start; /* the arena before the arguments: zeros, and the tile arrays' constants packed
+                             (NULL: a constant does not fit its code, so each call packs them, and declines) */
 } TypedLaunch;
 
 static int typed_traverse(TypedLaunch *self, visitproc visit, void *arg) {
@@ -79,6 +81,7 @@ static void typed_dealloc(TypedLaunch *self) {
     PyObject_GC_UnTrack(self);
     typed_clear(self);
     PyMem_Free(self->entries);
+    PyMem_Free(self->start);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }
@@ -149,7 +152,30 @@ static int pack_float(unsigned char *p, double x, char code) {
 
 /* One array argument: its pointer (and a slice's length) packed, its
    allocation in *alloc_out: 1, 0 (None), -1 error. */
-static int typed_array(Entry *e, PyObject *a, unsigned char *arena, PyObject **alloc_out) {
+/* Whether ``a != b`` for a tile array's shape or order, as Python answers
+   it: 1, 0, -1 (error set). Tuples of exact ints in C's long range are
+   compared in C. */
+static int differs(PyObject *a, PyObject *b) {
+    if (a == b) return 0;
+    if (PyTuple_CheckExact(a) && PyTuple_CheckExact(b)) {
+        Py_ssize_t n = PyTuple_GET_SIZE(a);
+        if (n != PyTuple_GET_SIZE(b)) return 1;
+        Py_ssize_t i = 0;
+        for (; i < n; i++) {
+            PyObject *x = PyTuple_GET_ITEM(a, i), *y = PyTuple_GET_ITEM(b, i);
+            if (x == y) continue;
+            if (!PyLong_CheckExact(x) || !PyLong_CheckExact(y)) break;
+            int ox, oy;
+            long vx = PyLong_AsLongAndOverflow(x, &ox), vy = PyLong_AsLongAndOverflow(y, &oy);
+            if (ox || oy) break;
+            if (vx != vy) return 1;
+        }
+        if (i == n) return 0;
+    }
+    return PyObject_RichCompareBool(a, b, Py_NE);
+}
+
+static int typed_array(Entry *e, PyObject *a, unsigned char *arena, int consts_packed, PyObject **alloc_out) {
     int rc = 0;
     PyObject *flag = NULL, *alloc = NULL, *scope = NULL, *dtype = NULL, *ptr = NULL, *offset = NULL, *shape = NULL;
     if (Py_TYPE(a) != g_array_type) return 0;
@@ -176,13 +202,13 @@ static int typed_array(Entry *e, PyObject *a, unsigned char *arena, PyObject **a
     }
     if (e->kind == K_TILE_ARRAY) { /* the recipe's shape and order */
         FAIL_IF_NULL(shape = read_slot(a, &g_slot[A_SHAPE]));
-        int differs = PyObject_RichCompareBool(shape, e->shape, Py_NE);
-        if (differs < 0) rc = -1;
-        DECLINE_IF(differs != 0);
+        int other = differs(shape, e->shape);
+        if (other < 0) rc = -1;
+        DECLINE_IF(other != 0);
         FAIL_IF_NULL(flag = read_slot(a, &g_slot[A_ORDER]));
-        differs = PyObject_RichCompareBool(flag, e->order, Py_NE);
-        if (differs < 0) rc = -1;
-        DECLINE_IF(differs != 0);
+        other = differs(flag, e->order);
+        if (other < 0) rc = -1;
+        DECLINE_IF(other != 0);
         Py_CLEAR(flag);
     }
     if (e->access == g_write) {
@@ -198,7 +224,7 @@ static int typed_array(Entry *e, PyObject *a, unsigned char *arena, PyObject **a
     DECLINE_IF(!as_u64(ptr, &base) || !as_u64(offset, &off) || base + off < base);
     DECLINE_IF(e->kind == K_TILE_ARRAY && (long)((base + off) & 15) != e->align);
     put_le(arena + e->offset, base + off, 8);
-    if (e->kind == K_TILE_ARRAY) {
+    if (e->kind == K_TILE_ARRAY && !consts_packed) { /* (else in the arena's start) */
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(e->consts); i++) {
             PyObject *c = PyTuple_GET_ITEM(e->consts, i); /* (code, offset, value): checked when made */
             const char *code = PyUnicode_AsUTF8(PyTuple_GET_ITEM(c, 0));
@@ -346,13 +372,16 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
     }
     FAIL_IF_NULL(arena = PyBytes_FromStringAndSize(NULL, self->size));
     unsigned char *buf = (unsigned char *)PyBytes_AS_STRING(arena);
-    memset(buf, 0, (size_t)self->size);
+    if (self->start != NULL)
+        memcpy(buf, self->start, (size_t)self->size);
+    else
+        memset(buf, 0, (size_t)self->size);
     for (Py_ssize_t i = 0; i < n; i++) {
         Entry *e = &self->entries[i];
         PyObject *a = PyTuple_GET_ITEM(args, i);
         if (IS_ARRAY(e->kind)) {
             PyObject *alloc = NULL;
-            rc = typed_array(e, a, buf, &alloc);
+            rc = typed_array(e, a, buf, self->start != NULL, &alloc);
             if (rc <= 0) goto done;
             allocs[n_arrays] = alloc;
             acc[n_arrays++] = a;
@@ -592,6 +621,7 @@ PyObject *make_typed(PyObject *module, PyObject *args) {
     self->size = size;
     self->tile = tile;
     self->entries = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Entry));
+    self->start = NULL;
     Py_INCREF(kernel);
     self->kernel = kernel;
     Py_INCREF(plan);
@@ -612,6 +642,26 @@ PyObject *make_typed(PyObject *module, PyObject *args) {
             return NULL;
         }
         self->n = i + 1;
+    }
+    /* the arena's start: the tile arrays' constants packed once, here */
+    if ((self->start = PyMem_Calloc((size_t)(size ? size : 1), 1)) == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n && self->start != NULL; i++) {
+        Entry *e = &self->entries[i];
+        if (e->kind != K_TILE_ARRAY) continue;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(e->consts); j++) {
+            PyObject *c = PyTuple_GET_ITEM(e->consts, j); /* (code, offset, value): checked by parse_entry */
+            const char *code = PyUnicode_AsUTF8(PyTuple_GET_ITEM(c, 0));
+            Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(c, 1));
+            if (code == NULL || at < 0 || pack_int(self->start + at, PyTuple_GET_ITEM(c, 2), code[0]) <= 0) {
+                PyErr_Clear(); /* (each call packs it, and declines where it does not fit) */
+                PyMem_Free(self->start);
+                self->start = NULL;
+                break;
+            }
+        }
     }
     return (PyObject *)self;
 }
