@@ -215,16 +215,39 @@ async def test_the_driver_runs_under_ki_protection_traced_or_not() -> None:
                 cls.launch = watched
                 try:
                     await gpu.run(K.launch(x, y, np.float32(1), grid=1, block=4))
+                    await gpu.submit(K.launch(x, y, np.float32(1), grid=1, block=4)).wait()
                 finally:
                     cls.launch = launch
             assert sim.violations == []
     finally:
         _scope.submit_launch = real
-    assert seen == [True, True]
-    assert len(made) == 2
-    assert type(made[0]).__name__ == "Submission"
-    assert type(made[1]).__name__ == "Submission"
+    assert seen == [True, True, True, True]  # (run and submit, untraced and traced)
+    assert len(made) == 4
+    assert {type(sub).__name__ for sub in made} == {"Submission"}
     assert any(e.cat == "submit" for e in trace.events)
+
+
+@compiled_only
+async def test_a_submission_s_future() -> None:
+    """``future_of`` makes the future ``DeviceFuture._create`` makes."""
+    assert _compiled.ext is not None
+    assert _scope.future_of is _compiled.ext.future_of
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x, y = gpu.zeros(4, "f4"), gpu.zeros(4, "f4")
+        fut = gpu.submit(K.launch(x, y, np.float32(2), grid=1, block=4))
+        assert type(fut) is trio_cuda.DeviceFuture
+        sub = fut._sub
+        again = _compiled.ext.future_of(sub)
+        assert type(again) is trio_cuda.DeviceFuture
+        assert again._sub is sub
+        import weakref
+
+        assert weakref.ref(again)() is again
+        assert await again.wait() is y
+        assert await fut.wait() is y
+        assert list(await gpu.to_host(y)) == [2.0] * 4
+        with pytest.raises(TypeError, match="expected a Submission"):
+            _compiled.ext.future_of(object())
 
 
 @compiled_only

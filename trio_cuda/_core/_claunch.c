@@ -213,6 +213,7 @@ static PyMethodDef module_methods[] = {
      "retire_done(completion, sub) -> bool: a completed submission retired, where nothing but bookkeeping is left."},
     {"configure_submit", configure_submit, METH_O,
      "configure_submit(env): the types, slots and modules submit_launch reads (once per process)."},
+    {"future_of", future_of, METH_O, "future_of(sub) -> DeviceFuture: DeviceFuture._create(sub)."},
     {"submit_launch", (PyCFunction)(void (*)(void))submit_launch, METH_FASTCALL,
      "submit_launch(scope, op, stream) -> Submission: ResourceScope._submit_launch."},
     {"enqueue_unsafe", (PyCFunction)(void (*)(void))enqueue_unsafe, METH_FASTCALL,

@@ -150,6 +150,7 @@ PyObject *configure_retire(PyObject *module, PyObject *args);
 PyObject *retire_done(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* _claunch_submit.c */
+PyObject *future_of(PyObject *module, PyObject *sub);
 PyObject *configure_submit(PyObject *module, PyObject *env);
 PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *enqueue_unsafe(PyObject *module, PyObject *const *args, Py_ssize_t nargs);

@@ -34,7 +34,8 @@
 #include "_claunch.h"
 
 static int g_submit_ready;
-static PyTypeObject *t_scope, *t_stream, *t_sub;
+static PyTypeObject *t_scope, *t_stream, *t_sub, *t_future;
+static Py_ssize_t future_sub_off; /* DeviceFuture's _sub */
 static SlotRef r_sc_functions, r_sc_kernels, r_sc_next_id, r_sc_driver, r_sc_completion, r_sc_policy,
     r_sc_streams, r_sc_tracer, r_sc_trace_timing, r_sc_closing, r_sc_thread;
 static SlotRef r_st_scope, r_st_handle, r_st_in_flight, r_st_unmarked;
@@ -561,6 +562,19 @@ out:
 }
 
 /* configure_submit(env): after configure_leases() and configure_retire(). */
+/* future_of(sub): ``DeviceFuture._create(sub)``, the future of a submission. */
+PyObject *future_of(PyObject *module, PyObject *sub) {
+    if (t_future == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "future_of: configure_submit() first");
+        return NULL;
+    }
+    if (Py_TYPE(sub) != t_sub) {
+        PyErr_Format(PyExc_TypeError, "future_of: sub: expected a Submission, got %.100s", Py_TYPE(sub)->tp_name);
+        return NULL;
+    }
+    return new_instance(t_future, &future_sub_off, &sub, 1);
+}
+
 PyObject *configure_submit(PyObject *module, PyObject *env) {
     if (!PyDict_Check(env)) {
         PyErr_SetString(PyExc_TypeError, "configure_submit: expected a dict");
@@ -616,6 +630,11 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
     for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
         if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
     PyObject *tp_alloc;
+    SlotRef future_sub;
+    if (take(env, "DeviceFuture", (PyObject **)&t_future) < 0 || !PyType_Check(t_future) ||
+        make_slot_ref((PyObject *)t_future, "_sub", &future_sub) < 0)
+        return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_TypeError, "configure_submit: DeviceFuture: a type");
+    future_sub_off = future_sub.offset;
     if (take(env, "Allocation", &tp_alloc) < 0 || make_slot_ref(tp_alloc, "writers", &r_al_writers) < 0 ||
         take(env, "FollowWriter", (PyObject **)&t_follow) < 0 || take(env, "LeastLoaded", (PyObject **)&t_least) < 0 ||
         (g_follow_choose = PyObject_GetAttrString((PyObject *)t_follow, "choose")) == NULL ||

@@ -506,6 +506,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
         self._next_id += 1
         return Submission(self, stream, self._next_id, op)
 
+    @enable_ki_protection  # (as ``_submit_launch`` is, which it calls without its frame)
     def submit(self, op: DeviceOp[T], *, stream: Stream | None = None) -> DeviceFuture[T]:
         """Retain and enqueue ``op`` now; return a :class:`DeviceFuture`.
 
@@ -515,7 +516,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
         from the start.
         """
         if type(op) is KernelLaunch and not (self._closing or self._enqueuing or get_ident() != self._thread):
-            sub = self._submit_launch(op, stream)  # the hot path
+            sub = (submit_launch or ResourceScope._submit_launch)(self, op, stream)  # the hot path
         else:
             sub = self._submit(op, stream, "submit")
         c = self._completion  # nobody may await it: the handoff is its retirer
@@ -523,7 +524,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
         if idle is not None:
             c.idle = None
             idle.set()
-        fut: DeviceFuture[T] = DeviceFuture._create(sub)
+        fut: DeviceFuture[T] = future_of(sub)
         if self._tracer is not None:
             fut._watch()
         return fut
@@ -863,16 +864,18 @@ class ResourceScope(metaclass=NoPublicConstructor):
 #: the compiled ``_submit_launch`` (``_claunch.submit_launch``);
 #: None where the pure-Python path runs (tests turn it off)
 submit_launch: Callable[[ResourceScope, KernelLaunch, Stream | None], Submission] | None = None
+#: a submission's future: ``DeviceFuture._create``, compiled where built
+future_of: Callable[[Submission], DeviceFuture[Any]] = DeviceFuture._create
 _Begin = Callable[[ResourceScope, DeviceOp[Any], Stream | None], Submission | None]
 if _compiled.ext is not None:
-    _names = ("ResourceScope", "Stream", "Submission", "Completion", "Kernel")
+    _names = ("ResourceScope", "Stream", "Submission", "Completion", "Kernel", "DeviceFuture")
     _compiled.ext.configure_submit(
         {n: globals()[n] for n in (*_names, "KernelTable", "take_launch_leases", "enqueue_unsafe_py")}
         | {"Allocation": Allocation, "FollowWriter": FollowWriter, "LeastLoaded": LeastLoaded}
         | {"ENQUEUING": SubState.ENQUEUING, "IN_FLIGHT": SubState.IN_FLIGHT}
         | {"scope_module": sys.modules[__name__], "submit_module": _submit}
     )
-    submit_launch = _compiled.ext.submit_launch
+    submit_launch, future_of = _compiled.ext.submit_launch, _compiled.ext.future_of
     _compiled.ext.configure_trace(  # (a trace's records on the awaited path: _claunch_trace.c)
         {name: globals()[name] for name in (*_names, "Tracer", "perf_counter", "trace_submit")}
         | {"trace_await": Completion.trace_await, "trace_retire": Completion.trace_retire}
