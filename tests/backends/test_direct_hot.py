@@ -472,6 +472,9 @@ def test_notify_hands_the_rest_to_the_python_method() -> None:
     assert _direct.HotNotify(NoFlag(), fallback)() == "python"  # no flag to read
     with pytest.raises(TypeError):
         _direct.HotNotify(setup.table)
+    for hot in (_direct.HotNotify, _direct.HotPoll, _direct.HotRecord, _direct.HotLaunch):
+        with pytest.raises(TypeError, match="takes no keyword arguments"):
+            hot(setup.table, fallback, colour="red")
 
 
 def test_the_hot_methods_take_part_in_garbage_collection() -> None:

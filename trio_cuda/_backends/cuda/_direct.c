@@ -318,6 +318,16 @@ static int intern_names(void) {
     return 0;
 }
 
+/* The start of each hot type's constructor: no keywords, and the names
+   interned. 0, or -1 (error set). */
+static int hot_start(PyObject *kwargs, const char *what) {
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
+        PyErr_Format(PyExc_TypeError, "%s: takes no keyword arguments", what);
+        return -1;
+    }
+    return n_owner == NULL ? intern_names() : 0;
+}
+
 /* 1: attribute ``name`` of ``obj`` is ``value``; 0: it is not (or it is
    missing: the Python method decides); -1: an error other than a missing
    attribute. */
@@ -379,14 +389,10 @@ static PyObject *HotRecord_vectorcall(PyObject *op, PyObject *const *args, size_
 
 static PyObject *HotRecord_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *table, *fallback, *stream_type, *marker_type, *primary;
-    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
-        PyErr_SetString(PyExc_TypeError, "HotRecord: takes no keyword arguments");
+    if (hot_start(kwargs, "HotRecord") < 0)
         return NULL;
-    }
     if (!PyArg_ParseTuple(args, "OOO!O!O:HotRecord", &table, &fallback, &PyType_Type, &stream_type, &PyType_Type,
                           &marker_type, &primary))
-        return NULL;
-    if (n_owner == NULL && intern_names() < 0)
         return NULL;
     HotRecordObject *self = (HotRecordObject *)type->tp_alloc(type, 0);
     if (self == NULL)
@@ -558,14 +564,10 @@ static PyObject *HotPoll_vectorcall(PyObject *op, PyObject *const *args, size_t 
 
 static PyObject *HotPoll_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *table, *fallback, *stream_type, *marker_type, *done, *pending;
-    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
-        PyErr_SetString(PyExc_TypeError, "HotPoll: takes no keyword arguments");
+    if (hot_start(kwargs, "HotPoll") < 0)
         return NULL;
-    }
     if (!PyArg_ParseTuple(args, "OOO!O!OO:HotPoll", &table, &fallback, &PyType_Type, &stream_type, &PyType_Type,
                           &marker_type, &done, &pending))
-        return NULL;
-    if (n_owner == NULL && intern_names() < 0)
         return NULL;
     HotPollObject *self = (HotPollObject *)type->tp_alloc(type, 0);
     if (self == NULL)
@@ -693,13 +695,9 @@ static PyObject *HotNotify_vectorcall(PyObject *op, PyObject *const *args, size_
 
 static PyObject *HotNotify_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *table, *fallback;
-    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
-        PyErr_SetString(PyExc_TypeError, "HotNotify: takes no keyword arguments");
+    if (hot_start(kwargs, "HotNotify") < 0)
         return NULL;
-    }
     if (!PyArg_ParseTuple(args, "OO:HotNotify", &table, &fallback))
-        return NULL;
-    if (n_owner == NULL && intern_names() < 0)
         return NULL;
     HotNotifyObject *self = (HotNotifyObject *)type->tp_alloc(type, 0);
     if (self == NULL)
@@ -738,10 +736,8 @@ static PyObject *HotLaunch_vectorcall(PyObject *op, PyObject *const *args, size_
 
 static PyObject *HotLaunch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *kernels, *fallback, *table, *stream_type, *function_type, *primary, *entry_obj;
-    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
-        PyErr_SetString(PyExc_TypeError, "HotLaunch: takes no keyword arguments");
+    if (hot_start(kwargs, "HotLaunch") < 0)
         return NULL;
-    }
     if (!PyArg_ParseTuple(args, "OOOO!O!OO:HotLaunch", &kernels, &fallback, &table, &PyType_Type, &stream_type,
                           &PyType_Type, &function_type, &primary, &entry_obj))
         return NULL;
@@ -752,8 +748,6 @@ static PyObject *HotLaunch_new(PyTypeObject *type, PyObject *args, PyObject *kwa
         PyErr_SetString(PyExc_ValueError, "HotLaunch: entry: expected the address of cuLaunchKernel, got 0");
         return NULL;
     }
-    if (n_owner == NULL && intern_names() < 0)
-        return NULL;
     HotLaunchObject *self = (HotLaunchObject *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
