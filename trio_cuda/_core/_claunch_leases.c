@@ -43,6 +43,7 @@ static PyObject *g_one;
 static int other_stream(PyObject *table, PyObject *stream) {
     Py_ssize_t pos = 0;
     PyObject *key, *value;
+    if (PyDict_GET_SIZE(table) == 0) return 0; /* (an emptied table keeps its size: no walk through it) */
     while (PyDict_Next(table, &pos, &key, &value)) {
         PyObject *s = read_slot(key, &s_sub_stream);
         if (s == NULL) return -1;
