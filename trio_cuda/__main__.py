@@ -249,8 +249,9 @@ def _trace(args: argparse.Namespace) -> int:
     from . import trace
 
     out, script = str(args.output), str(args.script)  # checked by the parser
-    saved = sys.argv[:]
+    saved, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [script, *args.args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as ``python SCRIPT`` finds its neighbours
     recording = trace.enable(limit=args.limit)
     status = 0
     try:
@@ -260,6 +261,7 @@ def _trace(args: argparse.Namespace) -> int:
         status = code if isinstance(code, int) else (0 if code is None else 1)
     finally:
         sys.argv = saved
+        sys.path[:] = saved_path
         trace.disable()
         try:
             recording.write(out)

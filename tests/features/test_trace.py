@@ -338,6 +338,36 @@ def _docs_commands(page: Path) -> list[tuple[str, list[str]]]:
     return out
 
 
+def test_a_traced_program_imports_its_neighbours_as_python_would(tmp_path):
+    """``trace SCRIPT`` runs it as ``python SCRIPT`` does: the script's folder
+    first on ``sys.path`` (a lesson imports its ``_lesson`` helper), and
+    nothing of it left there afterwards."""
+    lesson = ROOT / "examples" / "lifetimes" / "03_cancel_while_running.py"
+    out = tmp_path / "lesson.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trio_cuda",
+            "trace",
+            "-o",
+            str(out),
+            str(lesson),
+            "--device",
+            "sim",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "the rule held" in proc.stdout
+    assert f"written to {out}" in proc.stderr
+
+
 def test_the_commands_of_the_traces_page_work_as_written(tmp_path):
     """docs/traces.rst's commands, run as written (with ``my_job.py`` a small
     traced program), in both -o orders: each writes its trace where it says,
