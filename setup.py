@@ -34,6 +34,7 @@ setup(
                 "trio_cuda/_core/_claunch_builder.c",
                 "trio_cuda/_core/_claunch_typed.c",
                 "trio_cuda/_core/_claunch_leases.c",
+                "trio_cuda/_core/_claunch_order.c",
                 "trio_cuda/_core/_claunch_submit.c",
                 "trio_cuda/_core/_claunch_scan.c",
                 "trio_cuda/_core/_claunch_step.c",

@@ -322,6 +322,7 @@ def _run(program: dict[str, Any], fast: bool, counts: Counter[str], *, compiled:
         assert saved_whole is not None
         took: bool = saved_whole(*args)
         counts["compiled common case"] += took
+        counts["compiled common case with waits"] += took and args[2].dirty
         return took
 
     def retire(*args: Any) -> bool:
@@ -416,6 +417,7 @@ def test_fast_and_general_lease_paths_agree() -> None:
     assert counts["programs with conflicts refused"] > 0, counts
     if _submit.take_whole is not None:
         assert counts["compiled common case"] > 0, counts
+        assert counts["compiled common case with waits"] > 0, counts
         assert counts["compiled retire"] > 0, counts
         assert counts["compiled submit"] > 0, counts
         assert counts["compiled scan"] > 0, counts

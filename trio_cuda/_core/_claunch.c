@@ -38,13 +38,14 @@
    - No path calls back into Python code except the reference's own
      functions (and a scalar's packer; ``submit_launch`` and ``scan``: the
      policy, the driver and the Python steps of the reference); the lease paths call
-     none (but a traced scope's record of a retirement), so they are atomic
-     with respect to other threads and KeyboardInterrupt. Their callers are
-     KI-protected Python functions.
+     none but a traced scope's record of a retirement and, to order leases
+     of other streams in the way, the completion's flush and the driver's
+     poll and wait (as the reference does). Their callers are KI-protected
+     Python functions.
    - configure() is called once, by _compiled.py, with the types and
      constants the paths read; make_base() once, by _builder.py;
-     configure_leases() and configure_retire() once, by _submit.py and
-     _completion.py; configure_submit() once, by _scope.py;
+     configure_leases(), configure_order() and configure_retire() once, by
+     _submit.py (the first two) and _completion.py; configure_submit() once, by _scope.py;
      configure_scan() once, by _completion.py; launch_method() once, by
      _kernel.py. What they are given is held for the life of the
      process.
@@ -207,6 +208,9 @@ static PyMethodDef module_methods[] = {
     {"take_whole", (PyCFunction)(void (*)(void))take_whole, METH_FASTCALL,
      "take_whole(scope, stream, sub, accesses, allocs) -> bool: a simple launch's leases, where nothing is in "
      "the way."},
+    {"configure_order", configure_order, METH_O,
+     "configure_order(env): the states and names take_whole's ordering of conflicts compares with (once per "
+     "process)."},
     {"configure_retire", configure_retire, METH_VARARGS,
      "configure_retire(Completion, Stream, DONE): the slots retire_done reads (once per process)."},
     {"retire_done", (PyCFunction)(void (*)(void))retire_done, METH_FASTCALL,

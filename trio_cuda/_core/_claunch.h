@@ -1,7 +1,7 @@
 /* Shared by the parts of trio_cuda._core._claunch: the module and its
    configuration (_claunch.c), the launch builder (_claunch_builder.c), the
    typed-launch fast path (_claunch_typed.c), a launch's leases
-   (_claunch_leases.c), its submission (_claunch_submit.c), the
+   (_claunch_leases.c) and their cross-stream conflicts (_claunch_order.c), its submission (_claunch_submit.c), the
    retirement of what completed (_claunch_scan.c), an awaiting task's
    checkpoint and look (_claunch_step.c), a trace's records on the awaited
    path (_claunch_trace.c) and Kernel.launch
@@ -148,6 +148,10 @@ PyObject *configure_leases(PyObject *module, PyObject *args);
 PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *configure_retire(PyObject *module, PyObject *args);
 PyObject *retire_done(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+
+/* _claunch_order.c */
+PyObject *configure_order(PyObject *module, PyObject *env);
+int order_in_way(PyObject *scope, PyObject *stream, PyObject *sub, PyObject *accesses);
 
 /* _claunch_submit.c */
 PyObject *future_of(PyObject *module, PyObject *sub);

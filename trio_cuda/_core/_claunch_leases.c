@@ -5,9 +5,12 @@
    take_whole(scope, stream, sub, accesses, allocs) records the leases of a
    launch whose lease plan is simple (whole allocations, each once) when
    every array is a live, usable array of ``scope`` whose allocation has no
-   range index, and no other stream holds a lease in its way; it returns
-   True. Otherwise it changes nothing and returns False, and the Python
-   path decides (orders the conflicts, refuses, or takes the general path).
+   range index; leases of other streams in its way are ordered first, as
+   the Python fast path orders them (device-side waits: order_in_way in
+   _claunch_order.c, which calls the completion's flush and the driver).
+   It returns True, or raises the Python path's error. Otherwise it returns
+   False having changed nothing, and the Python path decides (refuses the
+   conflict, or takes the general path).
    It records what the Python path records: each allocation's ``active``
    count, and ``sub`` as its only writer (a write: the tables cleared first)
    or as one more reader; ``sub.leases`` is the plan's tuple.
@@ -23,9 +26,10 @@
    (``completion.trace_retire``, the one call into Python, compiled where
    _claunch_trace.c's retire_record takes it).
 
-   Neither runs Python code (but the trace's record), so each is atomic
-   with respect to other threads and to KeyboardInterrupt; their callers
-   are KI-protected. */
+   Neither runs Python code but the trace's record and, for take_whole with
+   leases in its way, the calls the Python fast path makes to order them
+   (the completion's flush, the driver's poll and wait). Without those each
+   is atomic with respect to other threads; their callers are KI-protected. */
 
 #include "_claunch.h"
 
@@ -67,7 +71,8 @@ PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
     PyObject *scope = args[0], *stream = args[1], *sub = args[2], *accesses = args[3], *allocs = args[4];
     if (!PyTuple_CheckExact(accesses) || !PyTuple_CheckExact(allocs)) Py_RETURN_FALSE;
     Py_ssize_t n = PyTuple_GET_SIZE(accesses);
-    /* 1. every array usable, nothing in the way (reads only) */
+    int any_in_way = 0;
+    /* 1. every array usable (reads only); whether another stream's lease is in the way */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *entry = PyTuple_GET_ITEM(accesses, i);
         if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2) Py_RETURN_FALSE;
@@ -100,14 +105,14 @@ PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
             DECLINE_IF(!PyDict_CheckExact(v));
             int in_way = other_stream(v, stream);
             if (in_way < 0) goto fail;
-            DECLINE_IF(in_way);
+            any_in_way |= in_way;
             Py_CLEAR(v);
             if (access == g_write) {
                 if ((v = read_slot(alloc, &s_alloc_readers)) == NULL) goto fail;
                 DECLINE_IF(!PyDict_CheckExact(v));
                 in_way = other_stream(v, stream);
                 if (in_way < 0) goto fail;
-                DECLINE_IF(in_way);
+                any_in_way |= in_way;
             }
         }
     done:
@@ -124,7 +129,13 @@ PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
         Py_XDECREF(ext);
         return NULL;
     }
-    /* 2. record them (each allocation once: the plan is simple) */
+    /* 2. leases of other streams in the way: ordered (device-side waits), or the Python path decides */
+    if (any_in_way) {
+        int ordered = order_in_way(scope, stream, sub, accesses);
+        if (ordered < 0) return NULL;
+        if (!ordered) Py_RETURN_FALSE;
+    }
+    /* 3. record them (each allocation once: the plan is simple) */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *entry = PyTuple_GET_ITEM(accesses, i);
         PyObject *arr = PyTuple_GET_ITEM(entry, 0), *access = PyTuple_GET_ITEM(entry, 1);

@@ -645,6 +645,10 @@ FAST_LEASES = True
 take_whole: Callable[..., bool] | None = None
 if _compiled.ext is not None:
     _compiled.ext.configure_leases(Submission, Allocation)
+    _compiled.ext.configure_order(
+        {"IN_FLIGHT": SubState.IN_FLIGHT, "EXPORTED": SubState.EXPORTED, "QUARANTINED": SubState.QUARANTINED}
+        | {"PENDING": MarkerState.PENDING, "UNKNOWN": MarkerState.UNKNOWN, "_unknown": _unknown}
+    )
     take_whole = _compiled.ext.take_whole
 
 
