@@ -155,6 +155,48 @@ async def test_the_record_is_emit_s() -> None:
         assert rings[0][0][:5] == ("await", "await", 9, sub.stream.index, sub.id)
 
 
+async def test_records_alternating_between_tracers_use_each_one_s_lock() -> None:
+    """The record keeps the last lock's bound methods: records alternating
+    between two tracers (and one whose lock was replaced) each land in their
+    own ring, under their own lock, and leave every lock free."""
+    assert _compiled.ext is not None
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        _x, c, sub = await internals.completed_unwatched(gpu, _launch)
+        a, b = _trace.Tracer(limit=100), _trace.Tracer(limit=100)
+        held = []
+
+        class Spy:
+            """A lock that notes its use (the replacement of ``a``'s)."""
+
+            def __init__(self) -> None:
+                self.inner = a.lock
+
+            def acquire(self) -> bool:
+                held.append("acquire")
+                return self.inner.acquire()
+
+            def release(self) -> None:
+                held.append("release")
+                self.inner.release()
+
+        try:
+            for i in range(6):
+                if i == 4:
+                    a.lock = Spy()  # type: ignore[assignment]
+                c.tracer = (a, b)[i % 2]
+                _compiled.ext.trace_await(c, sub, float(i))
+        finally:
+            c.tracer = None
+        assert [e[-1]["t0"] for e in a.ring] == [0.0, 2.0, 4.0]
+        assert [e[-1]["t0"] for e in b.ring] == [1.0, 3.0, 5.0]
+        assert held == ["acquire", "release"]
+        for lock in (a.lock.inner, b.lock):  # type: ignore[attr-defined]
+            assert lock.acquire(blocking=False)
+            lock.release()
+    assert sim.violations == []
+
+
 class _Nvtx:
     def __init__(self) -> None:
         self.calls: list[str] = []

@@ -161,6 +161,7 @@ PyObject *enqueue_unsafe(PyObject *module, PyObject *const *args, Py_ssize_t nar
 
 /* _claunch_scan.c */
 PyObject *configure_scan(PyObject *module, PyObject *env);
+int flush_stream(PyObject *completion, PyObject *s);
 PyObject *scan(PyObject *module, PyObject *completion);
 PyObject *look(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *prepare(PyObject *module, PyObject *const *args, Py_ssize_t nargs);

@@ -14,7 +14,7 @@
      way are collected access by access (writers, then readers of a write);
      each in turn is skipped once it is already waited for or no longer in
      flight; an unmarked one has its stream's marker recorded
-     (``completion.flush``), a marked one is polled and skipped once
+     (``completion.flush``, in C where _claunch_scan.c makes its steps), a marked one is polled and skipped once
      complete; the waits are issued in the order they were first found
      (``driver.wait_marker``), and ``sub.dirty`` is set after the last.
    - It declines (0) before anything changes wherever the Python path would
@@ -34,7 +34,7 @@
 static int g_order_ready;
 static PyObject *g_in_flight_state, *g_exported, *g_quarantined, *g_pending, *g_unknown, *g_order, *g_unknown_fn;
 static PyObject *n_conflicts, *n_tracer, *n_driver, *n_completion, *n_handle, *n_state, *n_scope, *n_marker,
-    *n_stream, *n_dirty, *n_flush, *n_poll, *n_wait, *n_alloc, *n_extent, *n_writers, *n_readers;
+    *n_stream, *n_dirty, *n_poll, *n_wait, *n_alloc, *n_extent, *n_writers, *n_readers;
 
 /* Append to ``out`` an (arr, key) pair for each key of the dict ``table``
    on another stream than ``stream``: 0, or -1. */
@@ -169,9 +169,10 @@ int order_in_way(PyObject *scope, PyObject *stream, PyObject *sub, PyObject *acc
         if (marker == Py_None) {
             if (completion == NULL) FAIL_IF_NULL(completion = fast_getattr(scope, n_completion));
             FAIL_IF_NULL(other = fast_getattr(c, n_stream));
-            PyObject *argv[2] = {completion, other};
-            FAIL_IF_NULL(r = PyObject_VectorcallMethod(n_flush, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL));
-            Py_CLEAR(r);
+            if (flush_stream(completion, other) < 0) { /* (_claunch_scan.c: Completion.flush's steps) */
+                rc = -1;
+                goto done;
+            }
             Py_CLEAR(other);
             Py_CLEAR(marker);
             FAIL_IF_NULL(marker = fast_getattr(c, n_marker));
@@ -251,7 +252,7 @@ PyObject *configure_order(PyObject *module, PyObject *env) {
     } names[] = {{&g_order, "order"},       {&n_conflicts, "_conflicts"}, {&n_tracer, "_tracer"},
                  {&n_driver, "_driver"},    {&n_completion, "_completion"}, {&n_handle, "handle"},
                  {&n_state, "state"},       {&n_scope, "scope"},        {&n_marker, "marker"},
-                 {&n_stream, "stream"},     {&n_dirty, "dirty"},        {&n_flush, "flush"},
+                 {&n_stream, "stream"},     {&n_dirty, "dirty"},
                  {&n_poll, "poll_marker"},  {&n_wait, "wait_marker"},   {&n_alloc, "_alloc"},
                  {&n_extent, "_extent"},    {&n_writers, "writers"},    {&n_readers, "readers"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)

@@ -67,10 +67,11 @@ static PyObject *poll(PyObject *poll_marker, PyObject *marker) {
    submissions get one marker (``driver.record_marker(s.handle)``) and join
    its pending queue; an exception recording it quarantines each
    (``quarantine_submission``), and a BaseException is raised on. 0, or -1
-   (error set). */
-static int flush_stream(PyObject *completion, PyObject *s) {
-    if (!class_holds(Py_TYPE(completion), n_flush, g_flush_fn)) {
-        PyObject *r = PyObject_CallMethodOneArg(completion, n_flush, s);
+   (error set). Also _claunch_order.c's (the method, until configure_scan). */
+int flush_stream(PyObject *completion, PyObject *s) {
+    if (!g_scan_ready || !class_holds(Py_TYPE(completion), n_flush, g_flush_fn)) {
+        PyObject *r = g_scan_ready ? PyObject_CallMethodOneArg(completion, n_flush, s)
+                                   : PyObject_CallMethod(completion, "flush", "O", s);
         Py_XDECREF(r);
         return r ? 0 : -1;
     }

@@ -37,6 +37,28 @@ static SlotRef r_lock, r_ring, r_recorded, r_limit, r_nvtx, r_c_tracer, r_c_trac
 
 static int tracer_plain(PyObject *tr);
 
+/* The last lock recorded under and its bound acquire and release (held:
+   the lock cannot be freed and another object take its address while its
+   methods are kept). */
+static PyObject *c_lock, *c_acquire, *c_release;
+
+/* ``lock.acquire()`` (release: ``lock.release()``) through the kept bound
+   method where ``lock`` is the last one: a new reference, or NULL. */
+static PyObject *lock_call(PyObject *lock, int release) {
+    if (lock != c_lock) {
+        PyObject *acquire = PyObject_GetAttr(lock, n_acquire);
+        PyObject *rel = acquire ? PyObject_GetAttr(lock, n_release) : NULL;
+        if (rel == NULL) {
+            Py_XDECREF(acquire);
+            return NULL;
+        }
+        Py_XSETREF(c_acquire, acquire);
+        Py_XSETREF(c_release, rel);
+        Py_XSETREF(c_lock, Py_NewRef(lock));
+    }
+    return PyObject_CallNoArgs(release ? c_release : c_acquire);
+}
+
 /* 1 recorded; 0 declined (nothing changed: call emit); -1 error. */
 int trace_record(PyObject *tr, PyObject *cat, PyObject *name, PyObject *sid, PyObject *stream, PyObject *sub,
                  PyObject *alloc, PyObject *args) {
@@ -44,7 +66,7 @@ int trace_record(PyObject *tr, PyObject *cat, PyObject *name, PyObject *sid, PyO
     if (plain <= 0) return plain;
     PyObject *lock = read_slot(tr, &r_lock);
     if (lock == NULL) return -1;
-    PyObject *r = PyObject_CallMethodNoArgs(lock, n_acquire);
+    PyObject *r = lock_call(lock, 0);
     if (r == NULL) {
         Py_DECREF(lock);
         return -1;
@@ -86,7 +108,7 @@ int trace_record(PyObject *tr, PyObject *cat, PyObject *name, PyObject *sid, PyO
     rc = 1;
 release:;
     PyObject *exc = rc < 0 ? take_raised() : NULL;
-    r = PyObject_CallMethodNoArgs(lock, n_release);
+    r = lock_call(lock, 1);
     if (r == NULL) {
         Py_XDECREF(exc); /* (the release's error wins) */
         rc = -1;
@@ -154,7 +176,7 @@ PyObject *trace_await(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if ((rc = tracer_plain(tr)) <= 0) goto done;
     rc = 0;
     DECLINE_IF((task = running_task()) == NULL);
-    FAIL_IF_NULL(name = PyObject_GetAttr(task, n_name));
+    FAIL_IF_NULL(name = fast_getattr(task, n_name));
     FAIL_IF_NULL(state = read_slot(sub, &r_s_state));
     FAIL_IF_NULL(error = read_slot(sub, &r_s_error));
     PyObject *outcome = state == g_in_flight_tr ? u_left : error == Py_None ? u_ok : u_error;
