@@ -640,7 +640,8 @@ def _conflict(
 FAST_LEASES = True
 
 #: the compiled common case of that fast path (``_claunch.take_whole``: a
-#: simple plan with nothing in the way), where the compiled paths are used
+#: simple plan, other streams' leases in its way ordered as
+#: ``_order_conflicts`` orders them), where the compiled paths are used
 #: (``_compiled``); None runs it in Python (tests compare both)
 take_whole: Callable[..., bool] | None = None
 if _compiled.ext is not None:
