@@ -691,15 +691,9 @@ def bench_peers(raw: Raw) -> None:
     print("peers (host µs per launch, bursts of 1000)")
     B = reps(15)
     try:
-        import cupy as cp
-
-        k = cp.RawKernel(EMPTY_SRC, "empty")
-        arrs = [cp.zeros(256, cp.float32) for _ in range(4)]
-        n = np.int32(256)
-        cs = cp.cuda.Stream(non_blocking=True)
+        launch, cs = _cupy_launch()
         with cs:
-            k((1,), (1,), (*arrs, n))
-            record("cupy_rawkernel", burst(lambda: k((1,), (1,), (*arrs, n)), 1000, cs.synchronize, B), "us")
+            record("cupy_rawkernel", burst(launch, 1000, cs.synchronize, B), "us")
     except Exception as exc:
         RESULTS["cupy_rawkernel"] = {"value": None, "note": repr(exc)[:200]}
         print("  cupy:", repr(exc)[:200])
@@ -836,26 +830,38 @@ async def _launchmodes_bench(raw: Raw) -> None:
         await in_turn(rows, B, "launchmodes:")
 
 
-def _cupy_row() -> BurstFn | None:
-    """A burst of CuPy RawKernel launches of the empty kernel (4 arrays + 1
-    int) on its own non-blocking stream, or None without CuPy."""
-    try:
-        import cupy as cp
+def _cupy_launch() -> tuple[Callable[[], object], Any]:
+    """A CuPy RawKernel launch of the empty kernel (4 arrays + 1 int), made
+    once, and the non-blocking stream to time it on: the caller enters the
+    stream (``with stream:``) around its burst, outside the timed calls, and
+    syncs it with ``stream.synchronize``. Raises without CuPy."""
+    import cupy as cp
 
-        k = cp.RawKernel(EMPTY_SRC, "empty")
-        arrs = [cp.zeros(256, cp.float32) for _ in range(4)]
-        n = np.int32(256)
-        cs = cp.cuda.Stream(non_blocking=True)
-        with cs:
-            k((1,), (1,), (*arrs, n))
-        cs.synchronize()
+    k = cp.RawKernel(EMPTY_SRC, "empty")
+    arrs = [cp.zeros(256, cp.float32) for _ in range(4)]
+    args = (*arrs, np.int32(256))
+    cs = cp.cuda.Stream(non_blocking=True)
+
+    def launch() -> object:
+        return k((1,), (1,), args)
+
+    with cs:
+        launch()
+    cs.synchronize()
+    return launch, cs
+
+
+def _cupy_row() -> BurstFn | None:
+    """One burst of ``_cupy_launch``'s launches, or None without CuPy."""
+    try:
+        launch, cs = _cupy_launch()
     except Exception as exc:
         print("  launch modes: no CuPy row:", repr(exc)[:200])
         return None
 
     async def one() -> float:
         with cs:
-            return burst(lambda: k((1,), (1,), (*arrs, n)), 1000, cs.synchronize, 1)
+            return burst(launch, 1000, cs.synchronize, 1)
 
     return one
 

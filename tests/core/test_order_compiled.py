@@ -10,9 +10,10 @@ equally wrong paths fail too. The random programs of
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -104,6 +105,23 @@ def _agree(scenario: Scenario, conflicts: str = "order") -> dict[str, Any]:
     return compiled
 
 
+@contextlib.contextmanager
+def _failing(gpu: Any, method: str, error: BaseException) -> Iterator[None]:
+    """The scope's driver's ``method`` raises ``error`` (patched on its
+    class: the driver is slotted), restored after."""
+    cls = type(internals.driver_of(gpu))
+    real = getattr(cls, method)
+
+    def boom(*args: Any) -> None:
+        raise error
+
+    setattr(cls, method, boom)
+    try:
+        yield
+    finally:
+        setattr(cls, method, real)
+
+
 def _waits(out: dict[str, Any]) -> list[int]:
     return [stream for stream, kind, _ in out["commands"] if kind == "wait_marker"]
 
@@ -170,19 +188,11 @@ def test_a_wait_that_fails_raises_alike():
         await trio.testing.wait_all_tasks_blocked()
         sim.hold()
         gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s0)
-        cls = type(internals.driver_of(gpu))  # (slotted: patched on its class, restored below)
-        real = cls.wait_marker
-
-        def boom(*args: Any) -> None:
-            raise RuntimeError("wait refused")
-
-        cls.wait_marker = boom
-        try:
-            gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s1)
-        except RuntimeError as exc:
-            out["raised"] = repr(exc)
-        finally:
-            cls.wait_marker = real
+        with _failing(gpu, "wait_marker", RuntimeError("wait refused")):
+            try:
+                gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s1)
+            except RuntimeError as exc:
+                out["raised"] = repr(exc)
         out["stats"] = gpu.statistics()
         gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s1)  # ordered now
         sim.release()
@@ -212,19 +222,11 @@ def test_a_marker_that_cannot_be_recorded_raises_alike(error: type[BaseException
             internals.submission_of(gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s0)).marker
             is None
         )
-        cls = type(internals.driver_of(gpu))
-        real = cls.record_marker
-
-        def boom(*args: Any) -> None:
-            raise error("no marker")
-
-        cls.record_marker = boom
-        try:
-            gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s1)
-        except (Boom, trio_cuda.CompletionUnknownError) as exc:
-            out["raised"] = repr(exc)
-        finally:
-            cls.record_marker = real
+        with _failing(gpu, "record_marker", error("no marker")):
+            try:
+                gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s1)
+            except (Boom, trio_cuda.CompletionUnknownError) as exc:
+                out["raised"] = repr(exc)
         out["stats"] = gpu.statistics()
         try:
             gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s1)
