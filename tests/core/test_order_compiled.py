@@ -105,6 +105,17 @@ def _agree(scenario: Scenario, conflicts: str = "order") -> dict[str, Any]:
     return compiled
 
 
+async def _held_writer(gpu: Any, sim: SimDevice) -> tuple[Any, Any]:
+    """The scope's second stream and an array whose writer is in flight on
+    the first, the device held."""
+    s0, s1 = gpu.streams
+    x = gpu.zeros(N, np.float32)
+    await trio.testing.wait_all_tasks_blocked()
+    sim.hold()
+    gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s0)
+    return s1, x
+
+
 @contextlib.contextmanager
 def _failing(gpu: Any, method: str, error: BaseException) -> Iterator[None]:
     """The scope's driver's ``method`` raises ``error`` (patched on its
@@ -181,17 +192,21 @@ def test_no_leak_through_the_compiled_ordering():
     run_bounded(main, limit=20.0)
 
 
-def test_a_wait_that_fails_raises_alike():
+@pytest.mark.parametrize(
+    "error", [Boom("refused"), RuntimeError("refused")], ids=["BaseException", "Exception"]
+)
+@pytest.mark.parametrize("method", ["wait_marker", "poll_marker"])
+def test_a_poll_or_wait_that_fails_raises_alike(method: str, error: BaseException):
+    """The driver's poll of the writer in the way, or the wait on it, raises:
+    the error propagates as it is, nothing of the launch is enqueued, and the
+    next launch is ordered as usual."""
+
     async def scenario(gpu: Any, sim: SimDevice, out: dict[str, Any]) -> None:
-        s0, s1 = gpu.streams
-        x = gpu.zeros(N, np.float32)
-        await trio.testing.wait_all_tasks_blocked()
-        sim.hold()
-        gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s0)
-        with _failing(gpu, "wait_marker", RuntimeError("wait refused")):
+        s1, x = await _held_writer(gpu, sim)
+        with _failing(gpu, method, error):
             try:
                 gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s1)
-            except RuntimeError as exc:
+            except (Boom, RuntimeError) as exc:
                 out["raised"] = repr(exc)
         out["stats"] = gpu.statistics()
         gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s1)  # ordered now
@@ -199,7 +214,8 @@ def test_a_wait_that_fails_raises_alike():
         out["x"] = (await gpu.to_host(x)).tolist()
 
     out = _agree(scenario)
-    assert out["raised"] == "RuntimeError('wait refused')"
+    assert out["raised"] == repr(error)
+    assert out["stats"].in_flight == 1  # (the first writer only)
     assert out["x"] == [2.0] * N
     assert out["violations"] == []
     assert len(_waits(out)) == 1
@@ -282,11 +298,7 @@ def test_conflicts_error_is_left_to_python():
 
 def test_a_completed_writer_in_the_way_is_not_waited_for():
     async def scenario(gpu: Any, sim: SimDevice, out: dict[str, Any]) -> None:
-        s0, s1 = gpu.streams
-        x = gpu.zeros(N, np.float32)
-        await trio.testing.wait_all_tasks_blocked()
-        sim.hold()
-        gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s0)
+        s1, x = await _held_writer(gpu, sim)
         internals.completion_of(gpu).flush_all()
         sim.run_until_idle()  # done on the device, not yet retired
         gpu.submit(BUMP.launch(x, 1.0, grid=1, block=N), stream=s1)
