@@ -235,8 +235,9 @@ class Setup:
             [
                 {
                     (f"stream {keys[k]}", v[0].addr, v[1]) if k in keys else (k, type(v).__name__)
-                    for k, v in lp.cache.items()
+                    for k, v in (lp.cache or {}).items()
                 }
+                | {("enqueued", lp.enqueued)}
                 for lp in self.launches
             ],
             [f.packed for f in self.functions],
@@ -298,7 +299,7 @@ def test_the_common_case_takes_the_compiled_steps() -> None:
     s, f, lp = setup.streams[0], setup.functions[0], setup.launches[0]
     f.packed = direct.packed_offsets(K.plan.slots)  # (decided by the Python method's first call)
     setup.launch(s, f, lp)  # a first enqueue, from the packed parameters
-    assert lp.cache == {"cu.seen": True}
+    assert (lp.cache, lp.enqueued) == (None, True)  # (no memory of its own; a flag, no dict)
     kernels._prepare_launch(s, f, lp)  # (what the Python method does on the second enqueue)
     setup.launch(s, f, lp)  # a prepared one
     m = setup.record(s)
@@ -334,7 +335,7 @@ def test_hot_methods_do_not_leak() -> None:
     setup = Setup(hot=True)
     s, f = setup.streams[1], setup.functions[1]
     run(setup, [("launch", 1, i, 1) for i in range(10)] + [("record", 1, 0, 0), ("poll", 1, 0, 0)])
-    prepared = [v[2] for lp in setup.launches for k, v in lp.cache.items() if k == s.key]
+    prepared = [v[2] for lp in setup.launches for k, v in (lp.cache or {}).items() if k == s.key]
     assert len(prepared) == len(setup.launches)  # (each enqueued again: a prepared call)
     held = (s.write, f, f.packed, setup.table, setup.kernels, s, *setup.launches, *prepared)
     held += tuple(lp.cache for lp in setup.launches)
@@ -414,7 +415,7 @@ def test_launches_with_modes_take_the_python_method(modes: dict[str, Any]) -> No
     f.packed = direct.packed_offsets(K.plan.slots)
     launch(s, f, lp)
     assert calls == [(s, f, lp)]
-    assert (lp.cache, setup.dev.log) == ({}, [])
+    assert (lp.cache, lp.enqueued, setup.dev.log) == (None, False, [])
 
 
 class _Event:

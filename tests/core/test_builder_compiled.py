@@ -98,11 +98,12 @@ def launch_summary(launch: Any) -> tuple[Any, ...]:
         prepared.arena,
         [view_key(v) for v in prepared.arg_views()],
         prepared.values,
-        sorted(prepared.cache),  # (its views: compared above)
+        sorted(prepared.cache or ()),  # (its views: compared above)
+        prepared.enqueued,
         prepared.ready,
         [(id(a), m) for a, m in internals.accesses_of(launch)],
         [id(a) for a in out] if isinstance(out, tuple) else id(out),
-        launch._lease_plan,
+        internals.lease_plan_of(launch),
     )
 
 

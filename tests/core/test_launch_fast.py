@@ -171,7 +171,8 @@ def _same_launch(fast: KernelLaunch, checked: KernelLaunch) -> None:
         want = launch_lease_plan(checked)
         assert [id(a) for a in plan[0]] == [id(a) for a in want[0]]
         assert plan[1] is want[1]
-    assert set(fp.cache) <= {"views"}  # its own scratch space, unused so far
+    assert set(fp.cache or ()) <= {"views"}  # its own scratch space, unused so far
+    assert fp.enqueued is False
     with pytest.raises(AttributeError):
         internals.set_output(fast, None)
 
@@ -360,12 +361,13 @@ async def test_each_launch_owns_its_arguments_and_scratch_space() -> None:
         a = k.launch(1, y, grid=1, block=1)
         b = k.launch(2, y, grid=1, block=1)
         assert a.prepared.arena != b.prepared.arena
-        assert a.prepared.cache is not b.prepared.cache
+        assert a.prepared.scratch() is not b.prepared.scratch()
         assert a.prepared.arena[:4] == np.int32(1).tobytes()
         await gpu.run(a)
         await gpu.run(b)
         await gpu.run(a)  # a launch is reusable
-        assert a.prepared.cache is not b.prepared.cache
+        assert a.prepared.scratch() is not b.prepared.scratch()
+        assert a.prepared.scratch() is a.prepared.cache
 
 
 def test_kernel_without_params_and_wrong_arity() -> None:

@@ -242,8 +242,9 @@ def output_of(launch: Any) -> Any:
 
 
 def lease_plan_of(launch: Any) -> Any:
-    """A kernel launch's precomputed lease plan."""
-    return launch._lease_plan
+    """A kernel launch's precomputed lease plan, (allocations, simple), or None."""
+    plan = launch._lease_plan
+    return None if plan is None else (plan, launch._lease_simple)
 
 
 def function_limits(driver: Any, function: Any) -> Any:

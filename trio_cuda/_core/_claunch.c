@@ -57,10 +57,10 @@
 
 int g_configured;
 SlotRef g_slot[N_SLOTREFS];
-PyTypeObject *g_array_type, *g_prepared_type, *g_launch_type;
+PyTypeObject *g_array_type, *g_prepared_type, *g_launch_type, *g_modes_type;
 PyObject *g_freed, *g_live, *g_write, *g_merge;
-Py_ssize_t g_prepared_off[8];
-Py_ssize_t g_launch_off[4];
+Py_ssize_t g_prepared_off[9];
+Py_ssize_t g_launch_off[5];
 
 int make_slot_ref(PyObject *type, const char *name, SlotRef *out) {
     PyObject *d = PyObject_GetAttrString(type, name);
@@ -140,9 +140,9 @@ static PyObject *configure(PyObject *module, PyObject *env) {
     PyErr_SetString(PyExc_RuntimeError, "configure: the paths pack little-endian arguments (a big-endian host)");
     return NULL;
 #endif
-    static const char *const prepared_names[8] = {"kernel", "config", "plan", "arena",
-                                                  "args", "values", "cache", "ready"};
-    static const char *const launch_names[4] = {"prepared", "_accesses", "_lease_plan", "_output"};
+    static const char *const prepared_names[9] = {"kernel", "config", "plan", "arena", "args",
+                                                  "values", "cache", "ready", "enqueued"};
+    static const char *const launch_names[5] = {"prepared", "_acc", "_lease_plan", "_output", "_lease_simple"};
     PyTypeObject *alloc_type, *table_type;
     if (take_type(env, "DeviceArray", &g_array_type) < 0 || take_type(env, "Allocation", &alloc_type) < 0 ||
         take_type(env, "MemoryTable", &table_type) < 0)
@@ -160,10 +160,10 @@ static PyObject *configure(PyObject *module, PyObject *env) {
         if (make_slot_ref((PyObject *)owners[refs[i].owner], refs[i].name, &g_slot[refs[i].which]) < 0) return NULL;
     if (take(env, "FREED", &g_freed) < 0 || take(env, "LIVE", &g_live) < 0 || take(env, "WRITE", &g_write) < 0 ||
         take(env, "merge_accesses", &g_merge) < 0 || take_type(env, "PreparedLaunch", &g_prepared_type) < 0 ||
-        take_type(env, "KernelLaunch", &g_launch_type) < 0)
+        take_type(env, "KernelLaunch", &g_launch_type) < 0 || take_type(env, "ArrayModes", &g_modes_type) < 0)
         return NULL;
-    if (take_offsets(g_prepared_type, prepared_names, g_prepared_off, 8) < 0 ||
-        take_offsets(g_launch_type, launch_names, g_launch_off, 4) < 0)
+    if (take_offsets(g_prepared_type, prepared_names, g_prepared_off, 9) < 0 ||
+        take_offsets(g_launch_type, launch_names, g_launch_off, 5) < 0)
         return NULL;
     if (builder_init() < 0 || typed_init() < 0) return NULL;
     g_configured = 1;

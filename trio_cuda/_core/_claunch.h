@@ -34,10 +34,10 @@ enum {
 /* set once by configure() */
 extern int g_configured;
 extern SlotRef g_slot[N_SLOTREFS];
-extern PyTypeObject *g_array_type, *g_prepared_type, *g_launch_type;
+extern PyTypeObject *g_array_type, *g_prepared_type, *g_launch_type, *g_modes_type;
 extern PyObject *g_freed, *g_live, *g_write, *g_merge;
-extern Py_ssize_t g_prepared_off[8]; /* kernel config plan arena args values cache ready */
-extern Py_ssize_t g_launch_off[4];   /* prepared _accesses _lease_plan _output */
+extern Py_ssize_t g_prepared_off[9]; /* kernel config plan arena args values cache ready enqueued */
+extern Py_ssize_t g_launch_off[5];   /* prepared _acc _lease_plan _output _lease_simple */
 
 /* The value of slot ``ref`` of ``obj`` (a new reference), through getattr
    where ``obj`` is not of the slot's exact type or the slot is empty. */
@@ -101,6 +101,65 @@ static inline int as_u64(PyObject *obj, unsigned long long *out) {
 
 int make_slot_ref(PyObject *type, const char *name, SlotRef *out);
 
+/* A launch's accesses, its (array, access) items in order. Its ``_acc``
+   slot holds either their tuple of pairs, or its typed path's modes (an
+   ArrayModes: one access, or None for a scalar, per value; the arrays are
+   the launch's values), from which ``KernelLaunch._accesses`` makes the
+   pairs when Python asks for them. */
+typedef struct {
+    PyObject *items;  /* the pairs, or the modes (borrowed) */
+    PyObject *values; /* NULL for pairs; else the values' tuple (borrowed) */
+    Py_ssize_t n;
+} Accesses;
+
+/* ``acc`` (a tuple of pairs, or modes with ``values``) as Accesses: 1, or 0
+   where it is neither well formed (the Python path decides). */
+static inline int accesses_of(PyObject *acc, PyObject *values, Accesses *out) {
+    if (acc == NULL) return 0;
+    out->items = acc;
+    out->n = PyTuple_Check(acc) ? PyTuple_GET_SIZE(acc) : 0;
+    if (PyTuple_CheckExact(acc)) {
+        out->values = NULL;
+        for (Py_ssize_t i = 0; i < out->n; i++) {
+            PyObject *pair = PyTuple_GET_ITEM(acc, i);
+            if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) return 0;
+        }
+        return 1;
+    }
+    out->values = values;
+    return Py_TYPE(acc) == g_modes_type && values != NULL && PyTuple_CheckExact(values) &&
+           PyTuple_GET_SIZE(values) == out->n;
+}
+
+/* The access at or after *pos (borrowed; *pos moved past it): 1, or 0 at the end. */
+static inline int accesses_next(const Accesses *a, Py_ssize_t *pos, PyObject **arr, PyObject **mode) {
+    for (Py_ssize_t i = *pos; i < a->n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(a->items, i);
+        if (a->values == NULL) {
+            *arr = PyTuple_GET_ITEM(item, 0);
+            *mode = PyTuple_GET_ITEM(item, 1);
+        } else if (item == Py_None) {
+            continue;
+        } else {
+            *arr = PyTuple_GET_ITEM(a->values, i);
+            *mode = item;
+        }
+        *pos = i + 1;
+        return 1;
+    }
+    *pos = a->n;
+    return 0;
+}
+
+/* The Accesses of launch ``op`` (of the exact launch type): 1, or 0. */
+static inline int launch_accesses(PyObject *op, Accesses *out) {
+    PyObject *prepared = *(PyObject **)((char *)op + g_launch_off[0]);
+    PyObject *values = prepared != NULL && Py_TYPE(prepared) == g_prepared_type
+                           ? *(PyObject **)((char *)prepared + g_prepared_off[5])
+                           : NULL;
+    return accesses_of(*(PyObject **)((char *)op + g_launch_off[1]), values, out);
+}
+
 /* The exception being raised, normalised, its traceback attached (a new
    reference); the error indicator cleared. Raise it again with
    ``PyErr_SetObject((PyObject *)Py_TYPE(exc), exc)``. */
@@ -146,12 +205,13 @@ PyObject *make_base(PyObject *module, PyObject *args);
 /* _claunch_leases.c */
 PyObject *configure_leases(PyObject *module, PyObject *args);
 PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+int take_whole_c(PyObject *scope, PyObject *stream, PyObject *sub, const Accesses *acc, PyObject *allocs);
 PyObject *configure_retire(PyObject *module, PyObject *args);
 PyObject *retire_done(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* _claunch_order.c */
 PyObject *configure_order(PyObject *module, PyObject *env);
-int order_in_way(PyObject *scope, PyObject *stream, PyObject *sub, PyObject *accesses);
+int order_in_way(PyObject *scope, PyObject *stream, PyObject *sub, const Accesses *acc);
 
 /* _claunch_submit.c */
 PyObject *future_of(PyObject *module, PyObject *sub);

@@ -430,7 +430,7 @@ static PyObject *b_finalize(Builder *self, PyObject *const *args, Py_ssize_t nar
     if (nargs || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) || !fields_ok(self))
         return delegate(REF_FINALIZE, (PyObject *)self, args, nargs, kwnames);
     PyObject *config = NULL, *key = NULL, *plan = NULL, *accesses = NULL, *merged = NULL, *arena = NULL,
-             *values = NULL, *views = NULL, *cache = NULL, *prepared = NULL, *output = NULL, *launch = NULL;
+             *values = NULL, *views = NULL, *prepared = NULL, *output = NULL, *launch = NULL;
     if ((config = config_of(self)) == NULL) goto done;
     if ((key = PyList_AsTuple(self->layout)) == NULL) goto done;
     if ((plan = plan_of(self, key)) == NULL) goto done;
@@ -459,11 +459,10 @@ static PyObject *b_finalize(Builder *self, PyObject *const *args, Py_ssize_t nar
     lazy->accesses = accesses;
     PyObject_GC_Track(lazy);
     views = (PyObject *)lazy;
-    if ((cache = PyDict_New()) == NULL) goto done;
     {
-        PyObject *fields[8] = {self->kernel, config, plan, arena, views, PyTuple_New(0), cache, Py_None};
+        PyObject *fields[9] = {self->kernel, config, plan, arena, views, PyTuple_New(0), Py_None, Py_None, Py_False};
         if (fields[5] == NULL) goto done;
-        prepared = new_instance(g_prepared_type, g_prepared_off, fields, 8);
+        prepared = new_instance(g_prepared_type, g_prepared_off, fields, 9);
         Py_DECREF(fields[5]);
         if (prepared == NULL) goto done;
     }
@@ -478,8 +477,8 @@ static PyObject *b_finalize(Builder *self, PyObject *const *args, Py_ssize_t nar
         goto done;
     }
     {
-        PyObject *fields[4] = {prepared, merged, Py_None, output};
-        launch = new_instance(g_launch_type, g_launch_off, fields, 4);
+        PyObject *fields[5] = {prepared, merged, Py_None, output, Py_False};
+        launch = new_instance(g_launch_type, g_launch_off, fields, 5);
     }
 done:
     Py_XDECREF(config);
@@ -490,7 +489,6 @@ done:
     Py_XDECREF(arena);
     Py_XDECREF(values);
     Py_XDECREF(views);
-    Py_XDECREF(cache);
     Py_XDECREF(prepared);
     Py_XDECREF(output);
     return launch;

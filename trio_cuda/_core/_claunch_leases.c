@@ -64,19 +64,25 @@ PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
         PyErr_SetString(PyExc_TypeError, "take_whole(scope, stream, sub, accesses, allocs)");
         return NULL;
     }
+    Accesses acc;
+    if (!PyTuple_CheckExact(args[3]) || !accesses_of(args[3], NULL, &acc)) Py_RETURN_FALSE;
+    int rc = take_whole_c(args[0], args[1], args[2], &acc, args[4]);
+    if (rc < 0) return NULL;
+    return PyBool_FromLong(rc);
+}
+
+/* take_whole for ``acc``: 1 taken, 0 declined (nothing changed), -1 error. */
+int take_whole_c(PyObject *scope, PyObject *stream, PyObject *sub, const Accesses *acc, PyObject *allocs) {
     if (!g_leases_ready) {
         PyErr_SetString(PyExc_RuntimeError, "take_whole: configure_leases() first");
-        return NULL;
+        return -1;
     }
-    PyObject *scope = args[0], *stream = args[1], *sub = args[2], *accesses = args[3], *allocs = args[4];
-    if (!PyTuple_CheckExact(accesses) || !PyTuple_CheckExact(allocs)) Py_RETURN_FALSE;
-    Py_ssize_t n = PyTuple_GET_SIZE(accesses);
+    if (!PyTuple_CheckExact(allocs)) return 0;
+    Py_ssize_t pos = 0;
+    PyObject *arr, *access;
     int any_in_way = 0;
     /* 1. every array usable (reads only); whether another stream's lease is in the way */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *entry = PyTuple_GET_ITEM(accesses, i);
-        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2) Py_RETURN_FALSE;
-        PyObject *arr = PyTuple_GET_ITEM(entry, 0), *access = PyTuple_GET_ITEM(entry, 1);
+    while (accesses_next(acc, &pos, &arr, &access)) {
         int rc = 1;
         PyObject *flag = NULL, *alloc = NULL, *v = NULL, *ext = NULL;
         DECLINE_IF(Py_TYPE(arr) != g_array_type);
@@ -120,25 +126,22 @@ PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
         Py_XDECREF(alloc);
         Py_XDECREF(v);
         Py_XDECREF(ext);
-        if (rc == 0) Py_RETURN_FALSE;
+        if (rc == 0) return 0;
         continue;
     fail:
         Py_XDECREF(flag);
         Py_XDECREF(alloc);
         Py_XDECREF(v);
         Py_XDECREF(ext);
-        return NULL;
+        return -1;
     }
     /* 2. leases of other streams in the way: ordered (device-side waits), or the Python path decides */
     if (any_in_way) {
-        int ordered = order_in_way(scope, stream, sub, accesses);
-        if (ordered < 0) return NULL;
-        if (!ordered) Py_RETURN_FALSE;
+        int ordered = order_in_way(scope, stream, sub, acc);
+        if (ordered <= 0) return ordered;
     }
     /* 3. record them (each allocation once: the plan is simple) */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *entry = PyTuple_GET_ITEM(accesses, i);
-        PyObject *arr = PyTuple_GET_ITEM(entry, 0), *access = PyTuple_GET_ITEM(entry, 1);
+    for (pos = 0; accesses_next(acc, &pos, &arr, &access);) {
         PyObject *alloc = read_slot(arr, &g_slot[A_ALLOC]);
         PyObject *ext = alloc ? read_slot(arr, &s_arr_extent) : NULL;
         PyObject *active = ext ? read_slot(alloc, &s_alloc_active) : NULL;
@@ -162,11 +165,11 @@ PyObject *take_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
         Py_XDECREF(active);
         Py_XDECREF(writers);
         Py_XDECREF(readers);
-        if (rc < 0) return NULL; /* (memory exhausted part-way: the caller's error path retires what it has) */
+        if (rc < 0) return -1; /* (memory exhausted part-way: the caller's error path retires what it has) */
     }
     Py_INCREF(allocs);
-    if (store_slot(sub, &s_sub_leases, allocs) < 0) return NULL;
-    Py_RETURN_TRUE;
+    if (store_slot(sub, &s_sub_leases, allocs) < 0) return -1;
+    return 1;
 }
 
 /* configure_leases(Submission, Allocation): the slots take_whole uses. */

@@ -2,7 +2,7 @@
    trio_cuda._core._claunch): the step of ``take_whole`` that
    ``_submit._order_conflicts`` and ``_conflict`` make in Python.
 
-   order_in_way(scope, stream, sub, accesses) is called by take_whole for a
+   order_in_way(scope, stream, sub, acc) is called by take_whole for a
    simple lease plan (whole allocations, each once) whose arrays it found
    usable, where some lease of another stream is in the way (a writer of an
    allocation the launch touches, or a reader of one it writes). It returns
@@ -59,13 +59,12 @@ static int collect(PyObject *table, PyObject *stream, PyObject *arr, PyObject *o
 
 /* The leases in the way, in the Python path's order: a new list of
    (the launch's array, the submission holding the lease), or NULL. */
-static PyObject *in_way(PyObject *stream, PyObject *accesses) {
+static PyObject *in_way(PyObject *stream, const Accesses *acc) {
     PyObject *out = PyList_New(0);
     if (out == NULL) return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(accesses);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *entry = PyTuple_GET_ITEM(accesses, i); /* (take_whole checked: an (array, access) pair) */
-        PyObject *arr = PyTuple_GET_ITEM(entry, 0), *access = PyTuple_GET_ITEM(entry, 1);
+    Py_ssize_t pos = 0;
+    PyObject *arr, *access;
+    while (accesses_next(acc, &pos, &arr, &access)) {
         PyObject *alloc = fast_getattr(arr, n_alloc);
         PyObject *ext = alloc ? fast_getattr(arr, n_extent) : NULL;
         PyObject *table = NULL;
@@ -121,7 +120,7 @@ static int raise_unknown(PyObject *sub, PyObject *arr, PyObject *other) {
     return -1;
 }
 
-int order_in_way(PyObject *scope, PyObject *stream, PyObject *sub, PyObject *accesses) {
+int order_in_way(PyObject *scope, PyObject *stream, PyObject *sub, const Accesses *acc) {
     if (!g_order_ready) return 0;
     int rc = 0;
     PyObject *v = NULL, *found = NULL, *waits = NULL, *driver = NULL, *completion = NULL, *marker = NULL;
@@ -140,7 +139,7 @@ int order_in_way(PyObject *scope, PyObject *stream, PyObject *sub, PyObject *acc
     FAIL_IF_NULL(v = fast_getattr(scope, n_tracer));
     DECLINE_IF(v != Py_None);
     Py_CLEAR(v);
-    FAIL_IF_NULL(found = in_way(stream, accesses));
+    FAIL_IF_NULL(found = in_way(stream, acc));
     Py_ssize_t n = PyList_GET_SIZE(found);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *c = PyTuple_GET_ITEM(PyList_GET_ITEM(found, i), 1);

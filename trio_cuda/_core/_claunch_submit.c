@@ -41,14 +41,14 @@ static SlotRef r_sc_functions, r_sc_kernels, r_sc_next_id, r_sc_driver, r_sc_com
 static SlotRef r_st_scope, r_st_handle, r_st_in_flight, r_st_unmarked;
 static SlotRef r_c_in_flight, r_c_unflushed, r_c_batch, r_c_driver;
 static SlotRef r_sub_error, r_sub_observed, r_sub_dirty, r_sub_output, r_sub_state;
-static SlotRef r_kt_last, r_kt_functions, r_k_tile;
+static SlotRef r_kt_last, r_kt_functions, r_kt_ready, r_k_tile;
 enum { N_SUB = 15 };
 static const char *const sub_names[N_SUB] = {"scope",  "stream", "id",       "op",       "state",
                                              "marker", "owners", "finishers", "leases",  "error",
                                              "observed", "output", "waiter",  "dirty",   "unknown"};
 static Py_ssize_t sub_off[N_SUB];
 static PyObject *g_enqueuing, *g_in_flight, *g_empty, *g_tll, *g_scope_globals, *g_submit_globals;
-static PyObject *n_tll, *n_fast, *n_take_whole, *n_rest, *n_pick, *n_check_choice, *n_choose, *n_function_for, *n_launch,
+static PyObject *n_accesses, *n_tll, *n_fast, *n_take_whole, *n_rest, *n_pick, *n_check_choice, *n_choose, *n_function_for, *n_launch,
     *n_finish, *n_flush, *n_notify, *n_per_launch, *n_check_open, *n_async_on, *g_enqueue_py, *n_trace_error, *n_trace_submit, *n_timing_mark;
 
 static PyTypeObject *t_follow, *t_least;
@@ -83,12 +83,11 @@ static PyObject *least_loaded_choice(PyObject *policy, PyObject *streams, PyObje
     if (own == NULL) return NULL;
     if (!class_holds(tp, n_choose, own)) return NULL;
     if (tp == t_follow) {
-        PyObject *accesses = Py_TYPE(op) == g_launch_type ? *(PyObject **)((char *)op + g_launch_off[1]) : NULL;
-        if (accesses == NULL || !PyTuple_CheckExact(accesses)) return NULL;
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(accesses); i++) {
-            PyObject *pair = PyTuple_GET_ITEM(accesses, i);
-            if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) return NULL;
-            PyObject *arr = PyTuple_GET_ITEM(pair, 0);
+        Accesses acc;
+        if (Py_TYPE(op) != g_launch_type || !launch_accesses(op, &acc)) return NULL;
+        Py_ssize_t pos = 0;
+        PyObject *arr, *access;
+        while (accesses_next(&acc, &pos, &arr, &access)) {
             if (Py_TYPE(arr) != g_array_type) return NULL;
             PyObject *alloc = read_slot(arr, &g_slot[A_ALLOC]);
             PyObject *writers = alloc ? read_slot(alloc, &r_al_writers) : NULL;
@@ -181,13 +180,24 @@ static PyObject *last_checked(PyObject *kernels, PyObject *prepared) {
         Py_DECREF(table);
         return NULL;
     }
-    PyObject *fn = NULL;
+    PyObject *fn = NULL, *pairs = NULL;
     if (PyDict_CheckExact(table) && PyDict_CheckExact(functions)) {
         PyObject *last = PyDict_GetItemWithError(table, kernel); /* (borrowed) */
         if (last != NULL && PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 2 &&
-            PyTuple_GET_ITEM(last, 0) == config && PyTuple_GET_ITEM(last, 1) == plan) {
-            fn = PyDict_GetItemWithError(functions, kernel);
-            PyObject *ready = fn ? PyTuple_Pack(2, functions, fn) : NULL;
+            PyTuple_GET_ITEM(last, 0) == config && PyTuple_GET_ITEM(last, 1) == plan &&
+            (pairs = read_slot(kernels, &r_kt_ready)) != NULL && PyDict_CheckExact(pairs)) {
+            fn = PyDict_GetItemWithError(functions, kernel); /* (borrowed) */
+            /* the kernel's shared (functions, fn) pair, as function_for keeps it */
+            PyObject *ready = fn ? PyDict_GetItemWithError(pairs, kernel) : NULL; /* (borrowed) */
+            if (ready != NULL && PyTuple_CheckExact(ready) && PyTuple_GET_SIZE(ready) == 2 &&
+                PyTuple_GET_ITEM(ready, 0) == functions && PyTuple_GET_ITEM(ready, 1) == fn) {
+                Py_INCREF(ready);
+            } else if (fn != NULL && !PyErr_Occurred()) {
+                ready = PyTuple_Pack(2, functions, fn);
+                if (ready != NULL && PyDict_SetItem(pairs, kernel, ready) < 0) Py_CLEAR(ready);
+            } else {
+                ready = NULL;
+            }
             if (ready == NULL) {
                 fn = NULL;
             } else {
@@ -201,6 +211,7 @@ static PyObject *last_checked(PyObject *kernels, PyObject *prepared) {
     }
     Py_DECREF(table);
     Py_DECREF(functions);
+    Py_XDECREF(pairs);
     return fn;
 }
 
@@ -245,22 +256,28 @@ static int take_leases(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op
         if (fast == NULL && PyErr_Occurred()) goto done;
         plan = *(PyObject **)((char *)op + g_launch_off[2]); /* (op is of the exact type) */
         Py_XINCREF(plan);
-        if (fast == Py_True && plan != NULL && PyTuple_CheckExact(plan) && PyTuple_GET_SIZE(plan) == 2) {
-            PyObject *allocs = PyTuple_GET_ITEM(plan, 0), *simple = PyTuple_GET_ITEM(plan, 1);
+        PyObject *simple = *(PyObject **)((char *)op + g_launch_off[4]);
+        if (fast == Py_True && plan != NULL && PyTuple_CheckExact(plan) && simple != NULL) {
+            PyObject *allocs = plan;
             PyObject *tw = PyDict_GetItemWithError(g_submit_globals, n_take_whole);
             if (tw == NULL && PyErr_Occurred()) goto done;
             if (simple == Py_True && tw != NULL && tw != Py_None) {
-                PyObject *accesses = *(PyObject **)((char *)op + g_launch_off[1]);
-                if (accesses == NULL) {
-                    PyErr_SetString(PyExc_AttributeError, "_accesses");
-                    goto done;
+                Accesses acc;
+                int yes;
+                if (PyCFunction_Check(tw) && PyCFunction_GET_FUNCTION(tw) == (PyCFunction)(void (*)(void))take_whole &&
+                    launch_accesses(op, &acc)) {
+                    yes = take_whole_c(scope, s, sub, &acc, allocs); /* (what it does, without the call) */
+                } else { /* (a patched one, or accesses of another form: given the pairs, as Python would) */
+                    PyObject *accesses = PyObject_GetAttr(op, n_accesses);
+                    if (accesses == NULL) goto done;
+                    Py_INCREF(tw);
+                    PyObject *argv[5] = {scope, s, sub, accesses, allocs};
+                    PyObject *took = PyObject_Vectorcall(tw, argv, 5, NULL);
+                    Py_DECREF(tw);
+                    Py_DECREF(accesses);
+                    yes = took ? PyObject_IsTrue(took) : -1;
+                    Py_XDECREF(took);
                 }
-                Py_INCREF(tw);
-                PyObject *argv[5] = {scope, s, sub, accesses, allocs};
-                PyObject *took = PyObject_Vectorcall(tw, argv, 5, NULL);
-                Py_DECREF(tw);
-                int yes = took ? PyObject_IsTrue(took) : -1;
-                Py_XDECREF(took);
                 if (yes < 0) goto done;
                 if (yes) {
                     rc = 0;
@@ -626,7 +643,8 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
                 {tp_sub, "error", &r_sub_error},           {tp_sub, "observed", &r_sub_observed},
                 {tp_sub, "dirty", &r_sub_dirty},           {tp_sub, "output", &r_sub_output},
                 {tp_sub, "state", &r_sub_state},           {tp_kt, "last_checked", &r_kt_last},
-                {tp_kt, "functions", &r_kt_functions},     {tp_k, "tile", &r_k_tile}};
+                {tp_kt, "functions", &r_kt_functions},     {tp_kt, "ready", &r_kt_ready},
+                {tp_k, "tile", &r_k_tile}};
     for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
         if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
     PyObject *tp_alloc;
@@ -656,7 +674,7 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
         return NULL;
     }
     if ((g_empty = PyTuple_New(0)) == NULL) return NULL;
-    if (intern(&n_tll, "take_launch_leases") < 0 || intern(&n_fast, "FAST_LEASES") < 0 ||
+    if (intern(&n_accesses, "_accesses") < 0 || intern(&n_tll, "take_launch_leases") < 0 || intern(&n_fast, "FAST_LEASES") < 0 ||
         intern(&n_take_whole, "take_whole") < 0 || intern(&n_rest, "take_launch_leases_rest") < 0 || intern(&n_pick, "_pick") < 0 ||
         intern(&n_check_choice, "_check_choice") < 0 || intern(&n_choose, "choose") < 0 ||
         intern(&n_function_for, "function_for") < 0 || intern(&n_launch, "launch") < 0 ||

@@ -250,10 +250,10 @@ int submit_record(PyObject *fn, PyObject *scope, PyObject *tr, PyObject *sub, Py
     PyObject *leases = NULL, *record = NULL, *cmds = NULL, *cmd = NULL, *d = NULL, *sid = NULL, *name = NULL;
     PyObject *plan = *(PyObject **)((char *)op + g_launch_off[2]);
     PyObject *prepared = *(PyObject **)((char *)op + g_launch_off[0]);
-    DECLINE_IF(plan == NULL || !PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) < 1);
+    DECLINE_IF(plan == NULL || !PyTuple_CheckExact(plan));
     DECLINE_IF(prepared == NULL || Py_TYPE(prepared) != g_prepared_type);
     FAIL_IF_NULL(leases = read_slot(sub, &r_s_leases));
-    DECLINE_IF(leases != PyTuple_GET_ITEM(plan, 0));
+    DECLINE_IF(leases != plan);
     PyObject *cache = *(PyObject **)((char *)prepared + g_prepared_off[6]);
     PyObject *kernel = *(PyObject **)((char *)prepared + g_prepared_off[0]);
     DECLINE_IF(cache == NULL || !PyDict_CheckExact(cache) || kernel == NULL);

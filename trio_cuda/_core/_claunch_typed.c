@@ -38,6 +38,7 @@ typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *kernel, *plan;
+    PyObject *modes; /* an ArrayModes: each argument's access, or None (a launch's _acc, see _claunch.h) */
     Py_ssize_t size, n;
     int tile; /* a tile recipe: two arrays of one allocation, one written, go to the checked path */
     Entry *entries;
@@ -48,6 +49,7 @@ typedef struct {
 static int typed_traverse(TypedLaunch *self, visitproc visit, void *arg) {
     Py_VISIT(self->kernel);
     Py_VISIT(self->plan);
+    Py_VISIT(self->modes);
     for (Py_ssize_t i = 0; i < self->n && self->entries; i++) {
         Entry *e = &self->entries[i];
         Py_VISIT(e->dt);
@@ -64,6 +66,7 @@ static int typed_traverse(TypedLaunch *self, visitproc visit, void *arg) {
 static int typed_clear(TypedLaunch *self) {
     Py_CLEAR(self->kernel);
     Py_CLEAR(self->plan);
+    Py_CLEAR(self->modes);
     for (Py_ssize_t i = 0; i < self->n && self->entries; i++) {
         Entry *e = &self->entries[i];
         Py_CLEAR(e->dt);
@@ -358,7 +361,7 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
     Py_ssize_t n = self->n, n_arrays = 0, n_out = 0;
     PyObject *small_allocs[16], *small_acc[16];
     PyObject **allocs = small_allocs, **acc = small_acc;
-    PyObject *arena = NULL, *accesses = NULL, *merged = NULL, *lease_plan = NULL, *output = NULL, *cache = NULL,
+    PyObject *arena = NULL, *accesses = NULL, *merged = NULL, *lease_plan = NULL, *output = NULL,
              *prepared = NULL, *result = NULL;
     int rc = 1;
     if (n > 16) {
@@ -391,15 +394,7 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
             if (rc <= 0) goto done;
         }
     }
-    FAIL_IF_NULL(accesses = PyTuple_New(n_arrays));
-    for (Py_ssize_t i = 0, j = 0; i < n; i++) {
-        Entry *e = &self->entries[i];
-        if (!IS_ARRAY(e->kind)) continue;
-        PyObject *pair = PyTuple_Pack(2, acc[j], e->access);
-        FAIL_IF_NULL(pair);
-        PyTuple_SET_ITEM(accesses, j++, pair);
-    }
-    int shared = 0;
+    int shared = 0, simple = 0;
     for (Py_ssize_t i = 0; i < n_arrays; i++)
         for (Py_ssize_t j = i + 1; j < n_arrays; j++)
             if (allocs[i] == allocs[j]) {
@@ -420,30 +415,30 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
         }
     }
     if (shared) { /* (its lease plan: made from the merged accesses at its first safe submission) */
+        FAIL_IF_NULL(accesses = PyTuple_New(n_arrays));
+        for (Py_ssize_t i = 0, j = 0; i < n; i++) {
+            Entry *e = &self->entries[i];
+            if (!IS_ARRAY(e->kind)) continue;
+            PyObject *pair = PyTuple_Pack(2, acc[j], e->access);
+            FAIL_IF_NULL(pair);
+            PyTuple_SET_ITEM(accesses, j++, pair);
+        }
         FAIL_IF_NULL(merged = PyObject_CallOneArg(g_merge, accesses));
-        Py_INCREF(Py_None);
-        lease_plan = Py_None;
-    } else {
-        Py_INCREF(accesses);
-        merged = accesses;
+        lease_plan = Py_NewRef(Py_None);
+        simple = 0;
+    } else { /* (its accesses: the pairs made from its modes and values when asked for) */
+        merged = Py_NewRef(self->modes);
         /* its lease plan, as _submit.launch_lease_plan makes it: each
            allocation once, and whether every array is its whole allocation */
-        int simple = 1;
+        simple = 1;
         for (Py_ssize_t i = 0; i < n_arrays && simple; i++) {
             PyObject *whole = read_slot(acc[i], &g_slot[A_WHOLE]);
             FAIL_IF_NULL(whole);
             simple = whole == Py_True;
             Py_DECREF(whole);
         }
-        PyObject *plan_allocs = PyTuple_New(n_arrays);
-        FAIL_IF_NULL(plan_allocs);
-        for (Py_ssize_t i = 0; i < n_arrays; i++) {
-            Py_INCREF(allocs[i]);
-            PyTuple_SET_ITEM(plan_allocs, i, allocs[i]);
-        }
-        lease_plan = PyTuple_Pack(2, plan_allocs, simple ? Py_True : Py_False);
-        Py_DECREF(plan_allocs);
-        FAIL_IF_NULL(lease_plan);
+        FAIL_IF_NULL(lease_plan = PyTuple_New(n_arrays));
+        for (Py_ssize_t i = 0; i < n_arrays; i++) PyTuple_SET_ITEM(lease_plan, i, Py_NewRef(allocs[i]));
     }
     if (n_out == 0) {
         output = Py_None;
@@ -462,14 +457,13 @@ static PyObject *typed_call(TypedLaunch *self, PyObject *const *argv, size_t nar
                 PyTuple_SET_ITEM(output, k++, a);
         }
     }
-    FAIL_IF_NULL(cache = PyDict_New());
     {
-        PyObject *fields[8] = {self->kernel, config, self->plan, arena, Py_None, args, cache, Py_None};
-        FAIL_IF_NULL(prepared = new_instance(g_prepared_type, g_prepared_off, fields, 8));
+        PyObject *fields[9] = {self->kernel, config, self->plan, arena, Py_None, args, Py_None, Py_None, Py_False};
+        FAIL_IF_NULL(prepared = new_instance(g_prepared_type, g_prepared_off, fields, 9));
     }
     {
-        PyObject *fields[4] = {prepared, merged, lease_plan, output};
-        FAIL_IF_NULL(result = new_instance(g_launch_type, g_launch_off, fields, 4));
+        PyObject *fields[5] = {prepared, merged, lease_plan, output, simple ? Py_True : Py_False};
+        FAIL_IF_NULL(result = new_instance(g_launch_type, g_launch_off, fields, 5));
     }
 done:
     for (Py_ssize_t i = 0; i < n_arrays; i++) Py_DECREF(allocs[i]);
@@ -480,7 +474,6 @@ done:
     Py_XDECREF(merged);
     Py_XDECREF(lease_plan);
     Py_XDECREF(output);
-    Py_XDECREF(cache);
     Py_XDECREF(prepared);
     if (rc < 0) return NULL;
     if (rc == 0) Py_RETURN_NONE;
@@ -526,6 +519,7 @@ static int parse_entry(Entry *e, PyObject *entry, Py_ssize_t size) {
     int width = code_size(code[0]);
     int is_array = IS_ARRAY(kind);
     int bad = kind < K_INT || kind > K_EXACT || strlen(code) != 1 || width == 0 || offset < 0 ||
+              (is_array && access == Py_None) ||
               (kind != K_CONSTANT && offset + (is_array ? 8 : width) > size) ||
               (kind == K_SLICE && (len_offset < 0 || len_offset + width > size)) ||
               (kind == K_FLOAT && strchr("efd", code[0]) == NULL) || (kind == K_BOOL && code[0] != '?') ||
@@ -626,6 +620,7 @@ PyObject *make_typed(PyObject *module, PyObject *args) {
     self->kernel = kernel;
     Py_INCREF(plan);
     self->plan = plan;
+    self->modes = NULL;
     PyObject_GC_Track(self);
     if (self->entries == NULL) {
         Py_DECREF(self);
@@ -642,6 +637,23 @@ PyObject *make_typed(PyObject *module, PyObject *args) {
             return NULL;
         }
         self->n = i + 1;
+    }
+    /* the arguments' modes */
+    PyObject *modes = PyTuple_New(n);
+    if (modes == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Entry *e = &self->entries[i];
+        PyTuple_SET_ITEM(modes, i, Py_NewRef(IS_ARRAY(e->kind) ? e->access : Py_None));
+    }
+    self->modes = PyObject_CallOneArg((PyObject *)g_modes_type, modes);
+    Py_DECREF(modes);
+    if (self->modes == NULL || Py_TYPE(self->modes) != g_modes_type || PyTuple_GET_SIZE(self->modes) != n) {
+        if (self->modes != NULL) PyErr_SetString(PyExc_TypeError, "typed: ArrayModes must make a tuple of its own type");
+        Py_DECREF(self);
+        return NULL;
     }
     /* the arena's start: the tile arrays' constants packed once, here */
     if ((self->start = PyMem_Calloc((size_t)(size ? size : 1), 1)) == NULL) {

@@ -28,7 +28,7 @@ import os
 from types import ModuleType
 
 from ._array import Allocation, AllocState, DeviceArray
-from ._launch import KernelLaunch, PreparedLaunch, _merge_accesses
+from ._launch import ArrayModes, KernelLaunch, PreparedLaunch, _merge_accesses
 from ._memory import MemoryTable
 from ._ops import Access
 
@@ -70,6 +70,7 @@ def _configure(module: ModuleType) -> None:
             "merge_accesses": _merge_accesses,
             "PreparedLaunch": PreparedLaunch,
             "KernelLaunch": KernelLaunch,
+            "ArrayModes": ArrayModes,
         }
     )
 

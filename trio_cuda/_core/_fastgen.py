@@ -75,9 +75,11 @@ def launch_tail(outputs: Sequence[str]) -> str:
     return (
         "    p = new(PreparedLaunch)\n"
         "    p.kernel = kernel\n    p.config = config\n    p.plan = plan\n"
-        "    p.arena = arena\n    p.args = None\n    p.values = args\n    p.cache = {}\n    p.ready = None\n"
+        "    p.arena = arena\n    p.args = None\n    p.values = args\n"
+        "    p.cache = None\n    p.enqueued = False\n    p.ready = None\n"
         "    launch = new(UnderConstruction)\n"
-        "    launch.prepared = p\n    launch._accesses = accesses\n    launch._lease_plan = None\n"
+        "    launch.prepared = p\n    launch._acc = accesses\n"
+        "    launch._lease_plan = None\n    launch._lease_simple = False\n"
         f"    launch._output = {output}\n"
         "    launch.__class__ = KernelLaunch\n"
         "    return launch"

@@ -136,7 +136,9 @@ class RuntimeCreated(Protocol):
 class LaunchInternals(Protocol):
     """What the scope, the leases and the traces use of a kernel launch."""
 
-    _accesses: tuple[tuple[DeviceArray, Access], ...]
+    @property
+    def _accesses(self) -> tuple[tuple[DeviceArray, Access], ...]: ...
+
     _output: Any
 
 
@@ -151,7 +153,9 @@ def declared_names() -> frozenset[str]:
         names.update(
             n
             for n, v in members.items()
-            if n.startswith("_") and not n.startswith("__") and (callable(v) or isinstance(v, classmethod))
+            if n.startswith("_")
+            and not n.startswith("__")
+            and (callable(v) or isinstance(v, (classmethod, property)))
         )
         names.update(n for n in members.get("__annotations__", {}) if n.startswith("_"))
     return frozenset(names)

@@ -53,7 +53,7 @@ class KernelTable:
     """A scope's loaded kernels and checked launch shapes (a component of
     :class:`~trio_cuda.ResourceScope`)."""
 
-    __slots__ = ("checked", "driver", "functions", "info", "last_checked", "load_in_thread", "scope")
+    __slots__ = ("checked", "driver", "functions", "info", "last_checked", "load_in_thread", "ready", "scope")
 
     def __init__(self, scope: ResourceScope, driver: DeviceContext) -> None:
         self.scope = scope
@@ -68,6 +68,9 @@ class KernelTable:
         #: the (config, plan) of each such kernel's last checked launch: a
         #: fresh launch of the same shape is found by identity, unhashed
         self.last_checked: dict[Kernel, tuple[object, object]] = {}
+        #: per kernel, the (functions, function) pair its checked launches
+        #: keep (``PreparedLaunch.ready``): one shared tuple, none per launch
+        self.ready: dict[Kernel, tuple[dict[Kernel, object], object]] = {}
 
     async def load(self, kernels: Iterable[Kernel | DeviceOp[Any]]) -> None:
         """``ResourceScope.load``: see its documentation."""
@@ -149,10 +152,14 @@ class KernelTable:
         if ready is not None and ready[0] is functions:
             return ready[1]
         self.check(prepared)
-        fn = functions.get(prepared.kernel)
+        kernel = prepared.kernel
+        fn = functions.get(kernel)
         if fn is None:
-            fn = self.function(prepared.kernel)
-        prepared.ready = (functions, fn)
+            fn = self.function(kernel)
+        pair = self.ready.get(kernel)
+        if pair is None or pair[1] is not fn:
+            pair = self.ready[kernel] = (functions, fn)
+        prepared.ready = pair
         return fn
 
     def check(self, prepared: PreparedLaunch) -> None:
@@ -186,6 +193,7 @@ class KernelTable:
     def unload_all(self) -> None:
         """After the drain: unload every function (the scope decides when)."""
         functions = self.functions
+        self.ready.clear()
         for kernel, fn in list(functions.items()):
             del functions[kernel]
             self.driver.unload_kernel(fn)

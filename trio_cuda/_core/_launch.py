@@ -33,10 +33,10 @@ from ._params import Param, Scalar, Slice
 
 if TYPE_CHECKING:
     from ._arena import ParamPlan
+    from ._array import Allocation
     from ._config import LaunchConfig
     from ._enqueue import EnqueueTarget
     from ._kernel import Kernel
-    from ._submit import LeasePlan
 
 
 #: what a kernel launch outputs: the array it writes (an ``Out``, ``InOut`` or
@@ -78,9 +78,11 @@ class PreparedLaunch:
     them (``args``; or made lazily: by ``args`` when it is a function, else
     from ``values``, one per kernel parameter). Immutable by convention;
     ``cache`` is the backends' scratch space (e.g. the ``void**`` array),
-    filled on first launch."""
+    None until something is kept there (:meth:`scratch` makes it), and
+    ``enqueued`` says a backend enqueued it once from its arena without
+    memory of its own (the cuda backend's first enqueue)."""
 
-    __slots__ = ("arena", "args", "cache", "config", "kernel", "plan", "ready", "values")
+    __slots__ = ("arena", "args", "cache", "config", "enqueued", "kernel", "plan", "ready", "values")
 
     kernel: Kernel
     config: LaunchConfig
@@ -88,7 +90,8 @@ class PreparedLaunch:
     arena: bytes
     args: tuple[ArgView, ...] | Callable[[], tuple[ArgView, ...]] | None
     values: tuple[object, ...]
-    cache: dict[str, Any]
+    cache: dict[str, Any] | None
+    enqueued: bool
     #: (the kernel table's function dict, standing for the table; the loaded
     #: function) of the last scope that checked this launch against its
     #: device (``KernelTable.function_for``), or None
@@ -111,23 +114,32 @@ class PreparedLaunch:
         self.arena = arena
         self.args = args
         self.values = values
-        self.cache = {}
+        self.cache = None
+        self.enqueued = False
         self.ready = None
+
+    def scratch(self) -> dict[str, Any]:
+        """``cache``, made on first use (most launches never need one)."""
+        cache = self.cache
+        if cache is None:
+            cache = self.cache = {}
+        return cache
 
     def arg_views(self) -> tuple[ArgView, ...]:
         """One :class:`ArgView` per kernel parameter (cached)."""
         args = self.args
         if type(args) is tuple:
             return args
-        views = self.cache.get("views")
+        cache = self.scratch()
+        views = cache.get("views")
         if views is None:
             tile = self.kernel.tile
             if args is not None:  # a builder's launch: its views, made on first use
-                views = self.cache["views"] = args()  # type: ignore[operator]
+                views = cache["views"] = args()  # type: ignore[operator]
             elif tile is not None:  # a tile launch: its specialisation lays the views out
-                views = self.cache["views"] = tile.views(self)
+                views = cache["views"] = tile.views(self)
             else:
-                views = self.cache["views"] = _views_of(self.kernel.params, self.values)
+                views = cache["views"] = _views_of(self.kernel.params, self.values)
         return views
 
     def __repr__(self) -> str:
@@ -186,6 +198,25 @@ def _output_of(outputs: Sequence[DeviceArray]) -> LaunchOutput:
 
 
 @final
+class ArrayModes(tuple["Access | None", ...]):
+    """A typed launch path's access per argument (None for a scalar): what
+    a launch it makes keeps instead of its accesses, one shared object for
+    all of them. ``KernelLaunch._accesses`` makes the (array, access) pairs
+    from it and the launch's values when they are first asked for."""
+
+    __slots__ = ()
+
+
+def _accesses_from(modes: ArrayModes, values: tuple[object, ...]) -> tuple[tuple[DeviceArray, Access], ...]:
+    pairs: list[tuple[DeviceArray, Access]] = []
+    for value, mode in zip(values, modes, strict=True):
+        if mode is not None:
+            assert isinstance(value, DeviceArray)
+            pairs.append((value, mode))
+    return tuple(pairs)
+
+
+@final
 class KernelLaunch(DeviceOp[LaunchOutput], metaclass=NoPublicConstructor):
     """One immutable, reusable kernel launch (a DeviceOp). Its output is the
     array it writes, a tuple of them if several, or None: to a type checker,
@@ -193,7 +224,7 @@ class KernelLaunch(DeviceOp[LaunchOutput], metaclass=NoPublicConstructor):
     The arrays written are the ones passed in, so a program usually keeps
     its own names for them; ``.map(lambda _: y)`` gives an op typed by ``y``."""
 
-    __slots__ = ("_accesses", "_lease_plan", "_output", "prepared")
+    __slots__ = ("_acc", "_lease_plan", "_lease_simple", "_output", "prepared")
 
     _obtain = "use Kernel.launch() or a builder"
 
@@ -202,12 +233,16 @@ class KernelLaunch(DeviceOp[LaunchOutput], metaclass=NoPublicConstructor):
     #: of this launch reuses (an internal type: :attr:`kernel` and
     #: :attr:`config` are its public parts)
     prepared: PreparedLaunch
-    _accesses: tuple[tuple[DeviceArray, Access], ...]
-    #: the allocations it leases (each once), one (array, allocation, access,
-    #: extent) entry per access and whether every entry is a whole allocation
-    #: of its own, shared by every submission of this launch (made by its
-    #: first safe submission from its arrays' extents, ``launch_lease_plan``)
-    _lease_plan: LeasePlan | None
+    #: its accesses (see :attr:`_accesses`), or a typed path's modes they
+    #: are made from (an :class:`ArrayModes`: no objects per launch)
+    _acc: tuple[tuple[DeviceArray, Access], ...] | ArrayModes
+    #: its lease plan, shared by every submission of this launch (made with
+    #: it by the compiled typed path, else by its first safe submission from
+    #: its arrays' extents: ``launch_lease_plan``): the allocations it leases,
+    #: each once, or None until made; and whether every access is a whole
+    #: allocation of its own (two slots: no object per launch for the pair)
+    _lease_plan: tuple[Allocation, ...] | None
+    _lease_simple: bool
     _output: LaunchOutput
 
     @classmethod
@@ -218,6 +253,17 @@ class KernelLaunch(DeviceOp[LaunchOutput], metaclass=NoPublicConstructor):
         outputs: Sequence[DeviceArray],
     ) -> KernelLaunch:
         return _make_launch(prepared, accesses, _output_of(outputs))
+
+    @property
+    def _accesses(self) -> tuple[tuple[DeviceArray, Access], ...]:
+        """(array, access) per array argument, merged where arrays share an
+        allocation (one entry per extent, the strongest access)."""
+        acc = self._acc
+        if not isinstance(acc, ArrayModes):
+            return acc
+        made = _accesses_from(acc, self.prepared.values)
+        object.__setattr__(self, "_acc", made)  # (kept: Python asks again)
+        return made
 
     @property
     def kernel(self) -> Kernel:
@@ -256,8 +302,9 @@ def _make_launch(
 ) -> KernelLaunch:
     self = object.__new__(_LaunchUnderConstruction)
     self.prepared = prepared  # type: ignore[attr-defined]
-    self._accesses = accesses  # type: ignore[attr-defined]
+    self._acc = accesses  # type: ignore[attr-defined]
     self._lease_plan = None  # type: ignore[attr-defined]
+    self._lease_simple = False  # type: ignore[attr-defined]
     self._output = output  # type: ignore[attr-defined]
     self.__class__ = KernelLaunch  # type: ignore[assignment]
     return self  # type: ignore[return-value]

@@ -654,7 +654,8 @@ if _compiled.ext is not None:
 
 
 #: (allocations, each once; whether every access is a whole allocation of
-#: its own); each access's allocation and extent are its array's
+#: its own): a launch keeps them in two slots (``_lease_plan``,
+#: ``_lease_simple``); each access's allocation and extent are its array's
 #: (``_alloc``, ``_extent``, both fixed when the handle was made)
 LeasePlan = tuple[tuple[Allocation, ...], bool]
 
@@ -666,23 +667,25 @@ _Conflict = tuple[DeviceArray, Submission, Access, Access, Extent]
 def launch_lease_plan(op: KernelLaunch) -> LeasePlan:
     """``op``'s lease plan, made once and shared by its submissions (each
     array's extent, and whether it is its whole allocation, come from the
-    handle: ``DeviceArray._create`` computed them). Two objects per launch:
-    a fresh launch submitted once pays for no more."""
-    plan = op._lease_plan
-    if plan is None:
-        allocs: list[Allocation] = []
-        simple = True
-        for arr, _ in op._accesses:
-            alloc = arr._alloc
-            if alloc in allocs:  # (identity: allocations do not define equality)
-                simple = False
-            else:
-                allocs.append(alloc)
-            if not arr._whole:
-                simple = False
-        plan = (tuple(allocs), simple)
-        object.__setattr__(op, "_lease_plan", plan)
-    return plan
+    handle: ``DeviceArray._create`` computed them). One object per launch
+    (its allocations' tuple): a fresh launch submitted once pays for no more."""
+    made = op._lease_plan
+    if made is not None:
+        return made, op._lease_simple
+    allocs: list[Allocation] = []
+    simple = True
+    for arr, _ in op._accesses:
+        alloc = arr._alloc
+        if alloc in allocs:  # (identity: allocations do not define equality)
+            simple = False
+        else:
+            allocs.append(alloc)
+        if not arr._whole:
+            simple = False
+    plan = tuple(allocs)
+    object.__setattr__(op, "_lease_simple", simple)
+    object.__setattr__(op, "_lease_plan", plan)  # (last: a plan that is not None is whole)
+    return plan, simple
 
 
 def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op: KernelLaunch) -> None:
@@ -702,7 +705,11 @@ def take_launch_leases(scope: ResourceScope, stream: Stream, sub: Submission, op
     anything was flushed or enqueued; it gives the same result or raises the
     same error (``tests/core/test_lease_paths.py`` checks both agree)."""
     if FAST_LEASES:
-        allocs, simple = op._lease_plan or launch_lease_plan(op)
+        allocs = op._lease_plan
+        if allocs is None:
+            allocs, simple = launch_lease_plan(op)
+        else:
+            simple = op._lease_simple
         if simple and take_whole is not None and take_whole(scope, stream, sub, op._accesses, allocs):
             return
         take_launch_leases_rest(scope, stream, sub, op, allocs, simple)

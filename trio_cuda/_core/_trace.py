@@ -406,8 +406,8 @@ def trace_submit(
     ``submit`` event that also stands for the launch's enqueue
     (``args["enqueue"]``, and the driver's command id)."""
     plan = op._lease_plan
-    if plan is not None and sub.leases is plan[0]:  # the fast path: the plan's leases
-        cache = op.prepared.cache
+    if plan is not None and sub.leases is plan:  # the fast path: the plan's leases
+        cache = op.prepared.scratch()
         leases = cache.get("trace_leases")
         if leases is None:
             leases = cache["trace_leases"] = plan_lease_args(op)

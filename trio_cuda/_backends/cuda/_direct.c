@@ -294,7 +294,7 @@ static PyObject *n_owner, *n_destroyed, *n_multi_device, *n_capturing, *n_marker
     *n_write, *n_seq, *n_watched, *n_new_head, *n_eager, *n_state, *n_fail, *n_write_call, *n_stream, *n_mv,
     *n_slot, *n_sticky, *n_cache, *n_key, *n_config, *n_plan, *n_kernel, *n_cluster, *n_cooperative, *n_pdl,
     *n_shared_mem, *n_dyn_smem, *n_unloaded, *n_packed, *n_arena, *n_size, *n_addr, *n_handle, *n_grid,
-    *n_block, *n_seen, *n_launch_failed, *n_event;
+    *n_block, *n_enqueued, *n_launch_failed, *n_event;
 
 static int intern_names(void) {
     struct {
@@ -310,7 +310,7 @@ static int intern_names(void) {
                  {&n_cooperative, "cooperative"}, {&n_pdl, "pdl"}, {&n_shared_mem, "shared_mem"},
                  {&n_dyn_smem, "dyn_smem"}, {&n_unloaded, "unloaded"}, {&n_packed, "packed"},
                  {&n_arena, "arena"}, {&n_size, "size"}, {&n_addr, "addr"}, {&n_handle, "handle"},
-                 {&n_grid, "grid"}, {&n_block, "block"}, {&n_seen, "cu.seen"},
+                 {&n_grid, "grid"}, {&n_block, "block"}, {&n_enqueued, "enqueued"},
                  {&n_launch_failed, "_launch_failed"}, {&n_event, "event"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].at = PyUnicode_InternFromString(names[i].s)) == NULL)
@@ -801,8 +801,7 @@ static int attr_u64(PyObject *obj, PyObject *name, unsigned long long *out) {
 /* The first enqueue of a plain launch (``Kernels._launch_first``) through
    ``launch_packed``: 1 launched (*err its CUresult), 0 declined before any
    effect (the Python method decides), -1 error. */
-static int launch_first(HotLaunchObject *self, PyObject *s, PyObject *function, PyObject *launch, PyObject *cache,
-                        int *err) {
+static int launch_first(HotLaunchObject *self, PyObject *s, PyObject *function, PyObject *launch, int *err) {
     int rc = 0;
     PyObject *config = NULL, *plan = NULL, *kernel = NULL, *kplan = NULL, *v = NULL, *packed = NULL,
              *arena = NULL, *size = NULL;
@@ -865,7 +864,7 @@ static int launch_first(HotLaunchObject *self, PyObject *s, PyObject *function, 
     NO_UNLESS(attr_u64(function, n_addr, &addr));
     NO_UNLESS(attr_u64(s, n_handle, &handle));
     /* every check passed: the steps with effects */
-    if (PyDict_SetItem(cache, n_seen, Py_True) < 0) {
+    if (PyObject_SetAttr(launch, n_enqueued, Py_True) < 0) {
         rc = -1;
         goto done;
     }
@@ -891,23 +890,25 @@ static PyObject *HotLaunch_vectorcall(PyObject *op, PyObject *const *args, size_
     if (PyVectorcall_NARGS(nargsf) != 3 || kwnames != NULL || Py_TYPE(args[0]) != (PyTypeObject *)self->stream_type)
         return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
     PyObject *s = args[0], *function = args[1], *launch = args[2];
-    PyObject *cache = fast_getattr(launch, n_cache), *key = NULL, *result = NULL;
+    PyObject *cache = fast_getattr(launch, n_cache), *key = NULL, *result = NULL, *hit = NULL;
     if (cache == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError))
             return NULL;
         PyErr_Clear();
         return PyObject_Vectorcall(self->fallback, args, nargsf, NULL);
     }
-    if (!PyDict_CheckExact(cache) || (key = fast_getattr(s, n_key)) == NULL) {
-        if (PyErr_Occurred()) {
-            Py_DECREF(cache);
-            return NULL;
+    if (cache != Py_None) { /* (None: nothing kept for it yet) */
+        if (!PyDict_CheckExact(cache) || (key = fast_getattr(s, n_key)) == NULL) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(cache);
+                return NULL;
+            }
+            goto python;
         }
-        goto python;
+        hit = PyDict_GetItemWithError(cache, key); /* (borrowed) */
+        if (hit == NULL && PyErr_Occurred())
+            goto out;
     }
-    PyObject *hit = PyDict_GetItemWithError(cache, key); /* (borrowed) */
-    if (hit == NULL && PyErr_Occurred())
-        goto out;
     int live = attr_is(s, n_destroyed, Py_False);
     if (live < 0)
         goto out;
@@ -916,12 +917,12 @@ static PyObject *HotLaunch_vectorcall(PyObject *op, PyObject *const *args, size_
         !live) {
         if (hit != NULL && (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) < 3))
             goto python;
-        int seen = PyDict_Contains(cache, n_seen);
-        if (seen < 0)
+        int fresh = attr_is(launch, n_enqueued, Py_False);
+        if (fresh < 0)
             goto out;
-        if (seen)
+        if (!fresh)
             goto python; /* (a launch enqueued again: stable memory of its own, in Python) */
-        int rc = launch_first(self, s, function, launch, cache, &err);
+        int rc = launch_first(self, s, function, launch, &err);
         if (rc < 0)
             goto out;
         if (rc == 0)

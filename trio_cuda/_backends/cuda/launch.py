@@ -329,7 +329,7 @@ class Kernels:
             raise _common.wrong_handle("function", function, CudaFunction, "CUDA", " from load_kernel")
         c = launch.config
         tile = launch.kernel.tile
-        if tile is not None and tile.has_list and "cu.lists" not in launch.cache:
+        if tile is not None and tile.has_list and "cu.lists" not in (launch.cache or ()):
             self._tile_lists(launch)
         key = (c, launch.plan)
         if key in function.ok:
@@ -400,7 +400,7 @@ class Kernels:
                     self.tile_descs[data] = ptr
                 arena[offset : offset + 8] = ptr.to_bytes(8, "little")
         launch.arena = bytes(arena)
-        launch.cache["cu.lists"] = True
+        launch.scratch()["cu.lists"] = True
 
     def _prepare_launch(
         self, stream: CudaStream, function: object, launch: PreparedLaunch
@@ -412,7 +412,7 @@ class Kernels:
             raise _common.wrong_handle("function", function, CudaFunction, "CUDA", " from load_kernel")
         if function.unloaded:
             raise _common.invalid_handle(f"{function!r} was unloaded", "cuLaunchKernel")
-        cache = launch.cache
+        cache = launch.scratch()
         params = cache.get("cu.params")
         if params is None:
             slots = launch.plan.slots
@@ -480,13 +480,15 @@ class Kernels:
         return cfg
 
     def launch(self, stream: StreamHandle, function: object, launch: PreparedLaunch) -> None:
+        cache = launch.cache
         try:
-            hit = launch.cache.get(stream.key)  # type: ignore[attr-defined]
+            hit = None if cache is None else cache.get(stream.key)  # type: ignore[attr-defined]
+            destroyed = stream.destroyed  # type: ignore[attr-defined]
         except AttributeError:
             self._stream(stream)
             raise
-        if hit is None or hit[0] is not function or stream.destroyed:  # type: ignore[attr-defined]
-            if "cu.seen" not in launch.cache and self._launch_first(stream, function, launch):
+        if hit is None or hit[0] is not function or destroyed:
+            if not launch.enqueued and self._launch_first(stream, function, launch):
                 return
             hit = self._prepare_launch(self._stream(stream), function, launch)
         if _primary.multi_device:
@@ -529,7 +531,7 @@ class Kernels:
         if packed is None:
             made = direct.packed_offsets(plan.slots) if self._launch_packed is not None else None
             packed = function.packed = made if made is not None else False
-        launch.cache["cu.seen"] = True
+        launch.enqueued = True
         if _primary.multi_device:
             cu.cuCtxSetCurrent(self._cu_ctx)
         if packed is not False and len(launch.arena) >= plan.size:  # direct: read where packed
