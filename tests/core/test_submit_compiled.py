@@ -68,13 +68,16 @@ def _interrupt(streams: Any) -> Any:
     raise KeyboardInterrupt
 
 
-def _scenario(compiled: bool, traced: bool) -> list[tuple[Any, ...]]:
+def _scenario(compiled: bool, traced: bool, whole: bool | None = None) -> list[tuple[Any, ...]]:
     """Each way a lone launch's submission can go: its record on one path
-    (traced: with the trace's events, their times left out)."""
+    (traced: with the trace's events, their times left out). ``whole``:
+    ``submit``'s compiled steps (``submit_whole``) on or off; by default as
+    ``compiled`` (the submission of the launch itself)."""
     records: list[tuple[Any, ...]] = []
     trace = trio_cuda.trace.Trace() if traced else None
-    saved = _scope.submit_launch
+    saved, saved_whole = _scope.submit_launch, _scope.submit_whole
     _scope.submit_launch = saved if compiled else None
+    _scope.submit_whole = saved_whole if (compiled if whole is None else whole) else None
 
     async def main() -> None:
         sim = SimDevice()
@@ -114,6 +117,27 @@ def _scenario(compiled: bool, traced: bool) -> list[tuple[Any, ...]]:
             give[0] = lambda streams: streams[0]
             attempt("stream of another scope", lambda: gpu.submit(op, stream=other.streams[0]))
             attempt("stream not a stream", lambda: gpu.submit(op, stream="s"))  # type: ignore[arg-type]
+            attempt("another op", lambda: gpu.submit(trio_cuda.ops.value(1), stream=gpu.streams[0]))
+            attempt("not an op", lambda: gpu.submit(3))  # type: ignore[arg-type]
+            attempt("a builder", lambda: gpu.submit(K.builder()))  # type: ignore[arg-type]
+            elsewhere: list[BaseException] = []
+
+            def in_thread() -> None:
+                try:
+                    gpu.submit(op)
+                except BaseException as exc:  # (recorded on the loop's thread)
+                    elsewhere.append(exc)
+
+            await trio.to_thread.run_sync(in_thread)
+
+            def again() -> None:
+                raise elsewhere[0]
+
+            attempt("from a worker thread", again if elsewhere else lambda: None)
+            attempt(
+                "inside a then closure",
+                lambda: gpu.submit(trio_cuda.ops.value(1).then(lambda v: gpu.submit(op))),
+            )
             sim.inject_fault("launch_error")
             attempt("launch error", lambda: gpu.submit(op))
             cls = type(internals.driver_of(gpu))
@@ -153,7 +177,7 @@ def _scenario(compiled: bool, traced: bool) -> list[tuple[Any, ...]]:
         except BaseException as exc:  # the exit reports the launch errors nobody awaited
             records.append(("raised", type(exc).__name__, repr(exc)[:300]))
     finally:
-        _scope.submit_launch = saved
+        _scope.submit_launch, _scope.submit_whole = saved, saved_whole
     return records
 
 
@@ -165,6 +189,8 @@ def test_compiled_and_python_submissions_agree_on_every_outcome(traced: bool) ->
     assert [r[0] for r in compiled] == [r[0] for r in python]
     for a, b in zip(compiled, python, strict=True):
         assert a == b
+    # ``submit``'s compiled steps around the Python submission of the launch
+    assert _scenario(False, traced, whole=True) == python
     outcomes = dict(r[0] for r in compiled if isinstance(r[0], tuple))
     assert outcomes["policy"] == outcomes["pinned"] == outcomes["fresh"] == outcomes["fresh again"] == "ok"
     assert outcomes["over the device's limits"][0] == "KernelArgumentError"
@@ -176,6 +202,10 @@ def test_compiled_and_python_submissions_agree_on_every_outcome(traced: bool) ->
     assert outcomes["stream not a stream"][0] == "TypeError"
     assert outcomes["launch error"][0] == "LaunchError"
     assert outcomes["interrupted launch"][0] == "KeyboardInterrupt"
+    assert outcomes["another op"] == "ok"
+    assert outcomes["not an op"][0] == outcomes["a builder"][0] == "TypeError"
+    assert outcomes["from a worker thread"][0] == "RuntimeError"
+    assert outcomes["inside a then closure"][0] == "RuntimeError"
     records = dict((r[0], r) for r in compiled if isinstance(r[0], str))
     assert records["values"] == ("values", [3.0] * 4, [4.0] * 4)
     assert records["exit"] == ("exit", [], [])

@@ -22,8 +22,9 @@
      - ``take_whole`` and ``retire_done`` return False where the Python
        path must decide (see _claunch_leases.c);
      - ``submit_launch`` makes the steps of ``_submit_launch``, calling the
-       Python code that one calls wherever a step is not the common case
-       (see _claunch_submit.c); ``scan`` makes the steps of
+       Python code that one calls wherever a step is not the common case,
+       and ``submit_whole`` those of ``ResourceScope.submit`` after its
+       frame, which stays for its KI protection (see _claunch_submit.c); ``scan`` makes the steps of
        ``Completion.scan``, each retirement and host step through the
        Python methods (see _claunch_scan.c); ``launch_method`` calls the
        typed fast path for the common call and the reference
@@ -220,6 +221,8 @@ static PyMethodDef module_methods[] = {
     {"future_of", future_of, METH_O, "future_of(sub) -> DeviceFuture: DeviceFuture._create(sub)."},
     {"submit_launch", (PyCFunction)(void (*)(void))submit_launch, METH_FASTCALL,
      "submit_launch(scope, op, stream) -> Submission: ResourceScope._submit_launch."},
+    {"submit_whole", (PyCFunction)(void (*)(void))submit_whole, METH_FASTCALL,
+     "submit_whole(scope, op, stream) -> DeviceFuture: ResourceScope.submit's steps after its frame."},
     {"enqueue_unsafe", (PyCFunction)(void (*)(void))enqueue_unsafe, METH_FASTCALL,
      "enqueue_unsafe(op, stream) -> output: unsafe.async_on, compiled for a lone kernel launch."},
     {"configure_scan", configure_scan, METH_O,

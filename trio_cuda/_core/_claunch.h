@@ -217,6 +217,7 @@ int order_in_way(PyObject *scope, PyObject *stream, PyObject *sub, const Accesse
 PyObject *future_of(PyObject *module, PyObject *sub);
 PyObject *configure_submit(PyObject *module, PyObject *env);
 PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *submit_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *enqueue_unsafe(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* _claunch_scan.c */

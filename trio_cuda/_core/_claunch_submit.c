@@ -48,6 +48,8 @@ static const char *const sub_names[N_SUB] = {"scope",  "stream", "id",       "op
                                              "observed", "output", "waiter",  "dirty",   "unknown"};
 static Py_ssize_t sub_off[N_SUB];
 static PyObject *g_enqueuing, *g_in_flight, *g_empty, *g_tll, *g_scope_globals, *g_submit_globals;
+static PyObject *n_submit_launch, *n_py_submit_launch, *n_py_submit, *n_submit, *n_set, *n_watch;
+static SlotRef r_sc_enqueuing, r_c_idle;
 static PyObject *n_accesses, *n_tll, *n_fast, *n_take_whole, *n_rest, *n_pick, *n_check_choice, *n_choose, *n_function_for, *n_launch,
     *n_finish, *n_flush, *n_notify, *n_per_launch, *n_check_open, *n_async_on, *g_enqueue_py, *n_trace_error, *n_trace_submit, *n_timing_mark;
 
@@ -578,6 +580,89 @@ out:
     return result;
 }
 
+/* 1 if ``v`` (a flag, new reference, stolen) is false; 0 if true; -1 error. */
+static int is_false(PyObject *v) {
+    if (v == NULL) return -1;
+    int truth = v == Py_False ? 0 : v == Py_True ? 1 : PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return truth < 0 ? -1 : !truth;
+}
+
+/* submit_whole(scope, op, stream): the steps of ``ResourceScope.submit``
+   after its frame, which stays, so that the Python code these steps call
+   (a driver's, a policy's, the Python paths') runs KI-protected as before:
+   a lone kernel launch, from the scope's thread while the scope is open
+   and not enqueuing, through the scope module's ``submit_launch`` (this
+   module's, called here; None: ``ResourceScope._submit_launch``); anything
+   else through ``scope._submit(op, stream, "submit")``. Then the idle
+   handoff woken, the future made (``future_of``), and watched in a traced
+   scope. */
+PyObject *submit_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "submit_whole(scope, op, stream)");
+        return NULL;
+    }
+    if (!g_submit_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "submit_whole: configure_submit() first");
+        return NULL;
+    }
+    PyObject *scope = args[0], *op = args[1], *stream = args[2];
+    if (Py_TYPE(scope) != t_scope) {
+        PyErr_Format(PyExc_TypeError, "submit_whole: expected a ResourceScope, got %.100s", Py_TYPE(scope)->tp_name);
+        return NULL;
+    }
+    int lone = Py_TYPE(op) == g_launch_type;
+    if (lone) lone = is_false(read_slot(scope, &r_sc_closing));
+    if (lone > 0) lone = is_false(read_slot(scope, &r_sc_enqueuing));
+    if (lone > 0) {
+        PyObject *thread = read_slot(scope, &r_sc_thread);
+        if (thread == NULL) return NULL;
+        lone = PyLong_CheckExact(thread) && PyLong_AsUnsignedLong(thread) == PyThread_get_thread_ident();
+        Py_DECREF(thread);
+        if (PyErr_Occurred()) PyErr_Clear(); /* (not a thread's id: the Python path says so) */
+    }
+    if (lone < 0) return NULL;
+    PyObject *sub;
+    if (lone) {
+        PyObject *fn = PyDict_GetItemWithError(g_scope_globals, n_submit_launch); /* (borrowed) */
+        if (fn == NULL && PyErr_Occurred()) return NULL;
+        if (fn != NULL && PyCFunction_Check(fn) &&
+            PyCFunction_GET_FUNCTION(fn) == (PyCFunction)(void (*)(void))submit_launch) {
+            sub = submit_launch(module, args, 3);
+        } else if (fn == NULL || fn == Py_None) {
+            sub = PyObject_CallMethodObjArgs(scope, n_py_submit_launch, op, stream, NULL);
+        } else {
+            Py_INCREF(fn);
+            sub = PyObject_Vectorcall(fn, args, 3, NULL);
+            Py_DECREF(fn);
+        }
+    } else {
+        sub = PyObject_CallMethodObjArgs(scope, n_py_submit, op, stream, n_submit, NULL);
+    }
+    if (sub == NULL) return NULL;
+    PyObject *fut = NULL, *completion = read_slot(scope, &r_sc_completion), *idle = NULL, *tracer = NULL;
+    if (completion == NULL || (idle = read_slot(completion, &r_c_idle)) == NULL) goto done;
+    if (idle != Py_None) { /* nobody may await it: the handoff is its retirer */
+        if (store_slot(completion, &r_c_idle, Py_NewRef(Py_None)) < 0) goto done;
+        PyObject *r = PyObject_CallMethodNoArgs(idle, n_set);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+    }
+    if ((fut = future_of(module, sub)) == NULL || (tracer = read_slot(scope, &r_sc_tracer)) == NULL) goto done;
+    if (tracer != Py_None) {
+        PyObject *r = PyObject_CallMethodNoArgs(fut, n_watch);
+        if (r == NULL) Py_CLEAR(fut);
+        Py_XDECREF(r);
+    }
+done:
+    Py_DECREF(sub);
+    Py_XDECREF(completion);
+    Py_XDECREF(idle);
+    Py_XDECREF(tracer);
+    if (fut == NULL && !PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "submit_whole: no future made");
+    return fut;
+}
+
 /* configure_submit(env): after configure_leases() and configure_retire(). */
 /* future_of(sub): ``DeviceFuture._create(sub)``, the future of a submission. */
 PyObject *future_of(PyObject *module, PyObject *sub) {
@@ -636,6 +721,7 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
                 {tp_scope, "_streams", &r_sc_streams},     {tp_scope, "_tracer", &r_sc_tracer},
                 {tp_scope, "_trace_timing", &r_sc_trace_timing},
                 {tp_scope, "_closing", &r_sc_closing},     {tp_scope, "_thread", &r_sc_thread},
+                {tp_scope, "_enqueuing", &r_sc_enqueuing}, {tp_c, "idle", &r_c_idle},
                 {tp_stream, "_scope", &r_st_scope},        {tp_stream, "handle", &r_st_handle},
                 {tp_stream, "_in_flight", &r_st_in_flight}, {tp_stream, "_unmarked", &r_st_unmarked},
                 {tp_c, "in_flight", &r_c_in_flight},       {tp_c, "unflushed", &r_c_unflushed},
@@ -682,7 +768,10 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
         intern(&n_notify, "notify_submitted") < 0 || intern(&n_trace_error, "trace_error") < 0 ||
         intern(&n_trace_submit, "trace_submit") < 0 || intern(&n_timing_mark, "timing_mark") < 0 ||
         intern(&n_per_launch, "per_launch_check") < 0 ||
-        intern(&n_check_open, "_check_open") < 0 || intern(&n_async_on, "async_on") < 0)
+        intern(&n_check_open, "_check_open") < 0 || intern(&n_async_on, "async_on") < 0 ||
+        intern(&n_submit_launch, "submit_launch") < 0 || intern(&n_py_submit_launch, "_submit_launch") < 0 ||
+        intern(&n_py_submit, "_submit") < 0 || intern(&n_submit, "submit") < 0 || intern(&n_set, "set") < 0 ||
+        intern(&n_watch, "_watch") < 0)
         return NULL;
     g_submit_ready = 1;
     Py_RETURN_NONE;

@@ -515,6 +515,8 @@ class ResourceScope(metaclass=NoPublicConstructor):
         retained until it completed. Nothing is enqueued if the op is invalid
         from the start.
         """
+        if submit_whole is not None:  # the steps below, compiled (this frame keeps the KI protection)
+            return submit_whole(self, op, stream)
         if type(op) is KernelLaunch and not (self._closing or self._enqueuing or get_ident() != self._thread):
             sub = (submit_launch or ResourceScope._submit_launch)(self, op, stream)  # the hot path
         else:
@@ -866,6 +868,9 @@ class ResourceScope(metaclass=NoPublicConstructor):
 submit_launch: Callable[[ResourceScope, KernelLaunch, Stream | None], Submission] | None = None
 #: a submission's future: ``DeviceFuture._create``, compiled where built
 future_of: Callable[[Submission], DeviceFuture[Any]] = DeviceFuture._create
+#: ``submit``'s steps after its frame, compiled (``_claunch.submit_whole``;
+#: it honours ``submit_launch`` as set here); None where the pure-Python path runs
+submit_whole: Callable[[ResourceScope, DeviceOp[Any], Stream | None], DeviceFuture[Any]] | None = None
 _Begin = Callable[[ResourceScope, DeviceOp[Any], Stream | None], Submission | None]
 if _compiled.ext is not None:
     _names = ("ResourceScope", "Stream", "Submission", "Completion", "Kernel", "DeviceFuture")
@@ -876,6 +881,7 @@ if _compiled.ext is not None:
         | {"scope_module": sys.modules[__name__], "submit_module": _submit}
     )
     submit_launch, future_of = _compiled.ext.submit_launch, _compiled.ext.future_of
+    submit_whole = _compiled.ext.submit_whole
     _compiled.ext.configure_trace(  # (a trace's records on the awaited path: _claunch_trace.c)
         {name: globals()[name] for name in (*_names, "Tracer", "perf_counter", "trace_submit")}
         | {"trace_await": Completion.trace_await, "trace_retire": Completion.trace_retire}
