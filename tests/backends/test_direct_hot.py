@@ -158,17 +158,20 @@ class Setup:
             self.launch, self.record, self.poll = kernels.launch, table.record_marker, table.poll_marker
             self.notify = table.notify_submitted
         # the launches of the program, fresh per setup (their caches are per setup)
-        self.launches = [
-            K.launch(
-                np.int32(i), i / 4, np.int8(-i), np.int16(7 * i), grid=(i + 1, 2), block=32 * (i + 1)
-            ).prepared
-            for i in range(4)
-        ]
+        self.launches = [self.made(i) for i in range(4)]
         # one whose plan is not its kernel's (its first enqueue takes the general path)
         odd = K.launch(np.int32(9), 0.5, np.int8(2), np.int16(3), grid=3, block=64).prepared
         odd.plan = copy.copy(K.plan)
         self.launches.append(odd)
         self.markers: list[Any] = []
+
+    @staticmethod
+    def made(i: int) -> Any:
+        """A fresh launch of shape ``i`` (its first enqueue: the first-launch path, whose
+        checks are kept for the last function, shape and stream that took them)."""
+        return K.launch(
+            np.int32(i), i / 4, np.int8(-i), np.int16(7 * i), grid=(i + 1, 2), block=32 * (i + 1)
+        ).prepared
 
     @staticmethod
     def _function(owner: Kernels, addr: int) -> CudaFunction:
@@ -193,6 +196,9 @@ class Setup:
                 return None
             p = self.poll(self.markers[b % len(self.markers)])
             return ("poll", p.state, None if p.error is None else str(p.error))
+        if kind == "fresh":  # (the same shape as the one it replaces, made again)
+            self.launches[b % 4] = self.made(b % 4)
+            return None
         if kind == "complete":
             self.dev.complete(b)
             return None
@@ -258,6 +264,7 @@ def run(setup: Setup, program: list[tuple[Any, ...]]) -> list[Any]:
 
 kinds = st.sampled_from(
     ["launch"] * 8
+    + ["fresh"] * 3
     + ["record"] * 4
     + ["poll"] * 4
     + ["complete"] * 2
@@ -268,16 +275,39 @@ programs = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
-@given(program=programs)
-def test_compiled_and_python_methods_agree_on_random_programs(program: list[tuple[Any, ...]]) -> None:
+def _agree(program: list[tuple[Any, ...]]) -> list[Any]:
+    """``program`` run through the compiled methods and the Python ones:
+    the same outcomes (what it returns). The two setups' flag pages are at
+    different addresses: the writes' offsets within them are compared."""
     hot, ref = Setup(hot=True), Setup(hot=False)
     got, want = run(hot, program), run(ref, program)
-    # the two setups' flag pages are at different addresses: compare the
-    # writes' offsets within them
     for out, setup in ((got, hot), (want, ref)):
         out[-1] = [(e[0], e[1], e[2] - setup.page.dptr, *e[3:]) if e[0] == "write" else e for e in out[-1]]
     assert got == want
+    return got
+
+
+@settings(max_examples=300, deadline=None)
+@given(program=programs)
+def test_compiled_and_python_methods_agree_on_random_programs(program: list[tuple[Any, ...]]) -> None:
+    _agree(program)
+
+
+def test_a_fresh_launch_of_the_last_first_launch_s_shape_reads_what_can_change() -> None:
+    """The first-launch path keeps its checks for the last function, shape
+    and stream: a fresh launch of those is checked again for an unloaded
+    function and a destroyed stream, as the Python method checks them (the
+    same driver calls and errors)."""
+    launch, fresh = ("launch", 0, 0, 0), ("fresh", 0, 0, 0)
+    unload, destroy = ("unload", 0, 0, 0), ("destroy", 0, 0, 0)
+    other_stream = ("launch", 1, 0, 0)
+    program = [launch, fresh, launch, fresh, unload, launch, unload, fresh, launch]
+    program += [fresh, destroy, launch, fresh, other_stream]
+    out = _agree(program)
+    calls = [e for e in out[-1] if e[0] == "launch"]
+    assert len(calls) == 4  # (not while unloaded; not on the destroyed stream)
+    raised = {r[1] for r in out if isinstance(r, tuple) and r[0] == "raised"}
+    assert raised == {"CudaError", "ScopeClosedError"}  # (the unloaded function; the destroyed stream)
 
 
 def test_the_common_case_takes_the_compiled_steps() -> None:

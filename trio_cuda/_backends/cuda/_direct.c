@@ -730,7 +730,20 @@ typedef struct {
     vectorcallfunc vectorcall;
     launch_fn entry;
     PyObject *kernels, *fallback, *table, *stream_type, *function_type, *primary;
+    /* the last first enqueue that took every check (see launch_first): its
+       function, configuration, plan, kernel, stream and packed offsets, and
+       what the checks gave (a FirstMemo's bytes); NULL until then */
+    PyObject *m_function, *m_config, *m_plan, *m_kernel, *m_stream, *m_packed, *m_data;
 } HotLaunchObject;
+
+/* What launch_first's checks give for a function, configuration, plan,
+   kernel and stream: the dimensions and shared memory, the function's
+   address, the stream's handle, and the arena's least size. */
+typedef struct {
+    unsigned int d[7];
+    unsigned long long addr, handle;
+    Py_ssize_t need;
+} FirstMemo;
 
 static PyObject *HotLaunch_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
@@ -800,13 +813,19 @@ static int attr_u64(PyObject *obj, PyObject *name, unsigned long long *out) {
 
 /* The first enqueue of a plain launch (``Kernels._launch_first``) through
    ``launch_packed``: 1 launched (*err its CUresult), 0 declined before any
-   effect (the Python method decides), -1 error. */
+   effect (the Python method decides), -1 error. The checks' results are kept
+   for the last function, configuration, plan, kernel and stream that took
+   them all (identities: configurations are interned, a kernel's plan is
+   its own); a launch of those same objects reads again only what can change
+   since: whether the function was unloaded, the stream destroyed, the
+   function's packed offsets and dynamic shared memory, the process's
+   devices, and its own arena. */
 static int launch_first(HotLaunchObject *self, PyObject *s, PyObject *function, PyObject *launch, int *err) {
     int rc = 0;
     PyObject *config = NULL, *plan = NULL, *kernel = NULL, *kplan = NULL, *v = NULL, *packed = NULL,
              *arena = NULL, *size = NULL;
-    unsigned int d[7];
-    unsigned long long addr, handle;
+    FirstMemo m;
+    unsigned long long dyn;
 #define TAKE(var, obj, name)                              \
     do {                                                  \
         if ((var = fast_getattr(obj, name)) == NULL) { \
@@ -823,52 +842,79 @@ static int launch_first(HotLaunchObject *self, PyObject *s, PyObject *function, 
         }                   \
     } while (0)
     NO_UNLESS(Py_TYPE(function) == (PyTypeObject *)self->function_type);
-    NO_UNLESS(attr_is(function, n_owner, self->kernels));
-    NO_UNLESS(attr_is(function, n_unloaded, Py_False));
     TAKE(config, launch, n_config);
-    NO_UNLESS(attr_is(config, n_cluster, Py_None));
-    NO_UNLESS(attr_is(config, n_cooperative, Py_False));
-    NO_UNLESS(attr_is(config, n_pdl, Py_False));
-    TAKE(v, config, n_grid);
-    NO_UNLESS(dims3(v, d));
-    Py_CLEAR(v);
-    TAKE(v, config, n_block);
-    NO_UNLESS(dims3(v, d + 3));
-    Py_CLEAR(v);
-    unsigned long long smem, dyn;
-    NO_UNLESS(attr_u64(config, n_shared_mem, &smem));
-    NO_UNLESS(attr_u64(function, n_dyn_smem, &dyn));
-    NO_UNLESS(smem <= dyn && smem <= 0xFFFFFFFFULL);
-    d[6] = (unsigned int)smem;
     TAKE(plan, launch, n_plan);
     TAKE(kernel, launch, n_kernel);
-    TAKE(kplan, kernel, n_plan);
-    NO_UNLESS(plan == kplan);
-    NO_UNLESS(Py_TYPE(s) == (PyTypeObject *)self->stream_type);
-    NO_UNLESS(attr_is(s, n_owner, self->table));
-    NO_UNLESS(attr_is(s, n_destroyed, Py_False));
-    TAKE(packed, function, n_packed);
-    NO_UNLESS(PyBytes_CheckExact(packed)); /* (None: not decided yet; False: the wrapper) */
+    int known = self->m_data != NULL && self->m_function == function && self->m_config == config &&
+                self->m_plan == plan && self->m_kernel == kernel && self->m_stream == s;
+    if (known) { /* what can have changed since the checks */
+        memcpy(&m, PyBytes_AS_STRING(self->m_data), sizeof m);
+        NO_UNLESS(attr_is(function, n_unloaded, Py_False));
+        NO_UNLESS(attr_is(s, n_destroyed, Py_False));
+        TAKE(packed, function, n_packed);
+        NO_UNLESS(packed == self->m_packed);
+        NO_UNLESS(attr_u64(function, n_dyn_smem, &dyn));
+        NO_UNLESS(m.d[6] <= dyn);
+    } else {
+        NO_UNLESS(attr_is(function, n_owner, self->kernels));
+        NO_UNLESS(attr_is(function, n_unloaded, Py_False));
+        NO_UNLESS(attr_is(config, n_cluster, Py_None));
+        NO_UNLESS(attr_is(config, n_cooperative, Py_False));
+        NO_UNLESS(attr_is(config, n_pdl, Py_False));
+        TAKE(v, config, n_grid);
+        NO_UNLESS(dims3(v, m.d));
+        Py_CLEAR(v);
+        TAKE(v, config, n_block);
+        NO_UNLESS(dims3(v, m.d + 3));
+        Py_CLEAR(v);
+        unsigned long long smem;
+        NO_UNLESS(attr_u64(config, n_shared_mem, &smem));
+        NO_UNLESS(attr_u64(function, n_dyn_smem, &dyn));
+        NO_UNLESS(smem <= dyn && smem <= 0xFFFFFFFFULL);
+        m.d[6] = (unsigned int)smem;
+        TAKE(kplan, kernel, n_plan);
+        NO_UNLESS(plan == kplan);
+        NO_UNLESS(Py_TYPE(s) == (PyTypeObject *)self->stream_type);
+        NO_UNLESS(attr_is(s, n_owner, self->table));
+        NO_UNLESS(attr_is(s, n_destroyed, Py_False));
+        TAKE(packed, function, n_packed);
+        NO_UNLESS(PyBytes_CheckExact(packed)); /* (None: not decided yet; False: the wrapper) */
+        TAKE(size, plan, n_size);
+        NO_UNLESS(PyLong_CheckExact(size));
+        m.need = PyLong_AsSsize_t(size);
+        if (m.need == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto done;
+        }
+        NO_UNLESS(attr_u64(function, n_addr, &m.addr));
+        NO_UNLESS(attr_u64(s, n_handle, &m.handle));
+    }
     int many = several_devices(self->primary);
     NO_UNLESS(many < 0 ? -1 : !many);
     TAKE(arena, launch, n_arena);
     NO_UNLESS(PyBytes_CheckExact(arena));
-    TAKE(size, plan, n_size);
-    NO_UNLESS(PyLong_CheckExact(size));
-    Py_ssize_t need = PyLong_AsSsize_t(size);
-    if (need == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        goto done;
+    NO_UNLESS(PyBytes_GET_SIZE(arena) >= m.need);
+    if (!known) { /* kept for the next launch of these (an error here only forgets) */
+        PyObject *data = PyBytes_FromStringAndSize((const char *)&m, sizeof m);
+        if (data == NULL) {
+            rc = -1;
+            goto done;
+        }
+        Py_XSETREF(self->m_data, data);
+        Py_XSETREF(self->m_function, Py_NewRef(function));
+        Py_XSETREF(self->m_config, Py_NewRef(config));
+        Py_XSETREF(self->m_plan, Py_NewRef(plan));
+        Py_XSETREF(self->m_kernel, Py_NewRef(kernel));
+        Py_XSETREF(self->m_stream, Py_NewRef(s));
+        Py_XSETREF(self->m_packed, Py_NewRef(packed));
     }
-    NO_UNLESS(PyBytes_GET_SIZE(arena) >= need);
-    NO_UNLESS(attr_u64(function, n_addr, &addr));
-    NO_UNLESS(attr_u64(s, n_handle, &handle));
     /* every check passed: the steps with effects */
     if (PyObject_SetAttr(launch, n_enqueued, Py_True) < 0) {
         rc = -1;
         goto done;
     }
-    rc = packed_call(self->entry, (void *)(uintptr_t)addr, d, (void *)(uintptr_t)handle, arena, packed, err) < 0
+    rc = packed_call(self->entry, (void *)(uintptr_t)m.addr, m.d, (void *)(uintptr_t)m.handle, arena, packed, err) <
+                 0
              ? -1
              : 1;
 done:
