@@ -19,6 +19,7 @@ figures (a hiccup of the host only ever makes a figure worse):
 
 * ``roundtrip``: ``await gpu.run(launch)`` of an empty kernel with 4 array
   arguments, pinned to one stream (µs per op, the best of three blocks of 100);
+* ``roundtrip_traced``: the same in a scope that records a lifetime trace;
 * ``submit``: safe ``gpu.submit`` of the same prebuilt launch, bursts of 500
   (µs per submission);
 * ``async_on``: ``unsafe.async_on`` of the same launch, bursts of 500 (µs per
@@ -111,6 +112,20 @@ async def measure(tc: Any, device: str, pure: bool | None = None) -> dict[str, f
                 await gpu.run(op, stream=s)
             per.append((perf() - t0) / 100 * 1e6)
         out["roundtrip"] = min(per)
+        trace = tc.trace.Trace(limit=1_000_000)
+        async with tc.open_scope(device=device, streams=4, trace=trace) as traced:
+            tbufs = [traced.zeros(256, np.float32) for _ in range(4)]
+            top = kernel.launch(*tbufs, 256, grid=1, block=1)
+            ts = traced.streams[0]
+            for _ in range(50):
+                await traced.run(top, stream=ts)
+            per = []
+            for _ in range(3):
+                t0 = perf()
+                for _ in range(100):
+                    await traced.run(top, stream=ts)
+                per.append((perf() - t0) / 100 * 1e6)
+            out["roundtrip_traced"] = min(per)
         per = []
         for _ in range(3):
             t0 = perf()
