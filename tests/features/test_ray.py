@@ -18,10 +18,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import trio
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'trio_cuda[ray]' (Python < 3.14)")
 
@@ -51,14 +53,17 @@ def cluster() -> Iterator[None]:
         ray.shutdown()
 
 
-async def fill_and_read(ctx: tray.WorkerContext, n: int, steps: int) -> str:
-    """Fill, read back and emit step by step; record what was in flight at the end."""
+async def fill_and_read(ctx: tray.WorkerContext, n: int, steps: int, started: str = "") -> str:
+    """Fill, read back and emit step by step; record what was in flight at the end
+    (``started``: a file made once the first step is done)."""
     gpu = ctx.gpu
     x = await gpu.to_device(np.zeros(n, np.float32))
     try:
         for i in range(steps):
             gpu.submit(ops.fill(x, float(i)))  # in flight while the next one is queued
             ctx.emit(i, float((await gpu.to_host(x))[0]))
+            if i == 0 and started:
+                await trio.Path(started).touch()
     finally:
         ctx.emit("in_flight_at_end", gpu.statistics().in_flight)
     return f"{steps} steps on {gpu.device.backend}"
@@ -305,10 +310,15 @@ def test_the_deadline_cancels_work_in_flight_and_the_scope_still_drains(cluster:
         report.result()
 
 
-def test_ray_cancel_becomes_trio_cancellation(cluster: None) -> None:
+def test_ray_cancel_becomes_trio_cancellation(cluster: None, tmp_path: Path) -> None:
     job = tray.remote(fill_and_read, sim={"copy_time": 0.02}, max_retries=0)
-    ref = job.remote(64, 10_000)
-    time.sleep(2.0)  # the worker is running it
+    started = tmp_path / "started"
+    ref = job.remote(64, 10_000, str(started))
+    deadline = time.monotonic() + TIMEOUT
+    while not started.exists():  # the worker is running it (a loaded host starts it late)
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.05)
+    time.sleep(0.2)
     ray.cancel(ref)
     report = _checked(ray.get(ref, timeout=TIMEOUT))
     assert report.cancelled == "ray.cancel"
