@@ -33,6 +33,7 @@ from ._core._graph import GraphStatistics as GraphStatistics
 from ._core._kernel import NO_REFERENCE as NO_REFERENCE
 from ._core._kernel import Kernel as Kernel
 from ._core._launch import KernelLaunch as KernelLaunch
+from ._core._manager import current_scope as current_scope
 from ._core._multi import DevicePolicy as DevicePolicy
 from ._core._multi import DevicePool as DevicePool
 from ._core._multi import DevicePoolStatistics as DevicePoolStatistics
@@ -50,7 +51,6 @@ from ._core._policy import LeastLoaded as LeastLoaded
 from ._core._policy import RoundRobin as RoundRobin
 from ._core._policy import SchedulingPolicy as SchedulingPolicy
 from ._core._scope import ResourceScope as ResourceScope
-from ._core._scope import current_scope as current_scope
 from ._core._statistics import ScopeStatistics as ScopeStatistics
 from ._core._stream import Stream as Stream
 from ._core._stream import StreamStatistics as StreamStatistics

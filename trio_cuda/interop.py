@@ -32,7 +32,7 @@ from __future__ import annotations as _annotations  # (aliased: this module expo
 
 import typing
 
-from ._core import _borrow, _scope
+from ._core import _borrow, _manager, _scope
 
 if typing.TYPE_CHECKING:
     from typing import Literal
@@ -71,7 +71,7 @@ def borrow(
     if access not in ("read", "write"):
         raise ValueError(f"borrow: access: expected 'read' or 'write', got {access!r}")
     if scope is None:
-        scope = _scope.current_scope()
+        scope = _manager.current_scope()
     elif not isinstance(scope, _scope.ResourceScope):
         raise TypeError(f"borrow: scope: expected a ResourceScope, got {type(scope).__name__}")
     return _borrow.borrow(obj, access, scope, stream)

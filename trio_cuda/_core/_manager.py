@@ -8,7 +8,8 @@ Invariants:
 * Entry and exit may happen in different tasks of one Trio run, and in
   different contexts of one task (``python -m trio`` runs each input in a
   fresh context of the REPL's task, so a scope entered with an
-  ``AsyncExitStack`` on one input exits on a later one). A scope's
+  ``AsyncExitStack`` on one input exits on a later one; ``current_scope``
+  finds it there). A scope's
   completion-handoff task therefore never runs in a nursery of the entering
   task, which may end while the scope is open: it runs in the nursery of the
   run's scope host (``_ScopeHost``), one system task per Trio run, started by
@@ -54,7 +55,7 @@ from trio.lowlevel import RunVar, current_task, enable_ki_protection
 
 from ._asynclib import require_trio
 from ._policy import FollowWriter, SchedulingPolicy
-from ._scope import ResourceScope, _current
+from ._scope import ResourceScope
 from ._trace import Tracer, process_tracer
 
 if TYPE_CHECKING:
@@ -133,6 +134,30 @@ def _scope_host() -> _ScopeHost:
     elif host.ending:
         raise RuntimeError("open_scope(): the Trio run is ending, so no scope can open in it")
     return host
+
+
+#: the innermost scope entered in this context (None: none, or reset by an exit)
+_current: contextvars.ContextVar[ResourceScope | None] = contextvars.ContextVar(
+    "trio_cuda_scope", default=None
+)
+
+
+def current_scope() -> ResourceScope:
+    """The innermost open scope of the calling task (``await op`` uses it).
+
+    That is the scope the task's context entered last; failing that, a scope
+    the task (or a task that started it) entered in a context it has since
+    left and did not exit: each input of ``python -m trio`` runs in a fresh
+    context of the REPL's task, so a scope entered with an ``AsyncExitStack``
+    on one input is current on the later ones."""
+    scope = _current.get()
+    if scope is None:
+        scope = entered_elsewhere()
+        if scope is None:
+            raise RuntimeError(
+                "no trio_cuda scope is open in this task: use 'async with trio_cuda.open_scope() as gpu'"
+            )
+    return scope
 
 
 def entered_elsewhere() -> ResourceScope | None:

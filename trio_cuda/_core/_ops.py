@@ -97,7 +97,7 @@ class DeviceOp(Generic[T_co]):
     @overload
     def __await__(self) -> Generator[Any, None, T_co]: ...
     def __await__(self) -> Generator[Any, None, Any]:
-        from ._scope import current_scope
+        from ._manager import current_scope
 
         return current_scope().run(self).__await__()
 

@@ -23,7 +23,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import math
 import sys
@@ -72,32 +71,6 @@ log = logging.getLogger("trio_cuda")
 
 T = TypeVar("T")
 U = TypeVar("U")
-
-#: the innermost scope entered in this context (None: none, or reset by an exit)
-_current: contextvars.ContextVar[ResourceScope | None] = contextvars.ContextVar(
-    "trio_cuda_scope", default=None
-)
-
-
-def current_scope() -> ResourceScope:
-    """The innermost open scope of the calling task (``await op`` uses it).
-
-    That is the scope the task's context entered last; failing that, a scope
-    the task (or a task that started it) entered in a context it has since
-    left and did not exit: each input of ``python -m trio`` runs in a fresh
-    context of the REPL's task, so a scope entered with an ``AsyncExitStack``
-    on one input is current on the later ones."""
-    scope = _current.get()
-    if scope is None:
-        from ._manager import entered_elsewhere
-
-        scope = entered_elsewhere()
-        if scope is None:
-            raise RuntimeError(
-                "no trio_cuda scope is open in this task: use 'async with trio_cuda.open_scope() as gpu'"
-            )
-    return scope
-
 
 # --------------------------------------------------------------------------- scope
 
