@@ -89,6 +89,20 @@ def _load_tree(tree: str, alias: str) -> ModuleType:
     return mod
 
 
+async def _roundtrip(gpu: Any, op: Any, s: Any) -> float:
+    """µs per ``await gpu.run(op)`` after 50 warm-up ones: the best of three
+    blocks of 100 (a block with a hiccup of the host is dropped)."""
+    for _ in range(50):
+        await gpu.run(op, stream=s)
+    per = []
+    for _ in range(3):
+        t0 = perf()
+        for _ in range(100):
+            await gpu.run(op, stream=s)
+        per.append((perf() - t0) / 100 * 1e6)
+    return min(per)
+
+
 async def measure(tc: Any, device: str, pure: bool | None = None) -> dict[str, float]:
     if pure is not None:
         importlib.import_module(f"{tc.__name__}._backends.cuda.direct").reset(pure=pure)
@@ -103,29 +117,12 @@ async def measure(tc: Any, device: str, pure: bool | None = None) -> dict[str, f
         bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
         op = kernel.launch(*bufs, 256, grid=1, block=1)
         s = gpu.streams[0]
-        for _ in range(50):
-            await gpu.run(op, stream=s)
-        per = []
-        for _ in range(3):  # the best of three blocks: a block with a hiccup of the host is dropped
-            t0 = perf()
-            for _ in range(100):
-                await gpu.run(op, stream=s)
-            per.append((perf() - t0) / 100 * 1e6)
-        out["roundtrip"] = min(per)
+        out["roundtrip"] = await _roundtrip(gpu, op, s)
         trace = tc.trace.Trace(limit=1_000_000)
         async with tc.open_scope(device=device, streams=4, trace=trace) as traced:
             tbufs = [traced.zeros(256, np.float32) for _ in range(4)]
             top = kernel.launch(*tbufs, 256, grid=1, block=1)
-            ts = traced.streams[0]
-            for _ in range(50):
-                await traced.run(top, stream=ts)
-            per = []
-            for _ in range(3):
-                t0 = perf()
-                for _ in range(100):
-                    await traced.run(top, stream=ts)
-                per.append((perf() - t0) / 100 * 1e6)
-            out["roundtrip_traced"] = min(per)
+            out["roundtrip_traced"] = await _roundtrip(traced, top, traced.streams[0])
         per = []
         for _ in range(3):
             t0 = perf()
