@@ -90,7 +90,7 @@ static inline int bump(PyObject *obj, SlotRef *ref, long delta) {
 /* An exact int from 0 to 2**64-1 into *out; 0 (no error set) if it is not one. */
 static inline int as_u64(PyObject *obj, unsigned long long *out) {
     if (!PyLong_CheckExact(obj)) return 0;
-    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    unsigned long long v = u64_of(obj);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_Clear();
         return 0;

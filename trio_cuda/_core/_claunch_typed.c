@@ -127,7 +127,7 @@ static int pack_int(unsigned char *p, PyObject *v, char code) {
             Py_DECREF(index);
             return PyErr_Occurred() ? -1 : 0;
         }
-        bits = PyLong_AsUnsignedLongLong(index);
+        bits = u64_of(index);
         Py_DECREF(index);
         if (bits == (unsigned long long)-1 && PyErr_Occurred()) {
             if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;

@@ -1,7 +1,8 @@
 /* fast_getattr(obj, name): ``getattr(obj, name)``, faster where the
    attribute is a slot; class_holds(tp, name, fn): whether a class's
    attribute is still ``fn``, without getattr's work. Shared by the compiled extensions (a header: each
-   file that includes it keeps its own table).
+   file that includes it keeps its own table); and u64_of, an int's value
+   as an unsigned 64-bit one.
 
    Invariants:
    - The result is always what generic getattr gives: a slot is read where
@@ -20,6 +21,19 @@
 #include <Python.h>
 #include <structmember.h>
 #include <stdint.h>
+
+/* PyLong_AsUnsignedLongLong's answer and errors. Where a long has 64 bits
+   this is PyLong_AsUnsignedLong, which reads the digits directly: CPython
+   3.11 and 3.12 convert a value past 2**30 (every device address) to an
+   unsigned long long through a generic byte-array routine, four times the
+   cost (20 against 5 ns a call on a development machine). */
+static inline unsigned long long u64_of(PyObject *obj) {
+#if SIZEOF_LONG >= 8
+    return (unsigned long long)PyLong_AsUnsignedLong(obj);
+#else
+    return PyLong_AsUnsignedLongLong(obj);
+#endif
+}
 
 typedef struct {
     PyTypeObject *type;

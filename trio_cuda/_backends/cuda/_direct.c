@@ -45,7 +45,7 @@ typedef int (*launch_fn)(void *, unsigned int, unsigned int, unsigned int, unsig
 typedef int (*write32_fn)(void *, unsigned long long, uint32_t, unsigned int);
 
 static int as_ptr(PyObject *obj, void **out, const char *what) {
-    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    unsigned long long v = u64_of(obj);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_Format(PyExc_TypeError, "%s: expected an address (an int from 0 to 2**64-1), got %R",
                      what, obj);
@@ -801,7 +801,7 @@ static int attr_u64(PyObject *obj, PyObject *name, unsigned long long *out) {
         return -1;
     int ok = PyLong_CheckExact(v);
     if (ok) {
-        *out = PyLong_AsUnsignedLongLong(v);
+        *out = u64_of(v);
         if (*out == (unsigned long long)-1 && PyErr_Occurred()) {
             PyErr_Clear();
             ok = 0;
