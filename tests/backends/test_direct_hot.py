@@ -457,8 +457,9 @@ class _Event:
 
 
 def test_notify_is_the_python_method() -> None:
-    """``HotNotify`` returns at once where no marker is new (the Python
-    method's test), and is the Python method otherwise: the same state
+    """``HotNotify`` returns at once where no marker is new or nobody is
+    parked to wake (the Python method's tests), and is the Python method
+    otherwise: the same state
     after each call, on both."""
     results = []
     for hot in (True, False):
@@ -487,9 +488,13 @@ def test_notify_hands_the_rest_to_the_python_method() -> None:
     setup = Setup(hot=True)
     notify = _direct.HotNotify(setup.table, fallback)
     setup.table.new_head = False
+    setup.table.wake_ev = _Event()
     assert notify() is None
     assert calls == []
-    setup.table.new_head = True
+    setup.table.new_head, setup.table.wake_ev = True, None  # (a new head, nobody parked to wake)
+    assert notify() is None
+    assert calls == []
+    setup.table.wake_ev = _Event()
     assert notify() == "python"
     setup.table.new_head = 0  # (falsy, not False: the Python method decides)
     assert notify() == "python"

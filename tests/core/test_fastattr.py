@@ -156,3 +156,85 @@ def test_class_holds_follows_the_class() -> None:
     Base.method = g  # type: ignore[method-assign]
     assert holds(Child, "method", g)
     assert not holds(Child, "absent", None)
+
+
+def _write(obj: object, name: str, value: object) -> Any:
+    assert _compiled.ext is not None
+    try:
+        _compiled.ext.fast_setattr(obj, name, value)
+        return ("stored", None)
+    except Exception as exc:  # noqa: BLE001 (the same error as setattr's, compared below)
+        return (type(exc).__name__, str(exc))
+
+
+def _setattr(obj: object, name: str, value: object) -> Any:
+    try:
+        setattr(obj, name, value)
+        return ("stored", None)
+    except Exception as exc:  # noqa: BLE001
+        return (type(exc).__name__, str(exc))
+
+
+@attrs.define
+class Checked:
+    x: int = attrs.field(validator=attrs.validators.instance_of(int))
+
+
+@attrs.frozen
+class Frozen:
+    x: object
+
+
+def test_a_slot_is_stored_where_setattr_stores_it() -> None:
+    obj = Slotted([1])
+    for i in range(3):  # learnt, then stored through the table
+        assert _write(obj, "a", i) == ("stored", None)
+        assert obj.a == i
+        assert _write(obj, "b", [i]) == ("stored", None)
+        assert obj.b == [i]
+    rec = Record(x=1)
+    value = object()
+    assert _write(rec, "y", value) == ("stored", None)
+    assert rec.y is value
+    # the old value is released, the new one kept
+    import sys
+
+    held = object()
+    before = sys.getrefcount(held)
+    _write(rec, "y", held)
+    assert sys.getrefcount(held) == before + 1
+    _write(rec, "y", None)
+    assert sys.getrefcount(held) == before
+
+
+def test_what_is_not_a_plain_writable_slot_goes_to_setattr() -> None:
+    """A class with its own ``__setattr__`` (attrs' validators, frozen
+    classes), a name with no slot, a read-only member and a property all
+    answer exactly as setattr does."""
+    cases: list[tuple[object, str, object]] = [
+        (Checked(1), "x", 2),
+        (Checked(1), "x", "not an int"),
+        (Frozen(1), "x", 2),
+        (Slotted(1), "c", 2),
+        (1j, "real", 2.0),
+        (slice(1, 2), "start", 3),
+    ]
+    for obj, name, value in cases:
+        for _ in range(2):
+            assert _write(obj, name, value) == _setattr(obj, name, value), (obj, name)
+
+
+def test_a_changed_class_is_stored_anew() -> None:
+    class Box:
+        __slots__ = ("v",)
+
+    box = Box()
+    assert _write(box, "v", 1) == ("stored", None)
+    seen: list[object] = []
+    slot = Box.v  # type: ignore[attr-defined]
+    Box.v = property(lambda self: 0, lambda self, value: seen.append(value))  # type: ignore[attr-defined]
+    assert _write(box, "v", 2) == ("stored", None)
+    assert seen == [2]  # the property's setter, not the slot
+    Box.v = slot  # type: ignore[attr-defined]
+    assert _write(box, "v", 3) == ("stored", None)
+    assert box.v == 3

@@ -147,6 +147,7 @@ async def test_a_fresh_launch_submitted_once_keeps_five_objects_until_it_retires
         bufs = [gpu.zeros(8, "f4") for _ in range(4)]
         s = gpu.streams[0]
         await gpu.run(k.launch(*bufs, 1, grid=1, block=8), stream=s)
+        await gpu.submit(k.launch(*bufs, 2, grid=1, block=8), stream=s).wait()  # (the table's memo made)
         sim.hold()
         kinds = (tuple, dict, list, PreparedLaunch, KernelLaunch, Submission, DeviceFuture)
 

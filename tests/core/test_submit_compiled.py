@@ -350,6 +350,79 @@ async def test_fresh_launch_of_last_checked_shape_skips_function_for(monkeypatch
         assert len(calls) == 3
 
 
+@compiled_only
+async def test_the_kernel_table_s_memo_follows_its_tables() -> None:
+    """The compiled path remembers its last lookups (``KernelTable.hot``):
+    set by a fresh launch of the last checked shape, reset by every change
+    to the tables, and never answering for another shape or kernel."""
+    W = trio_cuda.Kernel.from_source(
+        stub_source("w"), "w", params=[trio_cuda.InOut("f4"), trio_cuda.Scalar("i4")], reference=trio_cuda.NO_REFERENCE
+    )
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        table = gpu._kernels
+        x, y = gpu.zeros(4, "f4"), gpu.zeros(4, "f4")
+        await gpu.run(K.launch(x, y, np.float32(1), grid=1, block=4))
+        assert table.hot is None  # (checked by the Python method: nothing remembered yet)
+        fresh = K.launch(x, y, np.float32(1), grid=1, block=4)
+        await gpu.submit(fresh).wait()
+        assert table.hot is not None
+        assert table.hot[:3] == (K, fresh.prepared.config, K.plan)
+        assert table.hot[3] is fresh.prepared.ready is table.ready[K]
+        again = K.launch(x, y, np.float32(1), grid=1, block=4)
+        await gpu.submit(again).wait()
+        assert again.prepared.ready is fresh.prepared.ready
+        other = K.launch(x, y, np.float32(1), grid=2, block=2)  # another shape: checked, and the memo reset
+        await gpu.submit(other).wait()
+        assert table.hot is None and table.last_checked[K][0] is other.prepared.config
+        await gpu.submit(K.launch(x, y, np.float32(1), grid=2, block=2)).wait()
+        assert table.hot is not None and table.hot[1] is other.prepared.config
+        await gpu.run(W.launch(x, 4, grid=1, block=4))  # another kernel loaded and checked
+        assert table.hot is None
+        assert table.function(W) is table.functions[W]  # (already loaded: no change, the memo stays)
+        await gpu.submit(W.launch(x, 4, grid=1, block=4)).wait()
+        assert table.hot is not None and table.hot[0] is W
+        await gpu.submit(K.launch(x, y, np.float32(1), grid=2, block=2)).wait()
+        assert table.hot is not None and table.hot[0] is K
+        fn = table.functions[K]
+    assert table.hot is None  # (the exit unloaded every function)
+    assert fn not in table.functions.values()
+
+
+@compiled_only
+async def test_a_global_patched_between_submissions_is_read_anew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled submission reads its module globals (``take_whole``,
+    ``take_launch_leases``, ``submit_launch``) as they are at each call,
+    though it remembers them between calls."""
+    from trio_cuda._core import _submit
+
+    calls: list[int] = []
+    real = _submit.take_whole
+    assert real is not None
+
+    def spy(*args: Any) -> bool:
+        calls.append(1)
+        return real(*args)
+
+    async with trio_cuda.open_scope(device="sim") as gpu:
+        x, y = gpu.zeros(4, "f4"), gpu.zeros(4, "f4")
+        for _ in range(2):  # (remembered)
+            await gpu.submit(K.launch(x, y, np.float32(1), grid=1, block=4)).wait()
+        monkeypatch.setattr(_submit, "take_whole", spy)
+        await gpu.submit(K.launch(x, y, np.float32(1), grid=1, block=4)).wait()
+        assert calls == [1]
+        monkeypatch.setattr(_submit, "take_whole", None)  # (the Python path's leases)
+        await gpu.submit(K.launch(x, y, np.float32(1), grid=1, block=4)).wait()
+        monkeypatch.undo()
+        await gpu.submit(K.launch(x, y, np.float32(1), grid=1, block=4)).wait()
+        assert calls == [1]
+        seen: list[int] = []
+        real_launch = _scope.submit_launch
+        monkeypatch.setattr(_scope, "submit_launch", lambda *a: seen.append(1) or real_launch(*a))
+        await gpu.submit(K.launch(x, y, np.float32(1), grid=1, block=4)).wait()
+        assert seen == [1]
+        assert gpu.statistics().leases_held == 0
+
+
 def _unsafe_program(compiled: bool) -> list[Any]:
     """``unsafe.async_on`` each way it can go, on one path: the outcomes and
     the device's record."""

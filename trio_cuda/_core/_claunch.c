@@ -171,7 +171,7 @@ static PyObject *configure(PyObject *module, PyObject *env) {
     Py_RETURN_NONE;
 }
 
-/* fast_getattr and class_holds as tests call them (_fastattr.h). */
+/* fast_getattr, fast_setattr and class_holds as tests call them (_fastattr.h). */
 static PyObject *fast_getattr_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyUnicode_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "fast_getattr(obj, name: str)");
@@ -182,6 +182,19 @@ static PyObject *fast_getattr_py(PyObject *module, PyObject *const *args, Py_ssi
     PyObject *v = fast_getattr(args[0], name);
     Py_DECREF(name);
     return v;
+}
+
+static PyObject *fast_setattr_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyUnicode_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "fast_setattr(obj, name: str, value)");
+        return NULL;
+    }
+    PyObject *name = Py_NewRef(args[1]);
+    PyUnicode_InternInPlace(&name);
+    int rc = fast_setattr(args[0], name, args[2]);
+    Py_DECREF(name);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *class_holds_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -199,6 +212,9 @@ static PyObject *class_holds_py(PyObject *module, PyObject *const *args, Py_ssiz
 static PyMethodDef module_methods[] = {
     {"fast_getattr", (PyCFunction)(void (*)(void))fast_getattr_py, METH_FASTCALL,
      "fast_getattr(obj, name) -> getattr(obj, name), a slot read through the per-type table (for tests)."},
+    {"fast_setattr", (PyCFunction)(void (*)(void))fast_setattr_py, METH_FASTCALL,
+     "fast_setattr(obj, name, value): setattr(obj, name, value), a slot store through the per-type table (for "
+     "tests)."},
     {"class_holds", (PyCFunction)(void (*)(void))class_holds_py, METH_FASTCALL,
      "class_holds(cls, name, value) -> whether cls's attribute name is value (for tests)."},
     {"configure", configure, METH_O, "configure(env): the types and constants the paths read (once per process)."},

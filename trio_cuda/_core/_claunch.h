@@ -67,6 +67,34 @@ static inline int store_slot(PyObject *obj, SlotRef *ref, PyObject *value) {
     return 0;
 }
 
+/* A module global that a call site reads on every call (a name tests may
+   patch: the module's dict is read, never a copy): the dict's entry, borrowed,
+   NULL if absent (error set only on an error). On CPython 3.11 and 3.12 the
+   site remembers the entry with the dict's version tag, which every change
+   to a dict replaces with a number no dict had before, so an unchanged tag
+   means an unchanged entry; elsewhere it is a plain lookup. */
+typedef struct {
+    uint64_t version;
+    PyObject *value;
+} GlobalMemo;
+
+static inline PyObject *global_of(PyObject *dict, PyObject *name, GlobalMemo *m) {
+#if PY_VERSION_HEX < 0x030D0000
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    uint64_t version = ((PyDictObject *)dict)->ma_version_tag;
+#pragma GCC diagnostic pop
+    if (version != 0 && m->version == version) return m->value;
+    PyObject *v = PyDict_GetItemWithError(dict, name); /* (borrowed; a lookup changes no dict) */
+    m->version = v != NULL ? version : 0;
+    m->value = v;
+    return v;
+#else
+    (void)m;
+    return PyDict_GetItemWithError(dict, name);
+#endif
+}
+
 /* obj's int slot ``ref`` plus ``delta`` (a small delta; the sum stolen
    into the slot): 0, or -1. An exact int in C's long range is added in C;
    anything else by ``+``. */

@@ -41,7 +41,8 @@ static SlotRef r_sc_functions, r_sc_kernels, r_sc_next_id, r_sc_driver, r_sc_com
 static SlotRef r_st_scope, r_st_handle, r_st_in_flight, r_st_unmarked;
 static SlotRef r_c_in_flight, r_c_unflushed, r_c_batch, r_c_driver;
 static SlotRef r_sub_error, r_sub_observed, r_sub_dirty, r_sub_output, r_sub_state;
-static SlotRef r_kt_last, r_kt_functions, r_kt_ready, r_k_tile;
+static GlobalMemo m_tll, m_fast, m_take_whole, m_submit_launch; /* (global_of: these sites' names) */
+static SlotRef r_kt_last, r_kt_functions, r_kt_ready, r_kt_hot, r_k_tile;
 enum { N_SUB = 15 };
 static const char *const sub_names[N_SUB] = {"scope",  "stream", "id",       "op",       "state",
                                              "marker", "owners", "finishers", "leases",  "error",
@@ -175,6 +176,21 @@ static PyObject *last_checked(PyObject *kernels, PyObject *prepared) {
     } else {
         Py_DECREF(tile);
     }
+    PyObject *hot = read_slot(kernels, &r_kt_hot);
+    if (hot == NULL) return NULL;
+    if (PyTuple_CheckExact(hot) && PyTuple_GET_SIZE(hot) == 4 && PyTuple_GET_ITEM(hot, 0) == kernel &&
+        PyTuple_GET_ITEM(hot, 1) == config && PyTuple_GET_ITEM(hot, 2) == plan) {
+        /* what the lookups below gave last, for this same shape (any change to the tables resets it) */
+        PyObject *ready = PyTuple_GET_ITEM(hot, 3);
+        PyObject *fn = Py_NewRef(PyTuple_GET_ITEM(ready, 1));
+        PyObject **at = (PyObject **)((char *)prepared + g_prepared_off[7]);
+        PyObject *old = *at;
+        *at = Py_NewRef(ready);
+        Py_XDECREF(old);
+        Py_DECREF(hot);
+        return fn;
+    }
+    Py_DECREF(hot);
     PyObject *table = read_slot(kernels, &r_kt_last);
     if (table == NULL) return NULL;
     PyObject *functions = read_slot(kernels, &r_kt_functions);
@@ -208,6 +224,10 @@ static PyObject *last_checked(PyObject *kernels, PyObject *prepared) {
                 *at = ready;
                 Py_XDECREF(old);
                 Py_INCREF(fn);
+                PyObject *memo = PyTuple_Pack(4, kernel, config, plan, ready);
+                if (memo == NULL || store_slot(kernels, &r_kt_hot, memo) < 0) { /* (store_slot takes it) */
+                    Py_CLEAR(fn);
+                }
             }
         }
     }
@@ -245,7 +265,7 @@ done:
 
 /* Step 4: 0, or -1 (error set). */
 static int take_leases(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op) {
-    PyObject *tll = PyDict_GetItemWithError(g_scope_globals, n_tll); /* (borrowed) */
+    PyObject *tll = global_of(g_scope_globals, n_tll, &m_tll); /* (borrowed) */
     if (tll == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "submit_launch: take_launch_leases is gone");
         return -1;
@@ -254,14 +274,14 @@ static int take_leases(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op
     int rc = -1;
     PyObject *plan = NULL, *r = NULL;
     if (tll == g_tll) { /* (what it does, without its frame; a patched one runs itself) */
-        PyObject *fast = PyDict_GetItemWithError(g_submit_globals, n_fast);
+        PyObject *fast = global_of(g_submit_globals, n_fast, &m_fast);
         if (fast == NULL && PyErr_Occurred()) goto done;
         plan = *(PyObject **)((char *)op + g_launch_off[2]); /* (op is of the exact type) */
         Py_XINCREF(plan);
         PyObject *simple = *(PyObject **)((char *)op + g_launch_off[4]);
         if (fast == Py_True && plan != NULL && PyTuple_CheckExact(plan) && simple != NULL) {
             PyObject *allocs = plan;
-            PyObject *tw = PyDict_GetItemWithError(g_submit_globals, n_take_whole);
+            PyObject *tw = global_of(g_submit_globals, n_take_whole, &m_take_whole);
             if (tw == NULL && PyErr_Occurred()) goto done;
             if (simple == Py_True && tw != NULL && tw != Py_None) {
                 Accesses acc;
@@ -624,7 +644,7 @@ PyObject *submit_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (lone < 0) return NULL;
     PyObject *sub;
     if (lone) {
-        PyObject *fn = PyDict_GetItemWithError(g_scope_globals, n_submit_launch); /* (borrowed) */
+        PyObject *fn = global_of(g_scope_globals, n_submit_launch, &m_submit_launch); /* (borrowed) */
         if (fn == NULL && PyErr_Occurred()) return NULL;
         if (fn != NULL && PyCFunction_Check(fn) &&
             PyCFunction_GET_FUNCTION(fn) == (PyCFunction)(void (*)(void))submit_launch) {
@@ -730,6 +750,7 @@ PyObject *configure_submit(PyObject *module, PyObject *env) {
                 {tp_sub, "dirty", &r_sub_dirty},           {tp_sub, "output", &r_sub_output},
                 {tp_sub, "state", &r_sub_state},           {tp_kt, "last_checked", &r_kt_last},
                 {tp_kt, "functions", &r_kt_functions},     {tp_kt, "ready", &r_kt_ready},
+                {tp_kt, "hot", &r_kt_hot},
                 {tp_k, "tile", &r_k_tile}};
     for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
         if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;

@@ -1,6 +1,7 @@
 /* fast_getattr(obj, name): ``getattr(obj, name)``, faster where the
    attribute is a slot; class_holds(tp, name, fn): whether a class's
-   attribute is still ``fn``, without getattr's work. Shared by the compiled extensions (a header: each
+   attribute is still ``fn``, without getattr's work; fast_setattr, the
+   same for setattr. Shared by the compiled extensions (a header: each
    file that includes it keeps its own table); and u64_of, an int's value
    as an unsigned 64-bit one.
 
@@ -64,6 +65,38 @@ static inline PyObject *fast_getattr(PyObject *obj, PyObject *name) {
     }
     PyObject *v = *(PyObject **)((char *)obj + e->offset);
     return v != NULL ? Py_NewRef(v) : PyObject_GetAttr(obj, name);
+}
+
+/* ``setattr(obj, name, value)``: 0, or -1 (error set). Stores in the slot
+   where fast_getattr would read it, and the type also sets attributes the
+   generic way (no ``__setattr__`` of its own, as attrs adds for validators)
+   and the slot is writable; anything else goes to setattr. Its own table:
+   an entry here says more than one there. */
+static SlotEntry slot_set_table[SLOT_ENTRIES];
+
+static inline int fast_setattr(PyObject *obj, PyObject *name, PyObject *value) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    SlotEntry *e = &slot_set_table[(((uintptr_t)tp >> 4) ^ ((uintptr_t)name >> 3)) % SLOT_ENTRIES];
+    if (e->type != tp || e->name != name || e->version == 0 || e->version != tp->tp_version_tag) {
+        e->version = 0;
+        if (tp->tp_setattro != PyObject_GenericSetAttr || !PyUnicode_CheckExact(name))
+            return PyObject_SetAttr(obj, name, value);
+        PyObject *d = _PyType_Lookup(tp, name); /* (borrowed; no error set) */
+        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type) ||
+            ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX ||
+            (((PyMemberDescrObject *)d)->d_member->flags & READONLY) || !PyType_IsSubtype(tp, PyDescr_TYPE(d)) ||
+            tp->tp_version_tag == 0)
+            return PyObject_SetAttr(obj, name, value);
+        e->type = tp;
+        e->name = name;
+        e->offset = ((PyMemberDescrObject *)d)->d_member->offset;
+        e->version = tp->tp_version_tag;
+    }
+    PyObject **at = (PyObject **)((char *)obj + e->offset);
+    PyObject *old = *at;
+    *at = Py_NewRef(value);
+    Py_XDECREF(old);
+    return 0;
 }
 
 /* Whether ``name``, looked up on the class ``tp`` as getattr looks it up

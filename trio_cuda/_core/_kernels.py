@@ -20,6 +20,8 @@ Invariants:
   shape (kernel, interned config, parameter plan), so a fresh launch of a
   checked shape is not checked again; a tile launch, whose check prepares its
   list arguments, is checked per launch. A refused shape is never kept.
+  The compiled launch path remembers its last lookups in these tables
+  (``hot``); every method here that changes them resets it.
 * Functions are unloaded only after the scope's drain, and never while any of
   its work has unknown completion (``ResourceScope._release_everything``).
 """
@@ -53,7 +55,17 @@ class KernelTable:
     """A scope's loaded kernels and checked launch shapes (a component of
     :class:`~trio_cuda.ResourceScope`)."""
 
-    __slots__ = ("checked", "driver", "functions", "info", "last_checked", "load_in_thread", "ready", "scope")
+    __slots__ = (
+        "checked",
+        "driver",
+        "functions",
+        "hot",
+        "info",
+        "last_checked",
+        "load_in_thread",
+        "ready",
+        "scope",
+    )
 
     def __init__(self, scope: ResourceScope, driver: DeviceContext) -> None:
         self.scope = scope
@@ -71,6 +83,10 @@ class KernelTable:
         #: per kernel, the (functions, function) pair its checked launches
         #: keep (``PreparedLaunch.ready``): one shared tuple, none per launch
         self.ready: dict[Kernel, tuple[dict[Kernel, object], object]] = {}
+        #: the compiled launch path's memo of its last lookups in the three
+        #: tables above, (kernel, config, plan, ready pair); every change to
+        #: them here resets it
+        self.hot: tuple[Kernel, object, object, tuple[dict[Kernel, object], object]] | None = None
 
     async def load(self, kernels: Iterable[Kernel | DeviceOp[Any]]) -> None:
         """``ResourceScope.load``: see its documentation."""
@@ -112,6 +128,7 @@ class KernelTable:
                     continue
             else:
                 fn = self.driver.load_kernel(kernel)
+            self.hot = None
             functions[kernel] = fn
         await trio.lowlevel.checkpoint()
 
@@ -138,6 +155,7 @@ class KernelTable:
         fn = self.functions.get(kernel)
         if fn is None:
             fn = self.driver.load_kernel(kernel)
+            self.hot = None
             self.functions[kernel] = fn
         return fn
 
@@ -158,6 +176,7 @@ class KernelTable:
             fn = self.function(kernel)
         pair = self.ready.get(kernel)
         if pair is None or pair[1] is not fn:
+            self.hot = None
             pair = self.ready[kernel] = (functions, fn)
         prepared.ready = pair
         return fn
@@ -185,6 +204,7 @@ class KernelTable:
                     self.checked.clear()
                     self.last_checked.clear()
                 self.checked.add(shape)
+            self.hot = None
             self.last_checked[kernel] = (config, plan)
         else:
             check_device_limits(prepared, self.info)
@@ -193,6 +213,7 @@ class KernelTable:
     def unload_all(self) -> None:
         """After the drain: unload every function (the scope decides when)."""
         functions = self.functions
+        self.hot = None
         self.ready.clear()
         for kernel, fn in list(functions.items()):
             del functions[kernel]

@@ -294,7 +294,7 @@ static PyObject *n_owner, *n_destroyed, *n_multi_device, *n_capturing, *n_marker
     *n_write, *n_seq, *n_watched, *n_new_head, *n_eager, *n_state, *n_fail, *n_write_call, *n_stream, *n_mv,
     *n_slot, *n_sticky, *n_cache, *n_key, *n_config, *n_plan, *n_kernel, *n_cluster, *n_cooperative, *n_pdl,
     *n_shared_mem, *n_dyn_smem, *n_unloaded, *n_packed, *n_arena, *n_size, *n_addr, *n_handle, *n_grid,
-    *n_block, *n_enqueued, *n_launch_failed, *n_event;
+    *n_block, *n_enqueued, *n_launch_failed, *n_event, *n_wake_ev;
 
 static int intern_names(void) {
     struct {
@@ -311,7 +311,7 @@ static int intern_names(void) {
                  {&n_dyn_smem, "dyn_smem"}, {&n_unloaded, "unloaded"}, {&n_packed, "packed"},
                  {&n_arena, "arena"}, {&n_size, "size"}, {&n_addr, "addr"}, {&n_handle, "handle"},
                  {&n_grid, "grid"}, {&n_block, "block"}, {&n_enqueued, "enqueued"},
-                 {&n_launch_failed, "_launch_failed"}, {&n_event, "event"}};
+                 {&n_launch_failed, "_launch_failed"}, {&n_event, "event"}, {&n_wake_ev, "wake_ev"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].at = PyUnicode_InternFromString(names[i].s)) == NULL)
             return -1;
@@ -346,6 +346,11 @@ static int attr_is(PyObject *obj, PyObject *name, PyObject *value) {
 /* Whether the process uses several devices (``primary.multi_device``): 1,
    0, or -1 (error set). Any value but False counts as yes. */
 static int several_devices(PyObject *primary) {
+    if (PyModule_CheckExact(primary)) { /* (a module's attribute is its dict's entry, where it has one) */
+        PyObject *v = PyDict_GetItemWithError(PyModule_GetDict(primary), n_multi_device); /* (borrowed) */
+        if (v != NULL) return v != Py_False;
+        if (PyErr_Occurred()) return -1;
+    }
     int no = attr_is(primary, n_multi_device, Py_False);
     return no < 0 ? -1 : !no;
 }
@@ -684,7 +689,10 @@ typedef struct {
 static PyObject *HotNotify_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     HotNotifyObject *self = (HotNotifyObject *)op;
     if (PyVectorcall_NARGS(nargsf) == 0 && kwnames == NULL) {
-        int idle = attr_is(self->table, n_new_head, Py_False); /* (the Python method's test) */
+        /* the Python method's tests: no new head, or no waiter parked to wake */
+        int idle = attr_is(self->table, n_new_head, Py_False);
+        if (idle == 0)
+            idle = attr_is(self->table, n_wake_ev, Py_None);
         if (idle < 0)
             return NULL;
         if (idle)
@@ -714,7 +722,8 @@ static PyTypeObject HotNotifyType = {
     .tp_basicsize = sizeof(HotNotifyObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_doc = "HotNotify(table, fallback): the stream table's notify_submitted, which returns at once "
-              "where table.new_head is False; anything else calls fallback, the Python method.",
+              "where table.new_head is False or table.wake_ev is None (nobody parked to wake); anything else "
+              "calls fallback, the Python method.",
     .tp_new = HotNotify_new,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(HotNotifyObject, vectorcall),
@@ -909,7 +918,7 @@ static int launch_first(HotLaunchObject *self, PyObject *s, PyObject *function, 
         Py_XSETREF(self->m_packed, Py_NewRef(packed));
     }
     /* every check passed: the steps with effects */
-    if (PyObject_SetAttr(launch, n_enqueued, Py_True) < 0) {
+    if (fast_setattr(launch, n_enqueued, Py_True) < 0) {
         rc = -1;
         goto done;
     }
