@@ -163,7 +163,7 @@ def _write(obj: object, name: str, value: object) -> Any:
     try:
         _compiled.ext.fast_setattr(obj, name, value)
         return ("stored", None)
-    except Exception as exc:  # noqa: BLE001 (the same error as setattr's, compared below)
+    except Exception as exc:
         return (type(exc).__name__, str(exc))
 
 
@@ -171,7 +171,7 @@ def _setattr(obj: object, name: str, value: object) -> Any:
     try:
         setattr(obj, name, value)
         return ("stored", None)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return (type(exc).__name__, str(exc))
 
 

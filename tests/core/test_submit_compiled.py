@@ -356,7 +356,10 @@ async def test_the_kernel_table_s_memo_follows_its_tables() -> None:
     set by a fresh launch of the last checked shape, reset by every change
     to the tables, and never answering for another shape or kernel."""
     W = trio_cuda.Kernel.from_source(
-        stub_source("w"), "w", params=[trio_cuda.InOut("f4"), trio_cuda.Scalar("i4")], reference=trio_cuda.NO_REFERENCE
+        stub_source("w"),
+        "w",
+        params=[trio_cuda.InOut("f4"), trio_cuda.Scalar("i4")],
+        reference=trio_cuda.NO_REFERENCE,
     )
     async with trio_cuda.open_scope(device="sim") as gpu:
         table = gpu._kernels
@@ -373,16 +376,20 @@ async def test_the_kernel_table_s_memo_follows_its_tables() -> None:
         assert again.prepared.ready is fresh.prepared.ready
         other = K.launch(x, y, np.float32(1), grid=2, block=2)  # another shape: checked, and the memo reset
         await gpu.submit(other).wait()
-        assert table.hot is None and table.last_checked[K][0] is other.prepared.config
+        assert table.hot is None
+        assert table.last_checked[K][0] is other.prepared.config
         await gpu.submit(K.launch(x, y, np.float32(1), grid=2, block=2)).wait()
-        assert table.hot is not None and table.hot[1] is other.prepared.config
+        assert table.hot is not None
+        assert table.hot[1] is other.prepared.config
         await gpu.run(W.launch(x, 4, grid=1, block=4))  # another kernel loaded and checked
         assert table.hot is None
         assert table.function(W) is table.functions[W]  # (already loaded: no change, the memo stays)
         await gpu.submit(W.launch(x, 4, grid=1, block=4)).wait()
-        assert table.hot is not None and table.hot[0] is W
+        assert table.hot is not None
+        assert table.hot[0] is W
         await gpu.submit(K.launch(x, y, np.float32(1), grid=2, block=2)).wait()
-        assert table.hot is not None and table.hot[0] is K
+        assert table.hot is not None
+        assert table.hot[0] is K
         fn = table.functions[K]
     assert table.hot is None  # (the exit unloaded every function)
     assert fn not in table.functions.values()
