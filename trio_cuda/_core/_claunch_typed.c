@@ -89,7 +89,18 @@ static void typed_dealloc(TypedLaunch *self) {
     Py_DECREF(tp);
 }
 
-static void put_le(unsigned char *p, unsigned long long v, int size) {
+/* The low ``size`` bytes of ``v`` at ``p``, least significant first (the
+   kernel ABI's order): one store on a little-endian host. */
+static inline void put_le(unsigned char *p, unsigned long long v, int size) {
+#if PY_LITTLE_ENDIAN
+    switch (size) {
+    case 8: memcpy(p, &v, 8); return;
+    case 4: { uint32_t x = (uint32_t)v; memcpy(p, &x, 4); return; }
+    case 2: { uint16_t x = (uint16_t)v; memcpy(p, &x, 2); return; }
+    case 1: *p = (unsigned char)v; return;
+    default: break;
+    }
+#endif
     for (int i = 0; i < size; i++) p[i] = (unsigned char)(v >> (8 * i));
 }
 
