@@ -40,6 +40,7 @@ setup(
                 "trio_cuda/_core/_claunch_step.c",
                 "trio_cuda/_core/_claunch_trace.c",
                 "trio_cuda/_core/_claunch_method.c",
+                "trio_cuda/_core/_claunch_protect.c",
             ],
             depends=["trio_cuda/_core/_claunch.h", "trio_cuda/_core/_fastattr.h"],
             optional=True,

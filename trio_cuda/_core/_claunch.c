@@ -23,8 +23,9 @@
        path must decide (see _claunch_leases.c);
      - ``submit_launch`` makes the steps of ``_submit_launch``, calling the
        Python code that one calls wherever a step is not the common case,
-       and ``submit_whole`` those of ``ResourceScope.submit`` after its
-       frame, which stays for its KI protection (see _claunch_submit.c); ``scan`` makes the steps of
+       and ``submit_whole`` those of ``ResourceScope.submit``, which
+       ``submit_method`` calls without a frame, its calls into Python
+       KI-protected (see _claunch_submit.c, _claunch_protect.c); ``scan`` makes the steps of
        ``Completion.scan``, each retirement and host step through the
        Python methods (see _claunch_scan.c); ``launch_method`` calls the
        typed fast path for the common call and the reference
@@ -237,6 +238,11 @@ static PyMethodDef module_methods[] = {
     {"future_of", future_of, METH_O, "future_of(sub) -> DeviceFuture: DeviceFuture._create(sub)."},
     {"submit_launch", (PyCFunction)(void (*)(void))submit_launch, METH_FASTCALL,
      "submit_launch(scope, op, stream) -> Submission: ResourceScope._submit_launch."},
+    {"submit_method", submit_method, METH_VARARGS,
+     "submit_method(reference, protected_call, scope_module) -> the descriptor that stands for "
+     "ResourceScope.submit: the compiled steps without a frame (once per process)."},
+    {"trust", trust, METH_O,
+     "trust(types): callables of these types protect their own Python from Ctrl-C (a backend's hot methods)."},
     {"submit_whole", (PyCFunction)(void (*)(void))submit_whole, METH_FASTCALL,
      "submit_whole(scope, op, stream) -> DeviceFuture: ResourceScope.submit's steps after its frame."},
     {"enqueue_unsafe", (PyCFunction)(void (*)(void))enqueue_unsafe, METH_FASTCALL,

@@ -246,6 +246,14 @@ PyObject *future_of(PyObject *module, PyObject *sub);
 PyObject *configure_submit(PyObject *module, PyObject *env);
 PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *submit_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+/* _claunch_protect.c: submit without a frame, and the calls into Python
+   that the compiled submission makes (KI-protected while frameless) */
+extern int g_frameless;
+PyObject *pcall(PyObject *fn, PyObject *const *args, Py_ssize_t nargs);
+PyObject *pmethod(PyObject *obj, PyObject *name, PyObject *const *args, Py_ssize_t nargs);
+PyObject *pgetattr(PyObject *obj, PyObject *name);
+PyObject *trust(PyObject *module, PyObject *types);
+PyObject *submit_method(PyObject *module, PyObject *args);
 PyObject *enqueue_unsafe(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* _claunch_scan.c */

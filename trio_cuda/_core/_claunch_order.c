@@ -112,7 +112,7 @@ static int raise_unknown(PyObject *sub, PyObject *arr, PyObject *other) {
     }
     if (what == NULL) return -1;
     PyObject *argv[3] = {what, arr, other};
-    exc = PyObject_Vectorcall(g_unknown_fn, argv, 3, NULL);
+    exc = pcall(g_unknown_fn, argv, 3);
     Py_DECREF(what);
     if (exc == NULL) return -1;
     PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
@@ -180,8 +180,7 @@ int order_in_way(PyObject *scope, PyObject *stream, PyObject *sub, const Accesse
                 goto done;
             }
         } else {
-            PyObject *argv[2] = {driver, marker};
-            FAIL_IF_NULL(r = PyObject_VectorcallMethod(n_poll, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL));
+            FAIL_IF_NULL(r = pmethod(driver, n_poll, &marker, 1));
             FAIL_IF_NULL(v = fast_getattr(r, n_state));
             Py_CLEAR(r);
             if (v == g_unknown) { /* (not quarantined yet, but it will be) */
@@ -207,12 +206,11 @@ int order_in_way(PyObject *scope, PyObject *stream, PyObject *sub, const Accesse
         FAIL_IF_NULL(v = fast_getattr(stream, n_handle));
         for (Py_ssize_t i = 0; i < n; i++) {
             FAIL_IF_NULL(marker = fast_getattr(PyList_GET_ITEM(waits, i), n_marker));
-            PyObject *argv[3] = {driver, v, marker};
-            FAIL_IF_NULL(r = PyObject_VectorcallMethod(n_wait, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL));
+            FAIL_IF_NULL(r = pmethod(driver, n_wait, (PyObject *[]){v, marker}, 2));
             Py_CLEAR(r);
             Py_CLEAR(marker);
         }
-        if (PyObject_SetAttr(sub, n_dirty, Py_True) < 0) {
+        if (fast_setattr(sub, n_dirty, Py_True) < 0) {
             rc = -1;
             goto done;
         }

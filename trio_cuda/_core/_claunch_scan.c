@@ -70,7 +70,7 @@ static PyObject *poll(PyObject *poll_marker, PyObject *marker) {
    (error set). Also _claunch_order.c's (the method, until configure_scan). */
 int flush_stream(PyObject *completion, PyObject *s) {
     if (!g_scan_ready || !class_holds(Py_TYPE(completion), n_flush, g_flush_fn)) {
-        PyObject *r = g_scan_ready ? PyObject_CallMethodOneArg(completion, n_flush, s)
+        PyObject *r = g_scan_ready ? pmethod(completion, n_flush, &s, 1)
                                    : PyObject_CallMethod(completion, "flush", "O", s);
         Py_XDECREF(r);
         return r ? 0 : -1;
@@ -90,13 +90,13 @@ int flush_stream(PyObject *completion, PyObject *s) {
     fresh = NULL;
     if ((driver = read_slot(completion, &r_driver)) == NULL || (handle = fast_getattr(s, n_handle)) == NULL)
         goto done;
-    marker = PyObject_CallMethodOneArg(driver, n_record_marker, handle);
+    marker = pmethod(driver, n_record_marker, &handle, 1);
     if (marker == NULL) { /* quarantined; a BaseException is raised on */
         int base = !PyErr_ExceptionMatches(PyExc_Exception);
         PyObject *exc = take_raised();
         PyObject *it = PyObject_GetIter(subs), *sub;
         while (it != NULL && (sub = PyIter_Next(it)) != NULL) {
-            PyObject *r = PyObject_CallMethodObjArgs(completion, n_quarantine_submission, sub, exc, NULL);
+            PyObject *r = pmethod(completion, n_quarantine_submission, (PyObject *[]){sub, exc}, 2);
             Py_DECREF(sub);
             if (r == NULL) break;
             Py_DECREF(r);

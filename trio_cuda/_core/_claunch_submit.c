@@ -29,7 +29,8 @@
    _claunch_trace.c where it can be) before its marker and the driver's
    notice (``Completion.submitted``'s steps). The Python code called here (the policy, the
    function table, the general lease path, the driver, the trace) runs under
-   the caller's KI protection. */
+   the caller's KI protection, or, in a frameless ``submit``, through the
+   protected trampoline (pcall, pmethod, pgetattr: _claunch_protect.c). */
 
 #include "_claunch.h"
 
@@ -131,11 +132,11 @@ static PyObject *pick(PyObject *scope, PyObject *op, PyObject *stream) {
             return stream;
         }
     }
-    if (stream != Py_None) return PyObject_CallMethodObjArgs(scope, n_pick, op, stream, NULL);
+    if (stream != Py_None) return pmethod(scope, n_pick, (PyObject *[]){op, stream}, 2);
     PyObject *policy = read_slot(scope, &r_sc_policy);
     PyObject *streams = policy ? read_slot(scope, &r_sc_streams) : NULL;
     PyObject *chosen = streams ? least_loaded_choice(policy, streams, op) : NULL;
-    if (chosen == NULL && streams != NULL) chosen = PyObject_CallMethodObjArgs(policy, n_choose, streams, op, NULL);
+    if (chosen == NULL && streams != NULL) chosen = pmethod(policy, n_choose, (PyObject *[]){streams, op}, 2);
     Py_XDECREF(policy);
     Py_XDECREF(streams);
     if (chosen == NULL) return NULL;
@@ -148,7 +149,7 @@ static PyObject *pick(PyObject *scope, PyObject *op, PyObject *stream) {
         Py_DECREF(owner);
         if (owner == scope) return chosen;
     }
-    PyObject *checked = PyObject_CallMethodOneArg(scope, n_check_choice, chosen); /* (raises the reason) */
+    PyObject *checked = pmethod(scope, n_check_choice, &chosen, 1); /* (raises the reason) */
     Py_DECREF(chosen);
     return checked;
 }
@@ -168,7 +169,7 @@ static PyObject *last_checked(PyObject *kernels, PyObject *prepared) {
     PyObject *tile = read_slot(kernel, &r_k_tile);
     if (tile == NULL) return NULL;
     if (tile != Py_None) { /* (a tile launch with lists has them prepared by its check: per launch) */
-        PyObject *per_launch = PyObject_GetAttr(tile, n_per_launch);
+        PyObject *per_launch = pgetattr(tile, n_per_launch);
         Py_DECREF(tile);
         int yes = per_launch ? PyObject_IsTrue(per_launch) : -1;
         Py_XDECREF(per_launch);
@@ -256,7 +257,7 @@ static PyObject *function_for(PyObject *scope, PyObject *prepared) {
         fn = last_checked(kernels, prepared);
         if (fn != NULL || PyErr_Occurred()) goto done;
     }
-    fn = PyObject_CallMethodOneArg(kernels, n_function_for, prepared);
+    fn = pmethod(kernels, n_function_for, &prepared, 1);
 done:
     Py_DECREF(functions);
     Py_XDECREF(kernels);
@@ -290,11 +291,11 @@ static int take_leases(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op
                     launch_accesses(op, &acc)) {
                     yes = take_whole_c(scope, s, sub, &acc, allocs); /* (what it does, without the call) */
                 } else { /* (a patched one, or accesses of another form: given the pairs, as Python would) */
-                    PyObject *accesses = PyObject_GetAttr(op, n_accesses);
+                    PyObject *accesses = pgetattr(op, n_accesses);
                     if (accesses == NULL) goto done;
                     Py_INCREF(tw);
                     PyObject *argv[5] = {scope, s, sub, accesses, allocs};
-                    PyObject *took = PyObject_Vectorcall(tw, argv, 5, NULL);
+                    PyObject *took = pcall(tw, argv, 5);
                     Py_DECREF(tw);
                     Py_DECREF(accesses);
                     yes = took ? PyObject_IsTrue(took) : -1;
@@ -313,14 +314,14 @@ static int take_leases(PyObject *scope, PyObject *s, PyObject *sub, PyObject *op
             }
             Py_INCREF(rest);
             PyObject *argv[6] = {scope, s, sub, op, allocs, simple};
-            r = PyObject_Vectorcall(rest, argv, 6, NULL);
+            r = pcall(rest, argv, 6);
             Py_DECREF(rest);
             if (r != NULL) rc = 0;
             goto done;
         }
     }
     PyObject *argv[4] = {scope, s, sub, op};
-    r = PyObject_Vectorcall(tll, argv, 4, NULL);
+    r = pcall(tll, argv, 4);
     if (r != NULL) rc = 0;
 done:
     Py_DECREF(tll);
@@ -354,7 +355,7 @@ static void launch_failed(PyObject *scope, PyObject *sub) {
     PyObject *r = NULL, *tracer = NULL;
     if (store_slot(sub, &r_sub_error, value) == 0 && store_slot(sub, &r_sub_observed, Py_True) == 0 &&
         completion != NULL)
-        r = PyObject_CallMethodObjArgs(completion, n_finish, sub, Py_None, NULL);
+        r = pmethod(completion, n_finish, (PyObject *[]){sub, Py_None}, 2);
     Py_XDECREF(completion);
     if (r != NULL) {
         Py_CLEAR(r);
@@ -366,7 +367,7 @@ static void launch_failed(PyObject *scope, PyObject *sub) {
                 if (fn != NULL) {
                     PyObject *argv[4] = {scope, tracer, sub, value};
                     Py_INCREF(fn);
-                    r = PyObject_Vectorcall(fn, argv, 4, NULL);
+                    r = pcall(fn, argv, 4);
                     Py_DECREF(fn);
                 } else if (!PyErr_Occurred()) {
                     PyErr_SetString(PyExc_RuntimeError, "submit_launch: trace_error is gone");
@@ -436,11 +437,11 @@ static int submitted(PyObject *completion, PyObject *s) {
     int batched = PyObject_IsTrue(batch);
     if (batched < 0) goto done;
     if (!batched) {
-        if ((r = PyObject_CallMethodOneArg(completion, n_flush, s)) == NULL) goto done;
+        if ((r = pmethod(completion, n_flush, &s, 1)) == NULL) goto done;
         Py_CLEAR(r);
     }
     if ((driver = read_slot(completion, &r_c_driver)) == NULL) goto done;
-    if ((r = PyObject_CallMethodNoArgs(driver, n_notify)) == NULL) goto done;
+    if ((r = pmethod(driver, n_notify, NULL, 0)) == NULL) goto done;
     rc = 0;
 done:
     Py_XDECREF(batch);
@@ -492,11 +493,10 @@ PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t narg
         int yes = timing ? PyObject_IsTrue(timing) : -1;
         Py_XDECREF(timing);
         if (yes < 0) goto out;
-        mark = yes ? PyObject_CallMethodOneArg(driver, n_timing_mark, handle) : Py_NewRef(Py_None);
+        mark = yes ? pmethod(driver, n_timing_mark, &handle, 1) : Py_NewRef(Py_None);
         if (mark == NULL) goto out;
     }
-    PyObject *argv[4] = {driver, handle, function, prepared};
-    r = PyObject_VectorcallMethod(n_launch, argv, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    r = pmethod(driver, n_launch, (PyObject *[]){handle, function, prepared}, 3);
     if (r == NULL) {
         launch_failed(scope, sub);
         goto out;
@@ -512,7 +512,7 @@ PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t narg
         PyObject *targv[5] = {scope, tracer, sub, op, mark};
         Py_INCREF(fn);
         int recorded = submit_record(fn, scope, tracer, sub, op, mark); /* (compiled, where it can) */
-        r = recorded < 0 ? NULL : recorded ? Py_NewRef(Py_None) : PyObject_Vectorcall(fn, targv, 5, NULL);
+        r = recorded < 0 ? NULL : recorded ? Py_NewRef(Py_None) : pcall(fn, targv, 5);
         Py_DECREF(fn);
         if (r == NULL) goto out;
         Py_CLEAR(r);
@@ -650,27 +650,27 @@ PyObject *submit_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             PyCFunction_GET_FUNCTION(fn) == (PyCFunction)(void (*)(void))submit_launch) {
             sub = submit_launch(module, args, 3);
         } else if (fn == NULL || fn == Py_None) {
-            sub = PyObject_CallMethodObjArgs(scope, n_py_submit_launch, op, stream, NULL);
+            sub = pmethod(scope, n_py_submit_launch, (PyObject *[]){op, stream}, 2);
         } else {
             Py_INCREF(fn);
-            sub = PyObject_Vectorcall(fn, args, 3, NULL);
+            sub = pcall(fn, args, 3);
             Py_DECREF(fn);
         }
     } else {
-        sub = PyObject_CallMethodObjArgs(scope, n_py_submit, op, stream, n_submit, NULL);
+        sub = pmethod(scope, n_py_submit, (PyObject *[]){op, stream, n_submit}, 3);
     }
     if (sub == NULL) return NULL;
     PyObject *fut = NULL, *completion = read_slot(scope, &r_sc_completion), *idle = NULL, *tracer = NULL;
     if (completion == NULL || (idle = read_slot(completion, &r_c_idle)) == NULL) goto done;
     if (idle != Py_None) { /* nobody may await it: the handoff is its retirer */
         if (store_slot(completion, &r_c_idle, Py_NewRef(Py_None)) < 0) goto done;
-        PyObject *r = PyObject_CallMethodNoArgs(idle, n_set);
+        PyObject *r = pmethod(idle, n_set, NULL, 0);
         if (r == NULL) goto done;
         Py_DECREF(r);
     }
     if ((fut = future_of(module, sub)) == NULL || (tracer = read_slot(scope, &r_sc_tracer)) == NULL) goto done;
     if (tracer != Py_None) {
-        PyObject *r = PyObject_CallMethodNoArgs(fut, n_watch);
+        PyObject *r = pmethod(fut, n_watch, NULL, 0);
         if (r == NULL) Py_CLEAR(fut);
         Py_XDECREF(r);
     }

@@ -274,7 +274,7 @@ int submit_record(PyObject *fn, PyObject *scope, PyObject *tr, PyObject *sub, Py
     if (yes) {
         PyObject *driver = read_slot(scope, &r_sc_driver);
         FAIL_IF_NULL(driver);
-        cmd = PyObject_CallMethodNoArgs(driver, n_last_command);
+        cmd = pmethod(driver, n_last_command, NULL, 0);
         Py_DECREF(driver);
         FAIL_IF_NULL(cmd);
     } else {

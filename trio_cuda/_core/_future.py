@@ -197,6 +197,7 @@ def outcome(sub: Submission) -> Any:
     return resolve_output(out)
 
 
+@trio.lowlevel.enable_ki_protection  # (run by the collector wherever the future is dropped)
 def _dropped(sub: Submission) -> None:
     if sub.state is SubState.IN_FLIGHT:
         tr = sub.scope._tracer

@@ -479,7 +479,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
         self._next_id += 1
         return Submission(self, stream, self._next_id, op)
 
-    @enable_ki_protection  # (as ``_submit_launch`` is, which it calls without its frame)
+    @enable_ki_protection  # (the reference; the compiled one has no frame: see _protected_call)
     def submit(self, op: DeviceOp[T], *, stream: Stream | None = None) -> DeviceFuture[T]:
         """Retain and enqueue ``op`` now; return a :class:`DeviceFuture`.
 
@@ -488,7 +488,7 @@ class ResourceScope(metaclass=NoPublicConstructor):
         retained until it completed. Nothing is enqueued if the op is invalid
         from the start.
         """
-        if submit_whole is not None:  # the steps below, compiled (this frame keeps the KI protection)
+        if submit_whole is not None:  # the steps below, compiled
             return submit_whole(self, op, stream)
         if type(op) is KernelLaunch and not (self._closing or self._enqueuing or get_ident() != self._thread):
             sub = (submit_launch or ResourceScope._submit_launch)(self, op, stream)  # the hot path
@@ -836,6 +836,13 @@ class ResourceScope(metaclass=NoPublicConstructor):
         driver.close()
 
 
+@enable_ki_protection
+def _protected_call(fn: Callable[..., T], /, *args: object) -> T:
+    """``fn(*args)``, KI-protected: the compiled ``submit`` has no frame of its
+    own, and calls the Python it needs through this (``_claunch_protect.c``)."""
+    return fn(*args)
+
+
 #: the compiled ``_submit_launch`` (``_claunch.submit_launch``);
 #: None where the pure-Python path runs (tests turn it off)
 submit_launch: Callable[[ResourceScope, KernelLaunch, Stream | None], Submission] | None = None
@@ -855,6 +862,11 @@ if _compiled.ext is not None:
     )
     submit_launch, future_of = _compiled.ext.submit_launch, _compiled.ext.future_of
     submit_whole = _compiled.ext.submit_whole
+    # ``scope.submit(op[, stream=s])`` straight to ``submit_whole``, with no frame (the method above
+    # is the reference, called for anything else and while ``submit_whole`` is turned off)
+    ResourceScope.submit = _compiled.ext.submit_method(  # type: ignore[method-assign]
+        ResourceScope.submit, _protected_call, sys.modules[__name__]
+    )
     _compiled.ext.configure_trace(  # (a trace's records on the awaited path: _claunch_trace.c)
         {name: globals()[name] for name in (*_names, "Tracer", "perf_counter", "trace_submit")}
         | {"trace_await": Completion.trace_await, "trace_retire": Completion.trace_retire}

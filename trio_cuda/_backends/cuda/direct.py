@@ -136,6 +136,23 @@ def packed_offsets(slots: Any) -> bytes | None:
     return struct.pack(f"={len(slots)}I", *(slot.offset for slot in slots))
 
 
+_trusted = False
+
+
+def _trust_hot_methods() -> None:
+    """Tell the core's compiled submission that the hot methods protect their
+    own Python from Ctrl-C (each falls back to a method marked
+    ``enable_ki_protection``), so that a frameless ``submit`` calls them
+    directly rather than through its protected trampoline."""
+    global _trusted
+    if not _trusted:
+        from ..._core import _compiled
+
+        if _compiled.ext is not None:
+            _compiled.ext.trust((_ext.HotLaunch, _ext.HotRecord, _ext.HotPoll, _ext.HotNotify))
+        _trusted = True
+
+
 def hot_methods(kernels: Any, table: Any) -> tuple[Any, Any, Any, Any] | None:
     """The compiled ``launch``, ``record_marker``, ``poll_marker`` and
     ``notify_submitted`` of a context (``kernels`` a
@@ -152,6 +169,7 @@ def hot_methods(kernels: Any, table: Any) -> tuple[Any, Any, Any, Any] | None:
     from .launch import CudaFunction
     from .streams import CudaMarker, CudaStream
 
+    _trust_hot_methods()
     entry = kernels._direct
     launch = _ext.HotLaunch(kernels, kernels.launch, table, CudaStream, CudaFunction, primary, entry)
     record = _ext.HotRecord(table, table.record_marker, CudaStream, CudaMarker, primary)

@@ -28,6 +28,7 @@ import ctypes
 from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, final
 
 import numpy as np
+from trio.lowlevel import enable_ki_protection
 
 from ..._core._arena import check_param_layout
 from ..._core._config import check_cooperative_occupancy
@@ -479,6 +480,7 @@ class Kernels:
         cfg.numAttrs = len(attrs)
         return cfg
 
+    @enable_ki_protection  # (a hot method's fallback: see direct._trust_hot_methods)
     def launch(self, stream: StreamHandle, function: object, launch: PreparedLaunch) -> None:
         cache = launch.cache
         try:
@@ -552,6 +554,7 @@ class Kernels:
             self._launch_failed(err, launch)
         return True
 
+    @enable_ki_protection  # (a hot method's fallback: see direct._trust_hot_methods)
     def _launch_failed(self, err: Any, launch: PreparedLaunch) -> NoReturn:
         self._state.fail(err, f"cuLaunchKernel({launch.kernel.name})", LaunchError)
 

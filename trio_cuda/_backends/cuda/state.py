@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NoReturn, final
 
+from trio.lowlevel import enable_ki_protection
+
 from .. import _common
 from . import primary as _primary
 from .bindings import cu
@@ -78,6 +80,7 @@ class ContextState:
         if self.closed:
             raise _common.context_closed(f"cuda:{self.ordinal}")
 
+    @enable_ki_protection  # (a hot method's fallback: see direct._trust_hot_methods)
     def fail(self, err: Any, call: str, cls: type[CudaError] | None = None) -> NoReturn:
         """Raise the error of a failed driver call; a kernel fault makes it sticky."""
         exc = cuda_error(err, call, cls)

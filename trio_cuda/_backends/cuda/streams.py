@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 
 import numpy as np
 import trio
+from trio.lowlevel import enable_ki_protection
 
 from ..._core._driver import DONE, PENDING, Gate, Marker, MarkerState, Poll, StreamHandle
 from ..._core._errors import OutOfMemoryError
@@ -339,6 +340,7 @@ class StreamTable:
                 raise cuda_error(err, "cuStreamDestroy")
 
     # ------------------------------------------------------------------ ordering
+    @enable_ki_protection  # (a hot method's fallback: see direct._trust_hot_methods)
     def record_marker(self, stream: StreamHandle) -> CudaMarker:
         s = stream
         if type(s) is not CudaStream or s.owner is not self or s.destroyed:
@@ -394,6 +396,7 @@ class StreamTable:
             return _EventMarker(s, seq, ev)
         return CudaMarker(s, seq)
 
+    @enable_ki_protection  # (a hot method's fallback: see direct._trust_hot_methods)
     def poll_marker(self, marker: Marker) -> Poll:
         s = marker.stream
         if ((s.mv[s.slot] - marker.seq) & _M32) < _HALF:  # type: ignore[attr-defined, unused-ignore]
@@ -483,6 +486,7 @@ class StreamTable:
             if err:
                 self._state.fail(err, "cuStreamWriteValue32")
 
+    @enable_ki_protection  # (a hot method's fallback: see direct._trust_hot_methods)
     def notify_submitted(self) -> None:
         """Wake the parked completion waiter if a marker landed on a stream it does not watch."""
         if self.new_head:
