@@ -19,7 +19,10 @@ of their own per iteration.
 Rows (bursts of 1,000 on one stream, retired between bursts):
 ``typed`` ``gpu.submit(k.launch(...), stream=s)``; ``submit`` a prebuilt
 launch's ``gpu.submit``; ``make`` the typed launch alone; ``async_on``
-``unsafe.async_on`` of a prebuilt launch.
+``unsafe.async_on`` of a prebuilt launch; ``typed_async_on`` of a typed
+launch made in the loop; ``raw`` the raw prepacked
+``cuLaunchKernel`` of ``run.py`` (cuda.bindings' Python wrapper), the
+reference the launch rows' targets are ratios of.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 
-ROWS = ("typed", "submit", "make", "async_on")
+ROWS = ("typed", "submit", "make", "async_on", "typed_async_on", "raw")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -48,6 +51,18 @@ def child(row: str, n: int) -> None:
     import run as R  # (the benchmarks' shared kernel)
 
     import trio_cuda
+
+    if row == "raw":
+        raw = R.Raw()
+        L = raw.cu.cuLaunchKernel
+        fn, st, params = raw.fn, raw.stream, raw.params
+        gc.disable()
+        for _ in range(n // 1000):
+            for _ in range(1000):
+                L(fn, 1, 1, 1, 1, 1, 1, 0, st, params, 0)
+            raw.cu.cuStreamSynchronize(st)
+        gc.enable()
+        return
 
     async def main() -> None:
         async with trio_cuda.open_scope(device="cuda", streams=4) as gpu:
@@ -68,6 +83,9 @@ def child(row: str, n: int) -> None:
                 elif row == "make":
                     for _ in range(1000):
                         k.launch(*bufs, 256, grid=1, block=1)
+                elif row == "typed_async_on":
+                    for _ in range(1000):
+                        trio_cuda.unsafe.async_on(k.launch(*bufs, 256, grid=1, block=1), s)
                 else:
                     for _ in range(1000):
                         trio_cuda.unsafe.async_on(op, s)
