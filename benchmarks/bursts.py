@@ -25,7 +25,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import numpy as np
 import trio
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,11 +66,8 @@ async def main(rounds: int) -> None:
         return one
 
     async with trio_cuda.open_scope(device="cuda", streams=4) as gpu:
-        bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
-        s = gpu.streams[0]
+        bufs, s, op = await R.empty_setup(gpu)
         handle = s.handle
-        op = R.EMPTY.launch(*bufs, 256, grid=1, block=1)
-        await gpu.run(op, stream=s)
         async_on = trio_cuda.unsafe.async_on
 
         def typed() -> Any:

@@ -387,6 +387,16 @@ async def _floor_tasks(fl: Floor, ntasks: int, per_task: int) -> float:
 # --------------------------------------------------------------------------- library
 
 
+async def empty_setup(gpu: Any) -> tuple[list[Any], Any, Any]:
+    """Four 256-float buffers of ``gpu``, its first stream, and the empty
+    kernel's launch over them, run once there (the launch rows' setup)."""
+    bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
+    s = gpu.streams[0]
+    op = EMPTY.launch(*bufs, 256, grid=1, block=1)
+    await gpu.run(op, stream=s)
+    return bufs, s, op
+
+
 async def _submit_burst(gpu: Any, op: Any, stream: Any, repeats: int) -> float:
     """Median host µs per ``gpu.submit`` in bursts of 1000 (GC off), each
     burst followed by a wait so the handoff retires it before the next."""
