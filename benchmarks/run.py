@@ -1004,6 +1004,15 @@ def table() -> list[dict[str, Any]]:
         None,
     )
     row("Trio floor round trip", v("floor_roundtrip"), "us", v("raw_launch_sync_roundtrip"), "(floor)", None)
+    if v("floor_roundtrip_paired"):  # (the round trip's bound: its blocks alternate with the library's)
+        row(
+            "Trio floor, paired with the round trip",
+            v("floor_roundtrip_paired"),
+            "us",
+            v("raw_launch_sync_roundtrip"),
+            "(the round trip's floor)",
+            None,
+        )
     row(
         "tracing on, round trip",
         v("traced_roundtrip"),
