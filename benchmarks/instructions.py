@@ -22,7 +22,11 @@ launch's ``gpu.submit``; ``make`` the typed launch alone; ``async_on``
 ``unsafe.async_on`` of a prebuilt launch; ``typed_async_on`` of a typed
 launch made in the loop; ``raw`` the raw prepacked
 ``cuLaunchKernel`` of ``run.py`` (cuda.bindings' Python wrapper), the
-reference the launch rows' targets are ratios of.
+reference the launch rows' targets are ratios of. ``roundtrip``
+``await gpu.run(op)`` of a prebuilt launch (per iteration: one round trip),
+and ``traced_roundtrip`` the same in a scope that records a lifetime trace
+(into a ring of 3,000 events: the steady state, each event overwriting the
+oldest, and a teardown that does not grow with ``--n``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 
-ROWS = ("typed", "submit", "make", "async_on", "typed_async_on", "raw")
+ROWS = ("typed", "submit", "make", "async_on", "typed_async_on", "raw", "roundtrip", "traced_roundtrip")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -65,7 +69,8 @@ def child(row: str, n: int) -> None:
         return
 
     async def main() -> None:
-        async with trio_cuda.open_scope(device="cuda", streams=4) as gpu:
+        trace = trio_cuda.trace.Trace(limit=3000) if row == "traced_roundtrip" else None
+        async with trio_cuda.open_scope(device="cuda", streams=4, trace=trace) as gpu:
             bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
             s = gpu.streams[0]
             k = R.EMPTY
@@ -86,6 +91,10 @@ def child(row: str, n: int) -> None:
                 elif row == "typed_async_on":
                     for _ in range(1000):
                         trio_cuda.unsafe.async_on(k.launch(*bufs, 256, grid=1, block=1), s)
+                elif row in ("roundtrip", "traced_roundtrip"):
+                    for _ in range(1000):
+                        await gpu.run(op, stream=s)
+                    continue
                 else:
                     for _ in range(1000):
                         trio_cuda.unsafe.async_on(op, s)

@@ -119,7 +119,11 @@ class Trace:
         """The events kept, oldest first (a snapshot: recording goes on)."""
         snap = self._tracer.snapshot()
         t0 = snap.t0
-        return [TraceEvent(e[0] - t0, *e[1:]) for e in snap.events]
+        # (each its own copy of ``args``: events of one launch may share them in the ring)
+        return [
+            TraceEvent(e[0] - t0, e[1], e[2], e[3], e[4], e[5], e[6], None if e[7] is None else dict(e[7]))
+            for e in snap.events
+        ]
 
     @property
     def dropped(self) -> int:
@@ -259,7 +263,7 @@ class _Chrome:
             "tid": tid,
         }
         if args:
-            ev["args"] = args
+            ev["args"] = dict(args)  # (the output's own: the ring's events never change)
         self.out.append(ev)
 
     def slice(

@@ -11,6 +11,8 @@ timing, so the retirers are compared as a set)."""
 from __future__ import annotations
 
 import gc
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -327,3 +329,137 @@ def test_a_submission_record_that_raises(
     assert out == [1, [2.0] * 4]
     assert sim.violations == []
     assert sim.live_allocations == []
+
+
+@compiled_only
+async def test_a_record_waits_for_the_lock_held_by_another_thread() -> None:
+    """The record takes the tracer's lock in C: while another thread holds
+    it (mid-update), the record waits, with the GIL released, and lands
+    after that thread's event."""
+    assert _compiled.ext is not None
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        _x, c, sub = await internals.completed_unwatched(gpu, _launch)
+        tr = _trace.Tracer(limit=10)
+        held, go = threading.Event(), threading.Event()
+
+        def holder() -> None:
+            with tr.lock:
+                held.set()
+                go.wait(10)
+                tr.emit("scope", "held", 1)
+
+        th = threading.Thread(target=holder)
+        th.start()
+        assert held.wait(5)
+        threading.Timer(0.1, go.set).start()
+        c.tracer = tr
+        try:
+            _compiled.ext.trace_await(c, sub, 1.0)
+        finally:
+            c.tracer = None
+        th.join(5)
+        assert [e[2] for e in tr.ring] == ["held", "await"]
+        assert tr.recorded == 2
+        assert tr.lock.acquire(blocking=False)
+        tr.lock.release()
+    assert sim.violations == []
+
+
+@compiled_only
+async def test_a_record_s_time_is_perf_counter_s() -> None:
+    """The record reads the clock itself (where it is perf_counter's): its
+    time lies between perf_counter() read before and after."""
+    assert _compiled.ext is not None
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim) as gpu:
+        _x, c, sub = await internals.completed_unwatched(gpu, _launch)
+        tr = _trace.Tracer(limit=100)
+        c.tracer = tr
+        try:
+            for _ in range(50):
+                before = time.perf_counter()
+                _compiled.ext.trace_await(c, sub, 0.0)
+                after = time.perf_counter()
+                assert before <= tr.ring[-1][0] <= after
+        finally:
+            c.tracer = None
+    assert sim.violations == []
+
+
+@compiled_only
+def test_records_name_each_thread_s_own_task() -> None:
+    """Trio runs in two threads, and one after another in the same thread:
+    every await event names the task that awaited (the record keeps the last
+    thread's run context, and must not hand it to another thread or run)."""
+    trace = trio_cuda.trace.Trace(limit=10_000)
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def program(tag: str) -> None:
+        async def main() -> None:
+            async with trio_cuda.open_scope(device=SimDevice(), trace=trace) as gpu:
+                x = gpu.zeros(4, "f4")
+                for i in range(40):
+                    async with trio.open_nursery() as n:
+                        n.start_soon(gpu.run, _launch(x), name=f"{tag}-{i}")
+                    if i % 10 == 0:
+                        await trio.to_thread.run_sync(barrier.wait, 5)
+
+        try:
+            run_bounded(main, limit=30.0)
+            run_bounded(main, limit=30.0)  # (a second run in the same thread)
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=program, args=(tag,)) for tag in ("a", "b")]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert errors == []
+    awaits = [e for e in trace.events if e.cat == "await"]
+    assert len(awaits) == 160
+    by_scope: dict[int, set[str]] = {}
+    for e in awaits:
+        assert e.args is not None
+        by_scope.setdefault(e.scope, set()).add(e.args["task"].split("-")[0])
+    assert sorted(by_scope.values(), key=sorted) == [{"a"}, {"a"}, {"b"}, {"b"}]
+    assert all(e.args is not None and e.args["outcome"] == "ok" for e in awaits)
+
+
+@compiled_only
+async def test_submissions_of_one_launch_share_their_record_and_exports_copy_it() -> None:
+    """Without command ids (a GPU's host-observed times), one launch's
+    submissions share their args in the ring; ``Trace.events`` and
+    ``to_chrome`` hand out copies, so changing one changes nothing else."""
+    trace = trio_cuda.trace.Trace()
+    sim = SimDevice()
+    async with trio_cuda.open_scope(device=sim, trace=trace) as gpu:
+        x = gpu.zeros(4, "f4")
+        op = _launch(x)
+        await gpu.run(op)  # (the Python record caches the plan's leases)
+        gpu._trace_cmds = False  # (as a GPU scope records: no command ids)
+        for _ in range(3):
+            await gpu.run(op)
+        kept = [e for e in trace._tracer.ring if e[1] == "submit" and e[2] == "add"]
+        assert len(kept) == 4
+        assert kept[1][7] is kept[2][7] is kept[3][7]
+        assert kept[1][7] == {"leases": kept[0][7]["leases"], "enqueue": "add", "cmd": None, "marks": None}
+        events = [e for e in trace.events if e.cat == "submit" and e.name == "add"]
+        assert events[1].args == events[2].args
+        assert events[1].args is not events[2].args
+        assert events[1].args is not None
+        events[1].args["cmd"] = "changed"
+        assert kept[2][7]["cmd"] is None
+        chrome = trace.to_chrome()
+        for ev in chrome["traceEvents"]:
+            if isinstance(ev.get("args"), dict):
+                ev["args"]["mutated"] = True
+        assert all("mutated" not in (e[7] or {}) for e in trace._tracer.ring)
+        op2 = _launch(x)  # (a fresh launch: its own cache)
+        for _ in range(3):
+            await gpu.run(op2)
+        kept = [e for e in trace._tracer.ring if e[1] == "submit" and e[2] == "add"]
+        assert kept[-1][7] is kept[-2][7] is not kept[1][7]
+    assert sim.violations == []

@@ -277,4 +277,8 @@ static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "_claunch", "The hot paths of making a launch, compiled.", -1, module_methods,
 };
 
-PyMODINIT_FUNC PyInit__claunch(void) { return PyModule_Create(&module_def); }
+PyMODINIT_FUNC PyInit__claunch(void) {
+    PyObject *module = PyModule_Create(&module_def);
+    if (module != NULL && add_trace_lock(module) < 0) Py_CLEAR(module);
+    return module;
+}

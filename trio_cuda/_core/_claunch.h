@@ -267,6 +267,7 @@ int cancel_point(void);
 
 /* _claunch_trace.c */
 PyObject *configure_trace(PyObject *module, PyObject *env);
+int add_trace_lock(PyObject *module);
 int trace_record(PyObject *tr, PyObject *cat, PyObject *name, PyObject *sid, PyObject *stream, PyObject *sub,
                  PyObject *alloc, PyObject *args);
 PyObject *trace_await(PyObject *module, PyObject *const *args, Py_ssize_t nargs);

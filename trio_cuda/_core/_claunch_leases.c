@@ -40,7 +40,6 @@ static SlotRef s_c_tracer, s_c_memory, s_c_in_flight, s_c_completed, s_st_in_fli
 static PyObject *g_done, *s_trace_retire;
 static int g_retire_ready;
 static int g_leases_ready;
-static PyObject *g_one;
 
 /* 1 if a key of the dict ``table`` (submissions) is on another stream
    than ``stream``, 0 if none, -1 error. */
@@ -144,13 +143,11 @@ int take_whole_c(PyObject *scope, PyObject *stream, PyObject *sub, const Accesse
     for (pos = 0; accesses_next(acc, &pos, &arr, &access);) {
         PyObject *alloc = read_slot(arr, &g_slot[A_ALLOC]);
         PyObject *ext = alloc ? read_slot(arr, &s_arr_extent) : NULL;
-        PyObject *active = ext ? read_slot(alloc, &s_alloc_active) : NULL;
-        PyObject *writers = active ? read_slot(alloc, &s_alloc_writers) : NULL;
+        PyObject *writers = ext ? read_slot(alloc, &s_alloc_writers) : NULL;
         PyObject *readers = writers ? read_slot(alloc, &s_alloc_readers) : NULL;
         int rc = -1;
         if (readers != NULL) {
-            PyObject *more = PyNumber_Add(active, g_one);
-            if (more != NULL && store_slot(alloc, &s_alloc_active, more) == 0) {
+            if (bump(alloc, &s_alloc_active, 1) == 0) {
                 if (access == g_write) {
                     if (PyDict_GET_SIZE(writers)) PyDict_Clear(writers);
                     if (PyDict_GET_SIZE(readers)) PyDict_Clear(readers);
@@ -162,7 +159,6 @@ int take_whole_c(PyObject *scope, PyObject *stream, PyObject *sub, const Accesse
         }
         Py_XDECREF(alloc);
         Py_XDECREF(ext);
-        Py_XDECREF(active);
         Py_XDECREF(writers);
         Py_XDECREF(readers);
         if (rc < 0) return -1; /* (memory exhausted part-way: the caller's error path retires what it has) */
@@ -197,7 +193,6 @@ PyObject *configure_leases(PyObject *module, PyObject *args) {
                 {alloc_type, "handles", &s_alloc_handles}};
     for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
         if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
-    if ((g_one = PyLong_FromLong(1)) == NULL) return NULL;
     g_leases_ready = 1;
     Py_RETURN_NONE;
 }

@@ -11,7 +11,10 @@
    released on every path. An event whose arguments hold nothing the
    garbage collector tracks is left untracked (as the collector would
    untrack it at its first pass), so a long trace does not make the
-   collections longer.
+   collections longer. The lock is taken in C where it is a TraceLock (the
+   tracers' own, below), else through its acquire and release methods; the
+   time is read by clock_gettime where that is perf_counter's clock (checked
+   once, at configure_trace).
 
    Three records use it, each where its Python function is the one the
    class or module holds now (else that function runs, as before):
@@ -20,22 +23,258 @@
      ``Completion.trace_retire`` for work without an error;
    - the submission record of ``submit_launch`` (submit_record):
      ``_trace.trace_submit`` for an untimed launch on its lease plan's fast
-     path whose plan's lease record is cached.
+     path whose plan's lease record is cached; without command ids (a GPU's
+     host-observed times) its args are made once per launch and shared.
    Where a record declines (0) nothing has changed, and the caller runs the
    Python function. */
 
 #include "_claunch.h"
 
+#include <math.h>
+#ifndef _WIN32
+#include <time.h>
+#endif
+
 static PyTypeObject *t_tracer, *t_completion_tr;
 static PyObject *g_perf_counter, *g_await_fn, *g_retire_fn, *g_submit_fn, *g_in_flight_tr, *g_ctx;
-static PyObject *n_acquire, *n_release, *n_task, *n_name, *n_trace_await, *n_trace_retire, *n_last_command;
+static PyObject *n_acquire, *n_release, *n_task, *n___dict__, *n_name, *n_trace_await, *n_trace_retire, *n_last_command;
 static PyObject *u_await, *u_retire, *u_submit, *u_waiter, *u_handoff, *u_exit, *u_ok, *u_error, *u_left;
-static PyObject *k_task, *k_t0, *k_outcome, *k_leases, *k_enqueue, *k_cmd, *k_marks, *k_trace_leases;
+static PyObject *k_task, *k_t0, *k_outcome, *k_leases, *k_enqueue, *k_cmd, *k_marks, *k_trace_leases, *k_trace_submit;
 static SlotRef r_lock, r_ring, r_recorded, r_limit, r_nvtx, r_c_tracer, r_c_trace_id, r_c_handoff, r_c_exiting,
     r_s_stream, r_s_id, r_s_error, r_s_state, r_s_leases, r_st_index, r_sc_trace_id, r_sc_trace_cmds, r_sc_driver,
     r_k_name;
 
 static int tracer_plain(PyObject *tr);
+
+/* ---- TraceLock: the tracers' lock where the compiled paths are in use.
+
+   threading.RLock's semantics (acquire(blocking=True, timeout=-1),
+   release(), the context manager, _is_owned()) with one difference that
+   matters: a record takes and releases it in C, with no call. The owner and
+   the count are read and written only with the GIL held; the OS lock is
+   free exactly while the count is 0. An acquire that has to wait releases
+   the GIL, and an interrupted wait runs the signal handlers (Ctrl-C raises
+   there, as RLock's acquire does). */
+typedef struct {
+    PyObject_HEAD PyThread_type_lock mutex;
+    unsigned long owner;
+    unsigned long count;
+} TraceLock;
+
+static PyTypeObject *t_tracelock;
+
+static int64_t mono_us(void) {
+#ifdef _WIN32
+    return (int64_t)GetTickCount64() * 1000;
+#else
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+#endif
+}
+
+/* 1 acquired; 0 not (``timeout_us`` 0: do not wait; > 0: waited that long); -1 error (interrupted). */
+static int tl_acquire(TraceLock *self, int64_t timeout_us) {
+    unsigned long me = PyThread_get_thread_ident();
+    if (self->count > 0 && self->owner == me) {
+        if (self->count == ULONG_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "TraceLock: the count of acquisitions overflowed");
+            return -1;
+        }
+        self->count++;
+        return 1;
+    }
+    PyLockStatus r = PyThread_acquire_lock_timed(self->mutex, 0, 0);
+    if (r == PY_LOCK_FAILURE && timeout_us != 0) {
+        int64_t deadline = timeout_us > 0 ? mono_us() + timeout_us : 0, wait = timeout_us;
+        for (;;) {
+            Py_BEGIN_ALLOW_THREADS
+            r = PyThread_acquire_lock_timed(self->mutex, wait, 1);
+            Py_END_ALLOW_THREADS
+            if (r != PY_LOCK_INTR) break;
+            if (Py_MakePendingCalls() < 0) return -1;
+            if (timeout_us > 0) {
+                wait = deadline - mono_us();
+                if (wait <= 0) {
+                    r = PyThread_acquire_lock_timed(self->mutex, 0, 0);
+                    break;
+                }
+            }
+        }
+    }
+    if (r != PY_LOCK_ACQUIRED) return 0;
+    self->owner = me;
+    self->count = 1;
+    return 1;
+}
+
+/* 0 released; -1 (RuntimeError) where the calling thread does not hold it. */
+static int tl_release(TraceLock *self) {
+    if (self->count == 0 || self->owner != PyThread_get_thread_ident()) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
+        return -1;
+    }
+    if (--self->count == 0) {
+        self->owner = 0;
+        PyThread_release_lock(self->mutex);
+    }
+    return 0;
+}
+
+static PyObject *tl_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "TraceLock() takes no arguments");
+        return NULL;
+    }
+    TraceLock *self = (TraceLock *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->mutex = PyThread_allocate_lock();
+    if (self->mutex == NULL) {
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_MemoryError, "TraceLock: no OS lock could be allocated");
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void tl_dealloc(TraceLock *self) {
+    PyTypeObject *type = Py_TYPE(self);
+    if (self->mutex != NULL) {
+        if (self->count > 0) PyThread_release_lock(self->mutex);
+        PyThread_free_lock(self->mutex);
+    }
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
+}
+
+static PyObject *tl_acquire_py(TraceLock *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"blocking", "timeout", NULL};
+    int blocking = 1;
+    double timeout = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|pd:acquire", kwlist, &blocking, &timeout)) return NULL;
+    if (isnan(timeout)) {
+        PyErr_SetString(PyExc_ValueError, "timeout: expected a number of seconds >= 0 or -1, got nan");
+        return NULL;
+    }
+    if (!blocking && timeout != -1) {
+        PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
+        return NULL;
+    }
+    if (timeout < 0 && timeout != -1) {
+        PyObject *given = PyFloat_FromDouble(timeout);
+        if (given != NULL) {
+            PyErr_Format(PyExc_ValueError, "timeout: expected a number of seconds >= 0 or -1, got %R", given);
+            Py_DECREF(given);
+        }
+        return NULL;
+    }
+    if (timeout > (double)PY_TIMEOUT_MAX / 1e6) {
+        PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
+        return NULL;
+    }
+    /* (a positive timeout shorter than a microsecond still waits one) */
+    int64_t us = !blocking ? 0 : timeout < 0 ? -1 : timeout > 0 && timeout < 1e-6 ? 1 : (int64_t)(timeout * 1e6);
+    int got = tl_acquire(self, us);
+    if (got < 0) return NULL;
+    return PyBool_FromLong(got);
+}
+
+static PyObject *tl_enter(TraceLock *self, PyObject *unused) {
+    if (tl_acquire(self, -1) < 0) return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *tl_release_py(TraceLock *self, PyObject *unused) {
+    if (tl_release(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *tl_exit(TraceLock *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (tl_release(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *tl_is_owned(TraceLock *self, PyObject *unused) {
+    return PyBool_FromLong(self->count > 0 && self->owner == PyThread_get_thread_ident());
+}
+
+static PyObject *tl_repr(TraceLock *self) {
+    return PyUnicode_FromFormat("<%s %s object owner=%lu count=%lu at %p>", self->count ? "locked" : "unlocked",
+                                Py_TYPE(self)->tp_name, self->owner, self->count, self);
+}
+
+static PyMethodDef tl_methods[] = {
+    {"acquire", (PyCFunction)(void (*)(void))tl_acquire_py, METH_VARARGS | METH_KEYWORDS,
+     "acquire(blocking=True, timeout=-1) -> bool, as threading.RLock's."},
+    {"release", (PyCFunction)tl_release_py, METH_NOARGS, "release(), as threading.RLock's."},
+    {"__enter__", (PyCFunction)tl_enter, METH_NOARGS, "acquire()"},
+    {"__exit__", (PyCFunction)(void (*)(void))tl_exit, METH_FASTCALL, "release()"},
+    {"_is_owned", (PyCFunction)tl_is_owned, METH_NOARGS, "whether the calling thread holds it"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot tl_slots[] = {
+    {Py_tp_new, tl_new},         {Py_tp_dealloc, tl_dealloc}, {Py_tp_methods, tl_methods},
+    {Py_tp_repr, tl_repr},       {Py_tp_doc, "A reentrant lock that the trace's compiled records take in C."},
+    {0, NULL},
+};
+
+static PyType_Spec tl_spec = {"trio_cuda._core._claunch.TraceLock", sizeof(TraceLock), 0, Py_TPFLAGS_DEFAULT,
+                              tl_slots};
+
+/* Adds TraceLock to the module (at import): 0, or -1 with an error set. */
+int add_trace_lock(PyObject *module) {
+    if (t_tracelock == NULL && (t_tracelock = (PyTypeObject *)PyType_FromSpec(&tl_spec)) == NULL) return -1;
+    Py_INCREF(t_tracelock);
+    if (PyModule_AddObject(module, "TraceLock", (PyObject *)t_tracelock) < 0) {
+        Py_DECREF(t_tracelock);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- the event's time: perf_counter()'s, read by clock_gettime where
+   that is the same clock (checked at configure_trace), else by the call. */
+static int g_clock_direct;
+
+static PyObject *perf_now(void) {
+#ifndef _WIN32
+    if (g_clock_direct) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        int64_t ns = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+        /* (as CPython turns its nanoseconds into seconds) */
+        return PyFloat_FromDouble(ns % 1000000000 == 0 ? (double)(ns / 1000000000) : (double)ns / 1e9);
+    }
+#endif
+    return PyObject_CallNoArgs(g_perf_counter);
+}
+
+/* Whether clock_gettime(CLOCK_MONOTONIC) reads perf_counter()'s clock: three
+   reads in turn, C, Python, C, must be in order, five times out of five. */
+static int clock_check(void) {
+#ifdef _WIN32
+    return 0;
+#else
+    g_clock_direct = 1;
+    int ok = 1;
+    for (int i = 0; i < 5 && ok; i++) {
+        PyObject *a = perf_now(), *b = a ? PyObject_CallNoArgs(g_perf_counter) : NULL, *c = b ? perf_now() : NULL;
+        if (c == NULL) {
+            ok = -1;
+        } else {
+            double x = PyFloat_AsDouble(a), y = PyFloat_AsDouble(b), z = PyFloat_AsDouble(c);
+            if (PyErr_Occurred()) ok = -1;
+            else ok = PyFloat_CheckExact(b) && x <= y && y <= z;
+        }
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        Py_XDECREF(c);
+    }
+    g_clock_direct = ok == 1;
+    return ok < 0 ? -1 : 0;
+#endif
+}
 
 /* The last lock recorded under and its bound acquire and release (held:
    the lock cannot be freed and another object take its address while its
@@ -66,7 +305,8 @@ int trace_record(PyObject *tr, PyObject *cat, PyObject *name, PyObject *sid, PyO
     if (plain <= 0) return plain;
     PyObject *lock = read_slot(tr, &r_lock);
     if (lock == NULL) return -1;
-    PyObject *r = lock_call(lock, 0);
+    int direct = Py_TYPE(lock) == t_tracelock; /* (else through its bound methods) */
+    PyObject *r = direct ? (tl_acquire((TraceLock *)lock, -1) < 0 ? NULL : Py_NewRef(Py_None)) : lock_call(lock, 0);
     if (r == NULL) {
         Py_DECREF(lock);
         return -1;
@@ -74,7 +314,7 @@ int trace_record(PyObject *tr, PyObject *cat, PyObject *name, PyObject *sid, PyO
     Py_DECREF(r);
     int rc = -1;
     PyObject *t = NULL, *ev = NULL, *ring = NULL, *recorded = NULL, *limit = NULL;
-    if ((t = PyObject_CallNoArgs(g_perf_counter)) == NULL ||
+    if ((t = perf_now()) == NULL ||
         (ev = PyTuple_Pack(8, t, cat, name, sid, stream, sub, alloc, args)) == NULL ||
         (ring = read_slot(tr, &r_ring)) == NULL || (recorded = read_slot(tr, &r_recorded)) == NULL ||
         (limit = read_slot(tr, &r_limit)) == NULL)
@@ -108,7 +348,7 @@ int trace_record(PyObject *tr, PyObject *cat, PyObject *name, PyObject *sid, PyO
     rc = 1;
 release:;
     PyObject *exc = rc < 0 ? take_raised() : NULL;
-    r = lock_call(lock, 1);
+    r = direct ? (tl_release((TraceLock *)lock) < 0 ? NULL : Py_NewRef(Py_None)) : lock_call(lock, 1);
     if (r == NULL) {
         Py_XDECREF(exc); /* (the release's error wins) */
         rc = -1;
@@ -138,11 +378,37 @@ static int tracer_plain(PyObject *tr) {
 }
 
 
+/* Trio's run context is a threading.local: the last thread that read it
+   (its thread state's id, which is never reused) and that thread's dict of
+   it, read through ``__dict__`` and checked against the attribute once. */
+static uint64_t c_ctx_thread;
+static PyObject *c_ctx_dict;
+
 /* The calling Trio task (a new reference), or NULL with no error set where it cannot be read. */
 static PyObject *running_task(void) {
-    PyObject *task = g_ctx != NULL && g_ctx != Py_None ? PyObject_GetAttr(g_ctx, n_task) : NULL;
-    if (task == NULL) PyErr_Clear();
-    return task;
+    if (g_ctx == NULL || g_ctx == Py_None) return NULL;
+    uint64_t me = PyThreadState_GetID(PyThreadState_Get());
+    if (c_ctx_dict == NULL || c_ctx_thread != me) {
+        Py_CLEAR(c_ctx_dict);
+        PyObject *task = PyObject_GetAttr(g_ctx, n_task);
+        PyObject *d = task ? PyObject_GetAttr(g_ctx, n___dict__) : NULL;
+        if (d != NULL && PyDict_CheckExact(d) && PyDict_GetItemWithError(d, n_task) == task) {
+            c_ctx_dict = Py_NewRef(d);
+            c_ctx_thread = me;
+        }
+        Py_XDECREF(d);
+        if (task == NULL || PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_CLEAR(task);
+        }
+        return task;
+    }
+    PyObject *task = PyDict_GetItemWithError(c_ctx_dict, n_task); /* (borrowed) */
+    if (task == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return Py_NewRef(task);
 }
 
 /* record(tr, cat, name, <sid slot of owner>, sub's stream index, sub's id, args) */
@@ -280,15 +546,39 @@ int submit_record(PyObject *fn, PyObject *scope, PyObject *tr, PyObject *sub, Py
     } else {
         cmd = Py_NewRef(Py_None);
     }
-    FAIL_IF_NULL(d = PyDict_New());
-    if (PyDict_SetItem(d, k_leases, record) < 0 || PyDict_SetItem(d, k_enqueue, name) < 0 ||
-        PyDict_SetItem(d, k_cmd, cmd) < 0 || PyDict_SetItem(d, k_marks, Py_None) < 0) {
+    /* Without a command id the args are the same for every submission of this launch: they are
+       made once and kept in its cache as (name, record, args), and the events share them
+       (``Trace.events`` gives each event its own copy). */
+    PyObject *kept = yes ? NULL : PyDict_GetItemWithError(cache, k_trace_submit); /* (borrowed) */
+    if (kept == NULL && PyErr_Occurred()) {
         rc = -1;
         goto done;
     }
-    /* (its one container is the plan's cached record, which holds nothing of the trace: no cycle can
-       go through it, so the collector need not visit it; an insertion would track it again) */
-    PyObject_GC_UnTrack(d);
+    if (kept != NULL && PyTuple_CheckExact(kept) && PyTuple_GET_SIZE(kept) == 3 &&
+        PyTuple_GET_ITEM(kept, 0) == name && PyTuple_GET_ITEM(kept, 1) == record &&
+        PyDict_CheckExact(PyTuple_GET_ITEM(kept, 2))) {
+        d = Py_NewRef(PyTuple_GET_ITEM(kept, 2));
+    } else {
+        FAIL_IF_NULL(d = PyDict_New());
+        if (PyDict_SetItem(d, k_leases, record) < 0 || PyDict_SetItem(d, k_enqueue, name) < 0 ||
+            PyDict_SetItem(d, k_cmd, cmd) < 0 || PyDict_SetItem(d, k_marks, Py_None) < 0) {
+            rc = -1;
+            goto done;
+        }
+        /* (its one container is the plan's cached record, which holds nothing of the trace: no cycle can
+           go through it, so the collector need not visit it; an insertion would track it again) */
+        PyObject_GC_UnTrack(d);
+        if (!yes) {
+            PyObject *entry = PyTuple_Pack(3, name, record, d);
+            FAIL_IF_NULL(entry);
+            int bad = PyDict_SetItem(cache, k_trace_submit, entry);
+            Py_DECREF(entry);
+            if (bad < 0) {
+                rc = -1;
+                goto done;
+            }
+        }
+    }
     FAIL_IF_NULL(sid = read_slot(scope, &r_sc_trace_id));
     rc = record_sub(tr, u_submit, name, sid, sub, d);
 done:
@@ -341,6 +631,7 @@ PyObject *configure_trace(PyObject *module, PyObject *env) {
     for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++)
         if (make_slot_ref(refs[i].type, refs[i].name, refs[i].ref) < 0) return NULL;
     if (intern(&n_acquire, "acquire") < 0 || intern(&n_release, "release") < 0 || intern(&n_task, "task") < 0 ||
+        intern(&n___dict__, "__dict__") < 0 ||
         intern(&n_name, "name") < 0 || intern(&n_trace_await, "trace_await") < 0 ||
         intern(&n_trace_retire, "trace_retire") < 0 || intern(&n_last_command, "last_command") < 0 ||
         intern(&u_await, "await") < 0 || intern(&u_retire, "retire") < 0 || intern(&u_submit, "submit") < 0 ||
@@ -348,8 +639,10 @@ PyObject *configure_trace(PyObject *module, PyObject *env) {
         intern(&u_ok, "ok") < 0 || intern(&u_error, "error") < 0 || intern(&u_left, "left") < 0 ||
         intern(&k_task, "task") < 0 || intern(&k_t0, "t0") < 0 || intern(&k_outcome, "outcome") < 0 ||
         intern(&k_leases, "leases") < 0 || intern(&k_enqueue, "enqueue") < 0 || intern(&k_cmd, "cmd") < 0 ||
-        intern(&k_marks, "marks") < 0 || intern(&k_trace_leases, "trace_leases") < 0)
+        intern(&k_marks, "marks") < 0 || intern(&k_trace_leases, "trace_leases") < 0 ||
+        intern(&k_trace_submit, "trace_submit") < 0)
         return NULL;
+    if (clock_check() < 0) return NULL;
     t_completion_tr = (PyTypeObject *)completion_type;
     t_tracer = (PyTypeObject *)tracer_type; /* (last: the records are on from here) */
     Py_RETURN_NONE;

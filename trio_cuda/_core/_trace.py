@@ -8,7 +8,8 @@ Invariants:
   slots; the oldest events are overwritten first, and ``dropped`` counts them.
   Events never hold a :class:`~trio_cuda.DeviceArray` (that would keep
   memory alive); allocations are named by their address. An event's ``args``
-  never change once it is recorded.
+  never change once it is recorded; events may share them (the compiled
+  submission record reuses one launch's), so exporters copy what they hand out.
 * Everything else a tracer keeps is bounded too: the scope registry and the
   device times of commands are pruned, from time to time, of what no event
   in the ring refers to any more.
@@ -22,9 +23,11 @@ Invariants:
   next to the kernels. Without the package nothing is imported or called.
 * A tracer may be shared by many scopes (per process: :func:`set_process_tracer`),
   in any number of threads and Trio runs; each scope gets its own id.
-* Thread safety: one lock guards the ring, the counters and the registries.
-  Recording takes it once per event (one uncontended acquire, and the event's
-  time is read under it); readers hold it only to copy what they need
+* Thread safety: one reentrant lock guards the ring, the counters and the
+  registries (``threading.RLock``; where the compiled paths are in use, the
+  ``_claunch.TraceLock`` of the same semantics, which their records take with
+  no call). Recording takes it once per event (one uncontended acquire, and
+  the event's time is read under it); readers hold it only to copy what they need
   (:meth:`Tracer.snapshot`) and export from the copy without it, so any
   thread may export while scopes record. Nothing iterates the live ring.
 """
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, final
 
 from trio.lowlevel import enable_ki_protection
 
+from . import _compiled
 from ._ops import Access
 
 if TYPE_CHECKING:
@@ -122,7 +126,7 @@ class Tracer:
         #: CUDA events around each enqueue where the backend has device timing
         self.timing = timing
         #: guards what follows (see the module's invariants)
-        self.lock = threading.RLock()
+        self.lock = _new_lock()
         #: the events kept; grows to ``limit``, then the oldest are overwritten
         self.ring: list[Event] = []
         self.recorded = 0
@@ -361,6 +365,12 @@ def op_name(op: object) -> str:
 
 def alloc_args(alloc: Allocation) -> dict[str, Any]:
     return {"bytes": alloc.nbytes, "borrowed": bool(alloc.borrowed)}
+
+
+def _new_lock() -> Any:
+    """A tracer's lock: reentrant (see :class:`Tracer`), the compiled one where it is in use."""
+    ext = _compiled.ext
+    return threading.RLock() if ext is None else ext.TraceLock()
 
 
 #: the tracer new scopes record into when ``open_scope(trace=None)``

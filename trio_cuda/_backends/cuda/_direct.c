@@ -826,9 +826,9 @@ static int attr_u64(PyObject *obj, PyObject *name, unsigned long long *out) {
    for the last function, configuration, plan, kernel and stream that took
    them all (identities: configurations are interned, a kernel's plan is
    its own); a launch of those same objects reads again only what can change
-   since: whether the function was unloaded, the stream destroyed, the
-   function's packed offsets and dynamic shared memory, the process's
-   devices, and its own arena. */
+   since: whether the function was unloaded, the function's packed offsets
+   and dynamic shared memory, the process's devices, and its own arena. The
+   caller has read that the stream is not destroyed. */
 static int launch_first(HotLaunchObject *self, PyObject *s, PyObject *function, PyObject *launch, int *err) {
     int rc = 0;
     PyObject *config = NULL, *plan = NULL, *kernel = NULL, *kplan = NULL, *v = NULL, *packed = NULL,
@@ -859,7 +859,6 @@ static int launch_first(HotLaunchObject *self, PyObject *s, PyObject *function, 
     if (known) { /* what can have changed since the checks */
         memcpy(&m, PyBytes_AS_STRING(self->m_data), sizeof m);
         NO_UNLESS(attr_is(function, n_unloaded, Py_False));
-        NO_UNLESS(attr_is(s, n_destroyed, Py_False));
         TAKE(packed, function, n_packed);
         NO_UNLESS(packed == self->m_packed);
         NO_UNLESS(attr_u64(function, n_dyn_smem, &dyn));
@@ -885,7 +884,6 @@ static int launch_first(HotLaunchObject *self, PyObject *s, PyObject *function, 
         NO_UNLESS(plan == kplan);
         NO_UNLESS(Py_TYPE(s) == (PyTypeObject *)self->stream_type);
         NO_UNLESS(attr_is(s, n_owner, self->table));
-        NO_UNLESS(attr_is(s, n_destroyed, Py_False));
         TAKE(packed, function, n_packed);
         NO_UNLESS(PyBytes_CheckExact(packed)); /* (None: not decided yet; False: the wrapper) */
         TAKE(size, plan, n_size);
@@ -972,11 +970,11 @@ static PyObject *HotLaunch_vectorcall(PyObject *op, PyObject *const *args, size_
         !live) {
         if (hit != NULL && (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) < 3))
             goto python;
-        int fresh = attr_is(launch, n_enqueued, Py_False);
+        int fresh = live ? attr_is(launch, n_enqueued, Py_False) : 0;
         if (fresh < 0)
             goto out;
         if (!fresh)
-            goto python; /* (a launch enqueued again: stable memory of its own, in Python) */
+            goto python; /* (a launch enqueued again: stable memory of its own; a destroyed stream: in Python) */
         int rc = launch_first(self, s, function, launch, &err);
         if (rc < 0)
             goto out;
