@@ -89,6 +89,7 @@ class TraceEvent:
     allocation: int | None
     #: the event's details, by key, or None: bytes of an allocation, the
     #: leases (allocation address, byte range, mode), an error's message, ...
+    #: (this event's own dict: changing it changes nothing recorded)
     args: dict[str, Any] | None
 
 
