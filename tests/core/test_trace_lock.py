@@ -37,7 +37,21 @@ _calls = st.one_of(
     st.tuples(st.just("acquire"), st.sampled_from([(), (True,), (False,), (True, 0.0), (True, 0.001)])),
     st.tuples(st.just("acquire_kw"), st.sampled_from([{"blocking": False}, {"timeout": 0}, {"timeout": -1}])),
     st.tuples(
-        st.just("bad"), st.sampled_from([(False, 1.0), (True, -2.0), (True, float("nan")), (True, 1e300)])
+        st.just("bad"),
+        st.sampled_from(
+            [
+                (False, 1.0),
+                (True, -2.0),
+                (True, float("nan")),
+                (True, 1e300),
+                (True, float("inf")),
+                (True, -float("inf")),
+                (False, float("inf")),
+                (False, float("nan")),
+                (False, -2.0),
+                (False, 1e300),
+            ]
+        ),
     ),
     st.tuples(st.just("release"), st.just(())),
     st.tuples(st.just("owned"), st.just(())),

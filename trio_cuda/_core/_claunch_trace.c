@@ -156,6 +156,10 @@ static PyObject *tl_acquire_py(TraceLock *self, PyObject *args, PyObject *kwds) 
         PyErr_SetString(PyExc_ValueError, "timeout: expected a number of seconds >= 0 or -1, got nan");
         return NULL;
     }
+    if (isinf(timeout) || fabs(timeout) > (double)INT64_MAX / 1e9) { /* (RLock's order: the value's own first) */
+        PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
+        return NULL;
+    }
     if (!blocking && timeout != -1) {
         PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
         return NULL;
