@@ -115,7 +115,8 @@ async def measure(tc: Any, device: str, pure: bool | None = None) -> dict[str, f
     out: dict[str, float] = {}
     async with tc.open_scope(device=device, streams=4) as gpu:
         bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
-        op = kernel.launch(*bufs, 256, grid=1, block=1)
+        a, b, c, d = bufs
+        op = kernel.launch(a, b, c, d, 256, grid=1, block=1)
         s = gpu.streams[0]
         out["roundtrip"] = await _roundtrip(gpu, op, s)
         trace = tc.trace.Trace(limit=1_000_000)
@@ -142,12 +143,11 @@ async def measure(tc: Any, device: str, pure: bool | None = None) -> dict[str, f
         per = []
         for _ in range(3):
             t0 = perf()
-            futs = [gpu.submit(kernel.launch(*bufs, 256, grid=1, block=1), stream=s) for _ in range(500)]
+            futs = [gpu.submit(kernel.launch(a, b, c, d, 256, grid=1, block=1), stream=s) for _ in range(500)]
             per.append((perf() - t0) / 500 * 1e6)
             await futs[-1].wait()
             del futs
         out["typed"] = min(per)
-        a, b, c, d = bufs
         n = np.int32(256)
         per = []
         for _ in range(3):  # the builder, built each call, then unsafe.async_on
@@ -173,7 +173,7 @@ async def measure(tc: Any, device: str, pure: bool | None = None) -> dict[str, f
 
         async def typed_task() -> None:
             for _ in range(50):
-                await gpu.run(kernel.launch(*bufs, 256, grid=1, block=1))
+                await gpu.run(kernel.launch(a, b, c, d, 256, grid=1, block=1))
 
         t0 = perf()
         async with trio.open_nursery() as nursery:

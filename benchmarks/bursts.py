@@ -70,8 +70,10 @@ async def main(rounds: int) -> None:
         handle = s.handle
         async_on = trio_cuda.unsafe.async_on
 
+        b0, b1, b2, b3 = bufs
+
         def typed() -> Any:
-            return R.EMPTY.launch(*bufs, 256, grid=1, block=1)
+            return R.EMPTY.launch(b0, b1, b2, b3, 256, grid=1, block=1)
 
         def ssync() -> None:
             cu.cuStreamSynchronize(handle.cu)

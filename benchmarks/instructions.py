@@ -72,25 +72,26 @@ def child(row: str, n: int) -> None:
         trace = trio_cuda.trace.Trace(limit=3000) if row == "traced_roundtrip" else None
         async with trio_cuda.open_scope(device="cuda", streams=4, trace=trace) as gpu:
             bufs = [gpu.zeros(256, np.float32) for _ in range(4)]
+            b0, b1, b2, b3 = bufs
             s = gpu.streams[0]
             k = R.EMPTY
-            op = k.launch(*bufs, 256, grid=1, block=1)
+            op = k.launch(b0, b1, b2, b3, 256, grid=1, block=1)
             await gpu.run(op, stream=s)
             gc.disable()
             for _ in range(n // 1000):
                 fut = None
                 if row == "typed":
                     for _ in range(1000):
-                        fut = gpu.submit(k.launch(*bufs, 256, grid=1, block=1), stream=s)
+                        fut = gpu.submit(k.launch(b0, b1, b2, b3, 256, grid=1, block=1), stream=s)
                 elif row == "submit":
                     for _ in range(1000):
                         fut = gpu.submit(op, stream=s)
                 elif row == "make":
                     for _ in range(1000):
-                        k.launch(*bufs, 256, grid=1, block=1)
+                        k.launch(b0, b1, b2, b3, 256, grid=1, block=1)
                 elif row == "typed_async_on":
                     for _ in range(1000):
-                        trio_cuda.unsafe.async_on(k.launch(*bufs, 256, grid=1, block=1), s)
+                        trio_cuda.unsafe.async_on(k.launch(b0, b1, b2, b3, 256, grid=1, block=1), s)
                 elif row in ("roundtrip", "traced_roundtrip"):
                     for _ in range(1000):
                         await gpu.run(op, stream=s)

@@ -52,8 +52,10 @@ async def main(rounds: int) -> None:
         def sync() -> None:
             cu.cuStreamSynchronize(handle.cu)
 
+        b0, b1, b2, b3 = bufs
+
         def typed() -> Any:
-            return R.EMPTY.launch(*bufs, 256, grid=1, block=1)
+            return R.EMPTY.launch(b0, b1, b2, b3, 256, grid=1, block=1)
 
         async def kept() -> float:
             gc.disable()

@@ -619,8 +619,10 @@ async def _tasks_bench(raw: Raw) -> None:
         # the Trio floor's 100 tasks
         fl = Floor(raw)
 
+        b0, b1, b2, b3 = bufs
+
         def typed() -> Any:
-            return EMPTY.launch(*bufs, 256, grid=1, block=1)
+            return EMPTY.launch(b0, b1, b2, b3, 256, grid=1, block=1)
 
         rt, rf = [], []
         for _ in range(reps(5)):
@@ -811,7 +813,12 @@ async def _launchmodes_bench(raw: Raw) -> None:
         def sync() -> None:
             cu.cuStreamSynchronize(handle.cu)
 
-        def typed() -> Any:
+        b0, b1, b2, b3 = bufs
+
+        def typed() -> Any:  # (the arguments written out, as CuPy's row passes its tuple)
+            return EMPTY.launch(b0, b1, b2, b3, 256, grid=1, block=1)
+
+        def typed_star() -> Any:  # (unpacked from a list: Python builds a tuple and a dict per call)
             return EMPTY.launch(*bufs, 256, grid=1, block=1)
 
         def build() -> Any:
@@ -837,6 +844,7 @@ async def _launchmodes_bench(raw: Raw) -> None:
             {
                 "typed_launch_only": sync_burst(typed, sync),
                 "typed_launch+submit": submits(typed, None),
+                "typed_launch_star+submit": submits(typed_star, None),
                 "typed_launch+async_on": sync_burst(lambda: async_on(typed(), s), sync),
                 "builder_finalize+async_on": sync_burst(lambda: async_on(build(), s), sync),
                 "builder_finalized+submit": submits(None, built),
@@ -1115,6 +1123,7 @@ def table() -> list[dict[str, Any]]:
     )
     for key, name in (
         ("launchmodes:typed_launch+submit", "launch modes: typed launch + submit"),
+        ("launchmodes:typed_launch_star+submit", "launch modes: typed launch(*list) + submit"),
         ("launchmodes:typed_launch+async_on", "launch modes: typed launch + async_on"),
         ("launchmodes:builder_finalize+async_on", "launch modes: build+finalize+async_on"),
         ("launchmodes:builder_finalized+submit", "launch modes: finalized builder submit"),

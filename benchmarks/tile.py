@@ -132,11 +132,19 @@ async def _bench(
         await gpu.run(ls["empty"], stream=s)
         await gpu.run(EMPTY.launch(*bufs, 256, grid=1, block=1), stream=s)
         B = reps(15)
+        b0, b1, b2, b3 = bufs
         print("tile kernels (host µs per launch, bursts of 1000)")
         simt, tile = [], []
+
+        def simt_launch() -> Any:
+            return EMPTY.launch(b0, b1, b2, b3, 256, grid=1, block=1)
+
+        def tile_launch() -> Any:
+            return TILE_EMPTY.launch(b0, b1, b2, b3, 256, grid=1)
+
         for _ in range(B):  # interleaved bursts: drift hits both alike
-            simt.append(await submit_burst_of(gpu, lambda: EMPTY.launch(*bufs, 256, grid=1, block=1), s, 1))
-            tile.append(await submit_burst_of(gpu, lambda: TILE_EMPTY.launch(*bufs, 256, grid=1), s, 1))
+            simt.append(await submit_burst_of(gpu, simt_launch, s, 1))
+            tile.append(await submit_burst_of(gpu, tile_launch, s, 1))
         record("tile:simt_typed_launch+submit", _med(simt), "us", "(4 arrays + int, interleaved)")
         record("tile:typed_launch+submit", _med(tile), "us", "(4 arrays + int)")
 

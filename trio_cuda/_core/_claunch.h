@@ -95,10 +95,43 @@ static inline PyObject *global_of(PyObject *dict, PyObject *name, GlobalMemo *m)
 #endif
 }
 
+/* ``v`` plus ``delta`` stored in ``v`` itself: 1, or 0 where that could be
+   seen. Only an exact int that its slot alone refers to qualifies, positive,
+   of one digit and past the small ints CPython keeps (so not one of them),
+   with a sum of the same kind: no other reference exists, so no one can
+   tell the object changed rather than being replaced (an int's hash is not
+   kept). The layouts are CPython 3.11's and 3.12's to 3.14's; elsewhere,
+   and where reference counts are not plain (free threading), never. */
+static inline int bump_in_place(PyObject *v, long delta) {
+#if defined(Py_GIL_DISABLED) || defined(Py_LIMITED_API) || PY_VERSION_HEX < 0x030B0000 || PY_VERSION_HEX >= 0x030F0000
+    (void)v;
+    (void)delta;
+    return 0;
+#else
+    if (Py_REFCNT(v) != 1 || !PyLong_CheckExact(v)) return 0;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (((PyLongObject *)v)->long_value.lv_tag != ((uintptr_t)1 << 3)) return 0; /* (one digit, positive) */
+    digit *d = ((PyLongObject *)v)->long_value.ob_digit;
+#else
+    if (Py_SIZE(v) != 1) return 0;
+    digit *d = ((PyLongObject *)v)->ob_digit;
+#endif
+    long x = (long)d[0] + delta;
+    if (d[0] <= 256 || x <= 256 || x >= (long)PyLong_BASE) return 0;
+    d[0] = (digit)x;
+    return 1;
+#endif
+}
+
 /* obj's int slot ``ref`` plus ``delta`` (a small delta; the sum stolen
-   into the slot): 0, or -1. An exact int in C's long range is added in C;
+   into the slot): 0, or -1. An int only the slot holds changes in place
+   (bump_in_place); another exact int in C's long range is added in C;
    anything else by ``+``. */
 static inline int bump(PyObject *obj, SlotRef *ref, long delta) {
+    if (Py_TYPE(obj) == ref->type) {
+        PyObject *held = *(PyObject **)((char *)obj + ref->offset);
+        if (held != NULL && bump_in_place(held, delta)) return 0;
+    }
     PyObject *v = read_slot(obj, ref), *sum;
     if (v == NULL) return -1;
     int overflow = 1;
