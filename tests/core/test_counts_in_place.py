@@ -55,7 +55,8 @@ async def test_counts_past_the_small_ints_keep_what_others_hold() -> None:
                     held[i] = (s._in_flight, x._alloc.active, y._alloc.active)
             assert s._in_flight == 700
             assert (x._alloc.active, y._alloc.active) == (700, 700)
-            assert len(x._alloc.readers) == 700 and len(y._alloc.writers) == 1
+            assert len(x._alloc.readers) == 700
+            assert len(y._alloc.writers) == 1
             for i, values in held.items():
                 assert values == (i, i, i)
             assert s.statistics().in_flight == 700

@@ -282,8 +282,26 @@ PyObject *submit_whole(PyObject *module, PyObject *const *args, Py_ssize_t nargs
 /* _claunch_protect.c: submit without a frame, and the calls into Python
    that the compiled submission makes (KI-protected while frameless) */
 extern int g_frameless;
+/* What one call site last read as an instance's attribute from the
+   instance's own dict (the backend's hot methods are stored there): kept
+   while the type and the dict are unchanged. CPython 3.11 and 3.12 give
+   each type and each dict a version tag that every change replaces with a
+   number no type or dict had before, so equal tags mean the same lookup
+   (a borrowed value: the dict still holds it). Elsewhere: no memo. */
+typedef struct {
+    PyTypeObject *type;
+    unsigned int type_version;
+    PyObject *dict; /* (borrowed; compared, never read, unless its tag matches) */
+    uint64_t dict_version;
+    PyObject *value; /* borrowed */
+} AttrMemo;
+
+PyObject *memo_getattr(PyObject *obj, PyObject *name, AttrMemo *m);
+
 PyObject *pcall(PyObject *fn, PyObject *const *args, Py_ssize_t nargs);
 PyObject *pmethod(PyObject *obj, PyObject *name, PyObject *const *args, Py_ssize_t nargs);
+/* pmethod, the method read through ``m`` (memo_getattr) */
+PyObject *pmethod_memo(PyObject *obj, PyObject *name, PyObject *const *args, Py_ssize_t nargs, AttrMemo *m);
 PyObject *pgetattr(PyObject *obj, PyObject *name);
 PyObject *trust(PyObject *module, PyObject *types);
 PyObject *submit_method(PyObject *module, PyObject *args);

@@ -81,6 +81,50 @@ PyObject *pmethod(PyObject *obj, PyObject *name, PyObject *const *args, Py_ssize
     return r;
 }
 
+PyObject *pmethod_memo(PyObject *obj, PyObject *name, PyObject *const *args, Py_ssize_t nargs, AttrMemo *memo) {
+    if (!g_frameless || g_protect == NULL) return pmethod(obj, name, args, nargs);
+    PyObject *m = memo_getattr(obj, name, memo);
+    if (m == NULL) return NULL;
+    PyObject *r = pcall(m, args, nargs);
+    Py_DECREF(m);
+    return r;
+}
+
+PyObject *memo_getattr(PyObject *obj, PyObject *name, AttrMemo *m) {
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000 && !defined(Py_GIL_DISABLED)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (tp->tp_getattro != PyObject_GenericGetAttr || !(tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) ||
+        tp->tp_dictoffset == 0)
+        return PyObject_GetAttr(obj, name);
+    PyObject **dp = _PyObject_GetDictPtr(obj); /* (a managed dict is made once, here) */
+    PyObject *dict = dp != NULL ? *dp : NULL;
+    if (dict == NULL || !PyDict_CheckExact(dict)) return PyObject_GetAttr(obj, name);
+    uint64_t version = ((PyDictObject *)dict)->ma_version_tag;
+    if (version != 0 && m->type == tp && m->type_version == tp->tp_version_tag && m->dict == dict &&
+        m->dict_version == version)
+        return Py_NewRef(m->value);
+    m->type = NULL;
+    /* the instance's dict decides unless the type has a data descriptor of that name */
+    PyObject *d = _PyType_Lookup(tp, name); /* (borrowed) */
+    if ((d != NULL && Py_TYPE(d)->tp_descr_set != NULL) || !(tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG))
+        return PyObject_GetAttr(obj, name);
+    PyObject *v = PyDict_GetItemWithError(dict, name); /* (borrowed) */
+    if (v == NULL) return PyErr_Occurred() ? NULL : PyObject_GetAttr(obj, name);
+    m->type = tp;
+    m->type_version = tp->tp_version_tag;
+    m->dict = dict;
+    m->dict_version = ((PyDictObject *)dict)->ma_version_tag;
+    m->value = v;
+    return Py_NewRef(v);
+#pragma GCC diagnostic pop
+#else
+    (void)m;
+    return PyObject_GetAttr(obj, name);
+#endif
+}
+
 PyObject *pgetattr(PyObject *obj, PyObject *name) {
     /* (an attribute may be a Python property, or a class's __getattr__) */
     if (!g_frameless || g_protect == NULL) return PyObject_GetAttr(obj, name);

@@ -441,7 +441,8 @@ static int submitted(PyObject *completion, PyObject *s) {
         Py_CLEAR(r);
     }
     if ((driver = read_slot(completion, &r_c_driver)) == NULL) goto done;
-    if ((r = pmethod(driver, n_notify, NULL, 0)) == NULL) goto done;
+    static AttrMemo notify_memo;
+    if ((r = pmethod_memo(driver, n_notify, NULL, 0, &notify_memo)) == NULL) goto done;
     rc = 0;
 done:
     Py_XDECREF(batch);
@@ -496,7 +497,8 @@ PyObject *submit_launch(PyObject *module, PyObject *const *args, Py_ssize_t narg
         mark = yes ? pmethod(driver, n_timing_mark, &handle, 1) : Py_NewRef(Py_None);
         if (mark == NULL) goto out;
     }
-    r = pmethod(driver, n_launch, (PyObject *[]){handle, function, prepared}, 3);
+    static AttrMemo launch_memo;
+    r = pmethod_memo(driver, n_launch, (PyObject *[]){handle, function, prepared}, 3, &launch_memo);
     if (r == NULL) {
         launch_failed(scope, sub);
         goto out;
