@@ -169,17 +169,29 @@ def sync_burst(fn: Callable[[], object], sync: Callable[[], None]) -> BurstFn:
     return one
 
 
-async def in_turn(rows: dict[str, BurstFn], rounds: int, prefix: str, note: str = "(in turn)") -> None:
+async def in_turn(
+    rows: dict[str, BurstFn],
+    rounds: int,
+    prefix: str,
+    note: str = "(in turn)",
+    pairs: tuple[tuple[str, str], ...] = (),
+) -> None:
     """Record the median of each row, the rows taken in turn, one burst of
     each per round: drift of the host within a run (clocks, other tenants)
     weighs on every row of the group alike, so ratios inside the group
-    compare like with like."""
+    compare like with like. For each (a, b) of ``pairs`` also the median of
+    the rounds' own ratios a / b, with its quartiles in the note."""
     per: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(rounds):
         for name, one in rows.items():
             per[name].append(await one())
     for name, xs in per.items():
         record(prefix + name, med(xs), "us", note)
+    for a, b in pairs:
+        if a in per and b in per:
+            ratios = [x / y for x, y in zip(per[a], per[b], strict=True)]
+            q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+            record(f"{prefix}{a}/{b}", med(ratios), "x", f"(per round; quartiles {q[0]:.3f}-{q[2]:.3f})")
 
 
 def bench_raw(raw: Raw) -> None:
@@ -854,7 +866,7 @@ async def _launchmodes_bench(raw: Raw) -> None:
                 "async_on_pdl": sync_burst(lambda: async_on(pdl, s), sync),
             }
         )
-        await in_turn(rows, B, "launchmodes:")
+        await in_turn(rows, B, "launchmodes:", pairs=(("typed_launch+submit", "cupy_rawkernel"),))
 
 
 def _cupy_launch() -> tuple[Callable[[], object], Any]:
@@ -1113,6 +1125,9 @@ def table() -> list[dict[str, Any]]:
         f"<= CuPy ratio ({bound:.2f}{'' if cupy_ratio else ', measured on the H200 host'})",
         lambda r: r <= bound,
     )
+    paired = v("launchmodes:typed_launch+submit/cupy_rawkernel")
+    if paired is not None:
+        row("typed row / CuPy, per round", paired, "x", 1.0, "(report; <= 1: faster)", None)
     row(
         "builder + finalize + async_on",
         v("launchmodes:builder_finalize+async_on"),
