@@ -100,10 +100,11 @@ static inline PyObject *global_of(PyObject *dict, PyObject *name, GlobalMemo *m)
    of one digit and past the small ints CPython keeps (so not one of them),
    with a sum of the same kind: no other reference exists, so no one can
    tell the object changed rather than being replaced (an int's hash is not
-   kept). The layouts are CPython 3.11's and 3.12's to 3.14's; elsewhere,
-   and where reference counts are not plain (free threading), never. */
+   kept). Only on the layouts it is tested on, CPython 3.11's and 3.12's;
+   elsewhere, and where reference counts are not plain (free threading),
+   never. */
 static inline int bump_in_place(PyObject *v, long delta) {
-#if defined(Py_GIL_DISABLED) || defined(Py_LIMITED_API) || PY_VERSION_HEX < 0x030B0000 || PY_VERSION_HEX >= 0x030F0000
+#if defined(Py_GIL_DISABLED) || defined(Py_LIMITED_API) || PY_VERSION_HEX < 0x030B0000 || PY_VERSION_HEX >= 0x030D0000
     (void)v;
     (void)delta;
     return 0;
