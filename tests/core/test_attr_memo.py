@@ -10,25 +10,15 @@ from typing import Any
 import pytest
 
 import trio_cuda
-from tests.helpers.kernels import stub_source
+from tests.helpers.internals import compiled_only
+from tests.helpers.kernels import stub_kernel
 from trio_cuda import In, InOut, Scalar
 from trio_cuda._backends.sim.context import SimContext
-from trio_cuda._core import _compiled
 from trio_cuda.testing import SimDevice
-
-compiled_only = pytest.mark.skipif(
-    _compiled.ext is None,
-    reason="the compiled paths are not in use (not built at install, or TRIO_CUDA_PURE set)",
-)
 
 
 def _kernel() -> trio_cuda.Kernel:
-    return trio_cuda.Kernel.from_source(
-        stub_source("k"),
-        "k",
-        params=[In("f4"), Scalar("i4"), InOut("f4")],
-        reference=trio_cuda.NO_REFERENCE,
-    )
+    return stub_kernel(In("f4"), Scalar("i4"), InOut("f4"))
 
 
 class _DictContext(SimContext):  # (no __slots__: its instances have a dict, as the cuda backend's)

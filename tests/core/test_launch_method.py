@@ -20,14 +20,10 @@ from hypothesis import strategies as st
 
 import trio_cuda
 from tests.core.test_launch_fast import _same_launch
+from tests.helpers.internals import compiled_only
 from tests.helpers.kernels import stub_source
 from trio_cuda import In, Kernel, Out, Scalar
-from trio_cuda._core import _compiled, _kernel
-
-compiled_only = pytest.mark.skipif(
-    _compiled.ext is None,
-    reason="the compiled paths are not in use (not built at install, or TRIO_CUDA_PURE set)",
-)
+from trio_cuda._core import _kernel
 
 K = Kernel.from_source(stub_source("k"), "k", params=[In("f4"), Out("f4"), Scalar("i4")])
 ABSENT = object()

@@ -13,26 +13,20 @@ import gc
 from collections import Counter
 from typing import Any
 
-import pytest
 import trio
 import trio.testing
 
 import trio_cuda
 from tests.helpers import internals
+from tests.helpers.internals import compiled_only
 from tests.helpers.kernels import stub_source
 from trio_cuda import In, InOut, Out, Scalar
-from trio_cuda._core import _compiled
 from trio_cuda._core._completion import Submission
 from trio_cuda._core._future import DeviceFuture
 from trio_cuda._core._launch import ArrayModes, KernelLaunch, PreparedLaunch
 from trio_cuda._core._ops import Access
 from trio_cuda._core._submit import launch_lease_plan
 from trio_cuda.testing import SimDevice
-
-compiled_only = pytest.mark.skipif(
-    _compiled.ext is None,
-    reason="the compiled paths are not in use (not built at install, or TRIO_CUDA_PURE set)",
-)
 
 
 def _kernel() -> trio_cuda.Kernel:

@@ -22,16 +22,11 @@ import trio.testing
 import trio_cuda
 from tests.helpers import internals
 from tests.helpers.guard import run_bounded
+from tests.helpers.internals import compiled_only
 from tests.helpers.kernels import ADD_ONE
 from trio_cuda import ops
-from trio_cuda._core import _compiled, _completion, _scope
+from trio_cuda._core import _completion, _scope
 from trio_cuda.testing import SimDevice
-
-compiled_only = pytest.mark.skipif(
-    _compiled.ext is None,
-    reason="the compiled paths are not in use (not built at install, or TRIO_CUDA_PURE set)",
-)
-
 
 ADD = ADD_ONE
 

@@ -21,15 +21,11 @@ import trio.testing
 import trio_cuda
 from tests.helpers import internals
 from tests.helpers.guard import run_bounded
+from tests.helpers.internals import compiled_only
 from tests.helpers.kernels import stub_source
 from trio_cuda import In, InOut, Scalar
 from trio_cuda._core import _compiled, _scope
 from trio_cuda.testing import SimDevice
-
-compiled_only = pytest.mark.skipif(
-    _compiled.ext is None,
-    reason="the compiled paths are not in use (not built at install, or TRIO_CUDA_PURE set)",
-)
 
 
 def _ref(x: Any, y: Any, v: Any) -> None:

@@ -24,16 +24,12 @@ import pytest
 import trio
 
 import trio_cuda
+from tests.helpers.internals import compiled_only
 from tests.helpers.kernels import stub_source
 from trio_cuda import In, InOut, Scalar, ops
-from trio_cuda._core import _compiled, _scope, _submit
+from trio_cuda._core import _scope, _submit
 from trio_cuda._core._scope import ResourceScope
 from trio_cuda.testing import SimDevice
-
-compiled_only = pytest.mark.skipif(
-    _compiled.ext is None,
-    reason="the compiled paths are not in use (not built at install, or TRIO_CUDA_PURE set)",
-)
 
 
 def _ref(x: Any, y: Any, v: Any) -> None:

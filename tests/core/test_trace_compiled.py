@@ -22,15 +22,10 @@ import trio.testing
 import trio_cuda
 from tests.helpers import internals
 from tests.helpers.guard import run_bounded
+from tests.helpers.internals import compiled_only
 from tests.helpers.kernels import add_one
 from trio_cuda._core import _compiled, _completion, _scope, _trace
 from trio_cuda.testing import SimDevice
-
-compiled_only = pytest.mark.skipif(
-    _compiled.ext is None,
-    reason="the compiled paths are not in use (not built at install, or TRIO_CUDA_PURE set)",
-)
-
 
 _launch = add_one
 

@@ -16,15 +16,11 @@ import trio
 
 import trio_cuda
 from tests.helpers import internals
+from tests.helpers.internals import compiled_only
 from tests.helpers.kernels import stub_source
 from trio_cuda import In, InOut, Out, Scalar, Slice
 from trio_cuda._core import _compiled
 from trio_cuda._core._config import cached_config
-
-compiled_only = pytest.mark.skipif(
-    _compiled.ext is None,
-    reason="the compiled paths are not in use (not built at install, or TRIO_CUDA_PURE set)",
-)
 
 
 @compiled_only

@@ -17,6 +17,14 @@ from typing import Any
 
 import pytest
 
+from trio_cuda._core import _compiled
+
+#: a test of the compiled paths themselves: skipped where they are not in use
+compiled_only = pytest.mark.skipif(
+    _compiled.ext is None,
+    reason="the compiled paths are not in use (not built at install, or TRIO_CUDA_PURE set)",
+)
+
 # --------------------------------------------------------------------------- scopes
 
 

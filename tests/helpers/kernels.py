@@ -76,6 +76,14 @@ def stub_source(name):
     return f'extern "C" __global__ void {name}() {{}}'
 
 
+def stub_kernel(*params: Any) -> trio_cuda.Kernel:
+    """An empty kernel ``k`` with ``params`` and no reference: for tests of
+    what a launch leases and keeps, on the simulator."""
+    return trio_cuda.Kernel.from_source(
+        stub_source("k"), "k", params=list(params), reference=trio_cuda.NO_REFERENCE
+    )
+
+
 def _add_reference(x: Any, v: Any) -> None:
     x += v
 
