@@ -99,3 +99,25 @@ async def test_the_driver_s_methods_in_its_dict_are_read_again_after_every_chang
         await submit_three()
         assert calls.count("c") == 3  # the dict's entry decides again
     assert gpu.closed
+
+
+@compiled_only
+async def test_two_drivers_in_turn_each_get_their_own_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One call site's memo, two drivers with dicts, submissions alternating
+    between their scopes: each launch reaches its own driver."""
+    k = _kernel()
+    monkeypatch.setattr(SimDevice, "open_context", lambda self: _DictContext(self, self._engine))
+    calls: list[str] = []
+    async with (
+        trio_cuda.open_scope(device=SimDevice()) as one,
+        trio_cuda.open_scope(device=SimDevice()) as two,
+    ):
+        arrays = {gpu: (gpu.zeros(8, "f4"), gpu.zeros(8, "f4")) for gpu in (one, two)}
+        for name, gpu in (("one", one), ("two", two)):
+            driver: Any = gpu._driver
+            driver.launch = _Counting(calls, name, SimContext.launch.__get__(driver))
+        for i in range(6):
+            gpu = (one, two)[i % 2]
+            x, y = arrays[gpu]
+            await gpu.submit(k.launch(x, i, y, grid=1, block=8)).wait()
+        assert calls == ["one", "two"] * 3
